@@ -6,7 +6,7 @@ Start-up, in order:
 2. Start a grpc.aio server on its own thread and event loop: ``expertd.v1.ExpertService``, the
    KServe v2 service when ``expertd.server.kserve`` is present, ``grpc.health.v1`` (services "",
    each served service, "liveness", "readiness"), reflection (optional), the metrics and
-   bearer-token interceptors, TLS / mutual TLS, message limits sized from the request limit.
+   bearer-token wrappers (applied once per method: ``expertd.server.interceptors``), TLS / mutual TLS, message limits sized from the request limit.
    Prometheus ``/metrics`` listens on its own HTTP port. Port 0 binds a free port.
 3. Warm up (compile every bucket) on the device-worker thread while health says NOT_SERVING
    ("liveness" is SERVING from the start); then SERVING and ``expertd_model_ready`` 1.
@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, start_
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server.batcher import Batcher
 from expertd.server.config import ServerConfig
-from expertd.server.interceptors import BearerTokenInterceptor, MetricsInterceptor
+from expertd.server.interceptors import wrapping
 from expertd.server.metrics import Metrics
 from expertd.server.reflection import enable_reflection
 from expertd.server.servicer import ExpertServicer
@@ -185,27 +185,25 @@ class ServerHandle:
 
     async def _build(self) -> _Parts:
         config = self.config
-        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
-        token = config.security.token()
-        if token:
-            interceptors.append(BearerTokenInterceptor(token))
         limit = max_message_bytes(self.engine, config.batching.max_request_tokens)
-        server = grpc.aio.server(interceptors=interceptors, options=[
+        server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0)])
+        # Every service registers through this stand-in: metrics and auth wrap each method once.
+        registrar = wrapping(server, self.metrics, config.security.token())
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
         batcher = Batcher(self.engine, config.batching, self.metrics, executor)
         servicer = ExpertServicer(batcher, model_name=config.model.name, aux_loss_coeff=config.aux_loss_coeff,
                                   max_request_tokens=config.batching.max_request_tokens, version=VERSION)
-        expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
-        services = [EXPERT_SERVICE, *_add_kserve(server, batcher, config)]
+        expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, registrar)
+        services = [EXPERT_SERVICE, *_add_kserve(registrar, batcher, config)]
         health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, registrar)
         for name in ("", *services, "readiness"):
             await health.set(name, NOT_SERVING)
         await health.set("liveness", SERVING)
         if config.reflection:
-            enable_reflection(server, (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
+            enable_reflection(registrar, (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
         address = f"{config.host}:{config.port}"
         self.port = server.add_secure_port(address, _server_credentials(config)) if config.security.tls_cert \
             else server.add_insecure_port(address)
@@ -282,7 +280,7 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
-def _add_kserve(server: grpc.aio.Server, batcher: Batcher, config: ServerConfig) -> list[str]:
+def _add_kserve(server, batcher: Batcher, config: ServerConfig) -> list[str]:
     """Register the KServe v2 service when its module is present; returns the service names added."""
     if importlib.util.find_spec("expertd.server.kserve") is None:
         return []

@@ -1,7 +1,14 @@
-"""grpc.aio server interceptors: the standard ``grpc_server_*`` metrics, and bearer-token auth.
+"""What every gRPC method gets on top of its servicer: the ``grpc_server_*`` metrics and bearer-token auth.
 
-``MetricsInterceptor`` must come first in the server's interceptor list (outermost), so calls the
-auth interceptor rejects are counted too.
+Both are applied once, when a service registers its handlers, not per call: ``wrapping(server,
+metrics, token)`` returns a stand-in for the grpc.aio server that every ``add_*_to_server``
+function is given. It wraps each method handler in a behavior that counts the call and checks
+the token, then hands it to the real server. grpc.aio's own ``ServerInterceptor`` chain would
+await a coroutine per interceptor and rebuild the handler on every call; on the 2-core dev box
+that cost ~0.25 ms of the ~1 ms of server CPU per single-token Forward (BENCHMARKS.md, Serving).
+
+The metrics wrapper is the outermost one, so calls that auth rejects are counted too. Health is
+open: Kubernetes probes cannot send metadata.
 """
 from __future__ import annotations
 
@@ -9,13 +16,21 @@ import asyncio
 import hmac
 import inspect
 import time
+from typing import Callable
 
 import grpc
 
 from expertd.server.metrics import Metrics
 
-# Kubernetes probes cannot send metadata, so health checks never need the token.
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
+_FACTORIES = {
+    "unary": grpc.unary_unary_rpc_method_handler,
+    "server_stream": grpc.unary_stream_rpc_method_handler,
+    "client_stream": grpc.stream_unary_rpc_method_handler,
+    "bidi_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+Wrap = Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]
 
 
 def _split(method: str) -> tuple[str, str]:
@@ -34,77 +49,67 @@ def _grpc_type(handler: grpc.RpcMethodHandler) -> str:
 
 def _rebuild(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
     """A handler of the same kind and (de)serializers as ``handler`` running ``behavior``."""
-    factory = {
-        "unary": grpc.unary_unary_rpc_method_handler,
-        "server_stream": grpc.unary_stream_rpc_method_handler,
-        "client_stream": grpc.stream_unary_rpc_method_handler,
-        "bidi_stream": grpc.stream_stream_rpc_method_handler,
-    }[_grpc_type(handler)]
-    return factory(behavior, request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)
+    return _FACTORIES[_grpc_type(handler)](behavior, request_deserializer=handler.request_deserializer,
+                                           response_serializer=handler.response_serializer)
 
 
 def _original(handler: grpc.RpcMethodHandler):
     return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts started / handled calls, handling time and stream messages per method and code."""
+def with_metrics(metrics: Metrics) -> Wrap:
+    """``(method, handler) -> handler`` counting started / handled calls, handling time and messages."""
 
-    def __init__(self, metrics: Metrics):
-        self._metrics = metrics
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        metrics = self._metrics.grpc_method((_grpc_type(handler), *_split(handler_call_details.method)))
+    def wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        series = metrics.grpc_method((_grpc_type(handler), *_split(method)))
         inner = _original(handler)
+        streaming_in = handler.request_streaming
 
         async def counted_requests(requests):
             async for request in requests:
-                metrics.received.inc()
+                series.received.inc()
                 yield request
 
         def begin(request):
-            metrics.started.inc()
-            if handler.request_streaming:
+            series.started.inc()
+            if streaming_in:
                 return counted_requests(request)
-            metrics.received.inc()
+            series.received.inc()
             return request
-
-        def end(context, started: float, error: BaseException | None) -> None:
-            metrics.handled(_final_code(context, error), time.perf_counter() - started)
 
         if handler.response_streaming and inspect.isasyncgenfunction(inner):
             async def behavior(request, context):
                 started, error = time.perf_counter(), None
                 try:
                     async for response in inner(begin(request), context):
-                        metrics.sent.inc()
+                        series.sent.inc()
                         yield response
                 except BaseException as exc:
                     error = exc
                     raise
                 finally:
-                    end(context, started, error)
+                    series.handled(_final_code(context, error), time.perf_counter() - started)
         else:
+            response_streaming = handler.response_streaming
+
             async def behavior(request, context):
                 started, error = time.perf_counter(), None
                 try:
                     response = inner(begin(request), context)
                     if inspect.isawaitable(response):
                         response = await response
-                    if not handler.response_streaming:
-                        metrics.sent.inc()
+                    if not response_streaming:
+                        series.sent.inc()
                     return response
                 except BaseException as exc:
                     error = exc
                     raise
                 finally:
-                    end(context, started, error)
+                    series.handled(_final_code(context, error), time.perf_counter() - started)
 
         return _rebuild(handler, behavior)
+
+    return wrap
 
 
 def _final_code(context, error: BaseException | None) -> str:
@@ -119,29 +124,93 @@ def _final_code(context, error: BaseException | None) -> str:
     return "UNKNOWN" if error is not None else "OK"
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` on every call except health checks (UNAUTHENTICATED otherwise)."""
+def with_token(token: str) -> Wrap:
+    """``(method, handler) -> handler`` requiring ``authorization: Bearer <token>`` (UNAUTHENTICATED
+    otherwise) on every method except those of ``OPEN_SERVICES``."""
+    if not token:
+        raise ValueError("auth token must not be empty")
+    expected = f"Bearer {token}".encode()
 
-    def __init__(self, token: str):
-        if not token:
-            raise ValueError("auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        service, _ = _split(handler_call_details.method)
-        handler = await continuation(handler_call_details)
-        if handler is None or service in OPEN_SERVICES or self._authorized(handler_call_details.invocation_metadata):
-            return handler
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
-
-        return _rebuild(handler, deny)
-
-    def _authorized(self, metadata) -> bool:
-        for key, value in metadata or ():
+    def authorized(context) -> bool:
+        for key, value in context.invocation_metadata() or ():
             if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, self._expected)
+                return hmac.compare_digest(value.encode() if isinstance(value, str) else value, expected)
         return False
+
+    async def deny(context) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+
+    def wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if _split(method)[0] in OPEN_SERVICES:
+            return handler
+        inner = _original(handler)
+        if handler.response_streaming and inspect.isasyncgenfunction(inner):
+            async def behavior(request, context):
+                if not authorized(context):
+                    await deny(context)
+                async for response in inner(request, context):
+                    yield response
+        else:
+            async def behavior(request, context):
+                if not authorized(context):
+                    await deny(context)
+                response = inner(request, context)
+                return await response if inspect.isawaitable(response) else response
+
+        return _rebuild(handler, behavior)
+
+    return wrap
+
+
+class WrappingServer:
+    """A grpc.aio server stand-in for ``add_*_to_server``: every method handler registered through
+    it is passed through ``wraps`` (innermost first) before it reaches the real server.
+
+    Registered method handlers (a dict per service) are wrapped at once; a generic handler is
+    wrapped lazily, the first time a method is looked up, and the result is cached per method.
+    """
+
+    def __init__(self, server: grpc.aio.Server, wraps: list[Wrap]):
+        self._server = server
+        self._wraps = wraps
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+        if handler is None:
+            return None
+        for wrap in self._wraps:
+            handler = wrap(method, handler)
+        return handler
+
+    def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: self.wrap(f"/{service}/{name}", handler) for name, handler in method_handlers.items()})
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_WrappedGenericHandler(h, self.wrap) for h in handlers))
+
+    def __getattr__(self, name):  # everything else (ports, start, stop...) is the real server's
+        return getattr(self._server, name)
+
+
+class _WrappedGenericHandler(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler, wrap: Callable):
+        self._inner = inner
+        self._wrap = wrap
+        self._cache: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def service(self, handler_call_details):
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._cache.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._cache[method] = (handler, self._wrap(method, handler))
+        return cached[1]
+
+
+def wrapping(server: grpc.aio.Server, metrics: Metrics, token: str | None) -> WrappingServer:
+    """The stand-in through which expertd registers every service: metrics outermost, then auth."""
+    wraps = ([with_token(token)] if token else []) + [with_metrics(metrics)]
+    return WrappingServer(server, wraps)

@@ -4,7 +4,7 @@ Names follow Prometheus conventions: the ``expertd_`` prefix, base units (second
 ``_total`` on counters, histograms rather than summaries (aggregatable across replicas), and few
 labels of low cardinality (``rpc``, ``code``, ``kind``, ``layer``, ``expert``). The standard
 ``grpc_server_*`` families (as go-grpc-prometheus / py-grpc-prometheus name them) are fed by
-``expertd.server.interceptors.MetricsInterceptor`` for every service on the server.
+``expertd.server.interceptors.with_metrics`` for every service on the server.
 
 | metric | type | labels |
 |---|---|---|

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import grpc
 from google.protobuf import descriptor_pool
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from expertd.client.kserve_pool import POOL as KSERVE_POOL
 
@@ -42,10 +41,16 @@ def reflection_pool(service_names: Iterable[str],
     return pool
 
 
-def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
-    """Serve ``grpc.reflection.v1alpha.ServerReflection`` on ``server`` for ``service_names`` (and itself)."""
+def enable_reflection(server, service_names: Iterable[str]) -> None:
+    """Serve ``grpc.reflection.v1alpha.ServerReflection`` on ``server`` (a grpc.aio server, or the
+    ``expertd.server.interceptors.WrappingServer`` in front of one) for ``service_names`` and itself.
+
+    The aio servicer is registered directly: ``reflection.enable_server_reflection`` picks the
+    sync one for anything that is not a ``grpc.aio.Server`` instance.
+    """
     names = (*service_names, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server, pool=reflection_pool(names))
+    servicer = reflection.aio.ReflectionServicer(names, pool=reflection_pool(names))
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
 
 
 def _find_service(name: str, sources: Sequence[descriptor_pool.DescriptorPool]):

@@ -349,6 +349,7 @@ def test_reflection_lists_and_describes_every_service(server):
 def test_metrics_endpoint_exports_every_family(server, client):
     client.forward(tokens(3), layer=0)
     client.route(tokens(3), layer=1)
+    client.health()  # health registers through the same wrapping as ExpertService: counted too
     with pytest.raises(InvalidArgumentError):
         client.forward(tokens(3)[:, :2], layer=0)
     assert all(r.error is None for r in client.forward_stream([tokens(1)] * 5, layer=0))
@@ -377,6 +378,8 @@ def test_metrics_endpoint_exports_every_family(server, client):
     stream = {"grpc_type": "bidi_stream", "grpc_service": "expertd.v1.ExpertService", "grpc_method": "ForwardStream"}
     assert sample(text, "grpc_server_msg_received_total", **stream) >= 5
     assert sample(text, "grpc_server_msg_sent_total", **stream) >= 5
+    check = {"grpc_type": "unary", "grpc_service": "grpc.health.v1.Health", "grpc_method": "Check"}
+    assert sample(text, "grpc_server_handled_total", **check, grpc_code="OK") >= 1
 
 
 def test_messages_beyond_the_size_limit_are_refused_by_grpc(server, client):
