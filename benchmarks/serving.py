@@ -10,6 +10,11 @@ tokens per request T in {1, 16, 256} and concurrent clients C in {1, 64}:
 - in-process: the same engine called directly, one step after the other, with the rows the
   batcher would merge for that load: ``min(C * T, 256)``. Throughput in tokens/s, step time p50 / p99.
 
+- CPU per request in the measured window: the server process's (sampled here) and the load
+  generator's (it reports its own), so a run shows which side is the bottleneck.
+- the gRPC floor: the same concurrency of ``grpc.health.v1`` Check calls (no model, no batcher)
+  against the same server, with the same CPU accounting: what grpc.aio itself costs per call.
+
 Reported: rpc / in-process throughput, and the speed-up of 64 single-token clients over one
 (goals: >= 0.9 at saturation, i.e. C=64 with T=256; >= 10x for C=64, T=1). Both sides share the
 box, so the client's own CPU time counts against the server: on a 2-core machine that is a real
@@ -27,6 +32,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -71,20 +77,103 @@ def in_process(engine, layer: int, rows: int, hidden: int, duration: float) -> d
             "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
 
 
+# Health Check calls from C concurrent callers on one grpc.aio channel: the transport's own floor.
+GRPC_FLOOR_SCRIPT = """
+import asyncio, json, sys, time
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+async def main(target, concurrency, warmup, duration):
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        start = time.perf_counter()
+        window = {}
+
+        async def caller():
+            while (now := time.perf_counter()) < start + warmup + duration:
+                await stub.Check(request)
+                if now >= start + warmup:
+                    if not window:
+                        window.update(n=0, wall=time.time(), cpu=time.process_time(), t=now)
+                    window["n"] += 1
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - window["t"]
+        return {"ok": window["n"], "requests_per_s": window["n"] / elapsed, "window_unix_s": [window["wall"], time.time()],
+                "client_cpu_ms_per_request": (time.process_time() - window["cpu"]) * 1e3 / window["n"]}
+
+print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])))))
+"""
+
+
+class CpuSampler:
+    """Samples (wall clock, this process's CPU seconds) every ``interval`` s on a thread, so the
+    server's CPU can be read over any window a client reports."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), time.process_time()))
+            self._stop.wait(self.interval)
+        self.samples.append((time.time(), time.process_time()))
+
+    def cpu_between(self, wall_from: float, wall_to: float) -> float:
+        """CPU seconds this process used between two wall-clock instants (linear between samples)."""
+        walls, cpus = np.asarray(self.samples).T
+        return float(np.interp(wall_to, walls, cpus) - np.interp(wall_from, walls, cpus))
+
+
+def with_server_cpu(result: dict, sampler: CpuSampler) -> dict:
+    """Adds ``server_cpu_ms_per_request`` over the client's measured window."""
+    if result.get("window_unix_s") and result["requests"]:
+        seconds = sampler.cpu_between(*result["window_unix_s"])
+        result["server_cpu_ms_per_request"] = seconds * 1e3 / result["requests"]
+    return result
+
+
+def grpc_floor(port: int, concurrency: int, duration: float) -> dict:
+    """Health Check calls at ``concurrency`` against the server, in their own process."""
+    sampler = CpuSampler()
+    with sampler:
+        out = subprocess.run([sys.executable, "-c", GRPC_FLOOR_SCRIPT, f"127.0.0.1:{port}", str(concurrency), "1.0",
+                              f"{duration:.1f}"], check=True, capture_output=True, text=True).stdout
+    report = json.loads(out)
+    report["requests"] = report.pop("ok")
+    return with_server_cpu(report, sampler)
+
+
 def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: float) -> dict:
     """``expertd loadtest`` in its own process (its CPU time is not the server's GIL)."""
     command = [sys.executable, "-c", "import sys; from expertd.client.cli import main; sys.exit(main(sys.argv[1:]))",
                "loadtest", "--target", f"127.0.0.1:{port}", "--layer", "0", "--concurrency", str(concurrency),
                "--tokens", str(tokens), "--dtype", "float32", "--duration", f"{duration:.1f}", "--warmup", f"{warmup:.1f}",
                "--timeout", "60", "--json", "--no-progress"]
-    report = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    sampler = CpuSampler()
+    with sampler:
+        report = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     step = report["steps"][0]
-    return {"requests": step["ok"], "errors": step["errors"], "tokens_per_s": step["tokens_per_s"],
-            "requests_per_s": step["requests_per_s"], "p50_ms": step["latency_ms"]["p50"],
-            "p99_ms": step["latency_ms"]["p99"]}
+    return with_server_cpu({
+        "requests": step["ok"], "errors": step["errors"], "tokens_per_s": step["tokens_per_s"],
+        "requests_per_s": step["requests_per_s"], "p50_ms": step["latency_ms"]["p50"],
+        "p99_ms": step["latency_ms"]["p99"], "window_unix_s": step.get("window_unix_s"),
+        "client_cpu_ms_per_request": step.get("client_cpu_ms_per_request")}, sampler)
 
 
-def run_model(model: str, duration: float, queue_delay_ms: float) -> list[dict]:
+def run_model(model: str, duration: float, queue_delay_ms: float) -> tuple[list[dict], list[dict]]:
+    """(rows, gRPC-floor rows) for one model."""
     from prometheus_client import CollectorRegistry
 
     from expertd.server.app import create_server
@@ -96,8 +185,11 @@ def run_model(model: str, duration: float, queue_delay_ms: float) -> list[dict]:
     server = create_server(config, registry=CollectorRegistry(), layers=build_layers(model))
     server.wait_ready(timeout=900)
     cfg = server.engine.layers[0].cfg
-    rows = []
+    rows, floor = [], []
     try:
+        for concurrency in CONCURRENCY:
+            floor.append({"model": model, "clients": concurrency, **grpc_floor(server.port, concurrency, duration)})
+            print_floor(floor[-1])
         for tokens in TOKENS:
             for concurrency in CONCURRENCY:
                 batch = min(concurrency * tokens, BUCKETS[-1]) if tokens <= BUCKETS[-1] else BUCKETS[-1]
@@ -112,14 +204,24 @@ def run_model(model: str, duration: float, queue_delay_ms: float) -> list[dict]:
                 print_row(rows[-1])
     finally:
         server.stop(grace=5)
-    return rows
+    return rows, floor
 
 
 def print_row(row: dict) -> None:
     local, remote = row["in_process"], row["rpc"]
     print(f"{row['model']:>5} {row['tokens_per_request']:>4} {row['clients']:>3} | {local['tokens_per_s']:>10.0f} "
           f"{local['p50_ms']:>8.2f} {local['p99_ms']:>8.2f} | {remote['tokens_per_s']:>10.0f} {remote['p50_ms']:>8.2f} "
-          f"{remote['p99_ms']:>8.2f} | {row['rpc_over_in_process']:>6.2f}", flush=True)
+          f"{remote['p99_ms']:>8.2f} | {row['rpc_over_in_process']:>6.2f} | {_cpu(remote)}", flush=True)
+
+
+def _cpu(result: dict) -> str:
+    server, client = result.get("server_cpu_ms_per_request"), result.get("client_cpu_ms_per_request")
+    return f"{server if server is not None else float('nan'):>7.3f} {client if client is not None else float('nan'):>7.3f}"
+
+
+def print_floor(row: dict) -> None:
+    print(f"{row['model']:>5} health Check (gRPC floor) {row['clients']:>3} clients: {row['requests_per_s']:>8.0f} req/s"
+          f" | CPU ms/request server client {_cpu(row)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    print("model    T   C |  in-proc tok/s  p50 ms  p99 ms |  rpc tok/s   p50 ms   p99 ms | rpc/in")
-    rows = [row for model in args.models.split(",") for row in run_model(model, args.duration, args.max_queue_delay_ms)]
+    print("model    T   C |  in-proc tok/s  p50 ms  p99 ms |  rpc tok/s   p50 ms   p99 ms | rpc/in | CPU ms/req srv cli")
+    rows, floor = [], []
+    for model in args.models.split(","):
+        model_rows, model_floor = run_model(model, args.duration, args.max_queue_delay_ms)
+        rows += model_rows
+        floor += model_floor
     speedups = {}
     for model in args.models.split(","):
         single = {r["clients"]: r["rpc"]["tokens_per_s"] for r in rows if r["model"] == model and r["tokens_per_request"] == 1}
@@ -149,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                     "device": str(jax.devices()[0]), "note": "shared development box; compare ratios only"},
         "buckets": list(BUCKETS), "max_queue_delay_ms": args.max_queue_delay_ms, "duration_s": args.duration,
         "rows": rows,
+        "grpc_floor": floor,
         "single_token_speedup_64_over_1": speedups,
     }, indent=2) + "\n")
     print(f"wrote {RESULTS}")

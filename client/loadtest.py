@@ -132,6 +132,10 @@ class StepStats:
     latencies: list[float] = dataclasses.field(default_factory=list)
     first_send: float | None = None
     last_done: float | None = None
+    # (time.time(), time.process_time()) at the first measured send and at the last answer: the
+    # window on the wall clock (to line up with server-side samples) and this client's CPU in it
+    window_open: tuple[float, float] | None = None
+    window_close: tuple[float, float] | None = None
 
     def record(self, code: str, tokens: int, latency: float, done: float) -> None:
         if code == "OK":
@@ -140,7 +144,9 @@ class StepStats:
             self.latencies.append(latency)
         else:
             self.errors[code] += 1
-        self.last_done = done if self.last_done is None else max(self.last_done, done)
+        if self.last_done is None or done >= self.last_done:
+            self.last_done = done
+            self.window_close = (time.time(), time.process_time())
 
     @property
     def completed(self) -> int:
@@ -168,7 +174,16 @@ class StepStats:
             "requests_per_s": self.ok / elapsed if elapsed else 0.0,
             "tokens_per_s": self.tokens_ok / elapsed if elapsed else 0.0,
             "latency_ms": latency_ms,
+            **self._window_summary(),
         }
+
+    def _window_summary(self) -> dict:
+        """The measured window on the wall clock and the client's own CPU per answered request
+        (a load generator near one core per process is itself the bottleneck)."""
+        if self.window_open is None or self.window_close is None or not self.completed:
+            return {}
+        (wall0, cpu0), (wall1, cpu1) = self.window_open, self.window_close
+        return {"window_unix_s": [wall0, wall1], "client_cpu_ms_per_request": (cpu1 - cpu0) * 1e3 / self.completed}
 
 
 class _Window:
@@ -190,6 +205,7 @@ class _Window:
         self.stats.sent += 1
         if self.stats.first_send is None:
             self.stats.first_send = now
+            self.stats.window_open = (time.time(), time.process_time())
         return "measure"
 
 

@@ -60,7 +60,8 @@ def format_table(report: dict) -> str:
     """The sweep as a table in perf_analyzer's column style (latencies in microseconds)."""
     mode = report["mode"]
     first = "Concurrency" if mode == "concurrency" else "Request Rate"
-    header = [first, "Inferences/Second", "Tokens/Second", *(title for _, title in LATENCY_COLUMNS), "Errors"]
+    header = [first, "Inferences/Second", "Tokens/Second", *(title for _, title in LATENCY_COLUMNS), "Errors",
+              "Client CPU usec/req"]
     rows = []
     for step in report["steps"]:
         latency = step["latency_ms"]
@@ -70,6 +71,7 @@ def format_table(report: dict) -> str:
             f"{step['tokens_per_s']:.0f}",
             *(f"{latency[key] * 1e3:.0f}" if key in latency else "-" for key, _ in LATENCY_COLUMNS),
             _errors_text(step["errors"]),
+            f"{step['client_cpu_ms_per_request'] * 1e3:.0f}" if "client_cpu_ms_per_request" in step else "-",
         ])
     widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
     lines = [

@@ -36,6 +36,10 @@ def check_consistent(step):
     if step["ok"]:
         assert 0 < latency["p50"] <= latency["p90"] <= latency["p95"] <= latency["p99"] <= latency["max"]
         assert step["requests_per_s"] == pytest.approx(step["ok"] / step["elapsed_s"])
+        # the window on the wall clock spans the measured time; the client's CPU per request is positive
+        opened, closed = step["window_unix_s"]
+        assert closed - opened == pytest.approx(step["elapsed_s"], abs=0.05)
+        assert step["client_cpu_ms_per_request"] > 0
 
 def test_closed_loop_sweep_is_consistent_and_error_free(capsys, server, target, tmp_path):
     report = loadtest(capsys, target, "--concurrency", "1,2", "--duration", "0.6", "--warmup", "0.2", "--tokens", "4",
@@ -85,8 +89,8 @@ def test_table_and_progress(capsys, target):
     assert code == 0
     lines = out.splitlines()
     assert lines[1].split() == ["Concurrency", "Inferences/Second", "Tokens/Second", "p50", "latency", "p90", "latency",
-                                "p95", "latency", "p99", "latency", "Max", "latency", "Errors"]
-    assert lines[2].split()[0] == "1" and lines[2].split()[-1] == "0"
+                                "p95", "latency", "p99", "latency", "Max", "latency", "Errors", "Client", "CPU", "usec/req"]
+    assert lines[2].split()[0] == "1" and lines[2].split()[-2] == "0" and int(lines[2].split()[-1]) > 0
     assert "[1/1] concurrency 1" in err and "100%" in err
 
 def test_bad_arguments_and_unreachable_target(capsys, tmp_path, target, monkeypatch):
