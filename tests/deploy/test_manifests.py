@@ -26,6 +26,7 @@ VARIANTS = {
     "overlays/multihost": {"LeaderWorkerSet", "PodMonitor"},
     "overlays/multihost-statefulset": {"StatefulSet", "PodMonitor"},
     "overlays/autoscaling": {"Deployment", "HorizontalPodAutoscaler"},
+    "overlays/multihost-autoscaling": {"LeaderWorkerSet", "PodMonitor", "HorizontalPodAutoscaler"},
 }
 COMMON_KINDS = {"ConfigMap", "Service", "ServiceMonitor", "PodDisruptionBudget"}
 
@@ -198,11 +199,13 @@ def test_statefulset_group():
     assert all(selects(headless["spec"]["selector"], p["labels"]) for p in pods(resources))
 
 
-def test_autoscaler_targets_the_deployment_on_the_adapter_metric():
-    resources = rendered("overlays/autoscaling")
+@pytest.mark.parametrize("name, workload", [("overlays/autoscaling", "Deployment"),
+                                            ("overlays/multihost-autoscaling", "LeaderWorkerSet")])
+def test_autoscaler_targets_the_workload_on_the_adapter_metric(name, workload):
+    resources = rendered(name)
     hpa = one(resources, "HorizontalPodAutoscaler")
     target = hpa["spec"]["scaleTargetRef"]
-    assert (target["apiVersion"], target["kind"], target["name"]) in {deploy_render.resource_id(r) for r in resources}
+    assert (target["apiVersion"], target["kind"], target["name"]) == deploy_render.resource_id(one(resources, workload))
     (metric,) = hpa["spec"]["metrics"]
     rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]["custom"]
     served = {rule["name"]["as"] for rule in rules}
