@@ -270,6 +270,7 @@ def main(argv=None):
         with open(args.markdown) as f:
             print(markdown(json.load(f)["rows"]))
         return
+    load_before = os.getloadavg()
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); jax {jax.__version__} on {jax.default_backend()}")
     rows = []
@@ -284,7 +285,9 @@ def main(argv=None):
     print()
     print_table(rows)
     result = dict(benchmark="moe_layer", date=datetime.date.today().isoformat(), machine=platform.platform(),
-                  cpu_count=os.cpu_count(), jax=jax.__version__, device=jax.default_backend(),
+                  cpu_count=os.cpu_count(), jax=jax.__version__, jaxlib=jax.lib.__version__,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
+                  load_average_after=os.getloadavg(), device=jax.default_backend(),
                   copy_bandwidth_bytes_per_s=bandwidth, rows=rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
