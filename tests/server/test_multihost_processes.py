@@ -1,11 +1,12 @@
 """Multi-host serving for real: `expertd serve` as 2 processes x 2 CPU devices (jax.distributed,
 gloo) on loopback, started as subprocesses with hard timeouts. Forward and Route through process 0
-equal a single process's 4-device engine; the follower ran every step; killing the follower makes
-the leader unready and exit with status 3 within the bound."""
+equal a single process's 4-device engine; the follower ran every step; killing the follower, or
+freezing it (SIGSTOP), makes the leader unready and exit with status 3 within the bound."""
 from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -76,9 +77,8 @@ def _health(port, service):
             return error.code()
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(STARTUP_S + 120)
-def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_dies(tmp_path_factory):
+def _start_group(tmp_path_factory) -> list[Process]:
+    """Leader (process 0) and follower (process 1) of one `expertd serve` group, 2 CPU devices each."""
     coordinator, channel_port = _free_ports(2)
     cache = tmp_path_factory.getbasetemp() / "expertd-jax-cache-multihost"
     argv = [sys.executable, "-m", "expertd.server.cli", "serve", "--preset", "tiny", "--num-layers", "1",
@@ -88,7 +88,30 @@ def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_die
             "--multihost-port", str(channel_port), "--peer-timeout-s", str(PEER_TIMEOUT_S),
             "--exit-grace-s", str(EXIT_GRACE_S), "--join-timeout-s", str(STARTUP_S)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
-    processes = [Process(argv + ["--process-id", str(i)], env) for i in range(2)]
+    return [Process(argv + ["--process-id", str(i)], env) for i in range(2)]
+
+
+def _stop_all(processes: list[Process]) -> None:
+    for process in processes:
+        if process.popen.poll() is None:
+            process.popen.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+        process.popen.wait(10)
+
+
+def _leader_exit_after_losing(leader: Process, port: int, since: float) -> tuple[float | None, float]:
+    """(seconds until readiness left SERVING, seconds until the leader exited), both from ``since``."""
+    unready_after = None
+    while leader.popen.poll() is None and time.monotonic() - since < 30:
+        if unready_after is None and _health(port, "readiness") != health_pb2.HealthCheckResponse.SERVING:
+            unready_after = time.monotonic() - since
+        time.sleep(0.05)
+    return unready_after, time.monotonic() - since
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(STARTUP_S + 120)
+def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_dies(tmp_path_factory):
+    processes = _start_group(tmp_path_factory)
     try:
         # The single-process reference: the same model on a 4-device mesh in this process.
         reference = Engine(load_preset("tiny", num_layers=1, dtype="float32"), buckets=BUCKETS, dtype="float32",
@@ -120,20 +143,36 @@ def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_die
         assert steps == 6, "the follower ran every step of the leader (2 forward, 2 route, 2 route by logits)"
 
         follower.popen.kill()
-        killed = time.monotonic()
-        unready_after = None
-        while leader.popen.poll() is None and time.monotonic() - killed < 30:
-            if unready_after is None and _health(port, "readiness") != health_pb2.HealthCheckResponse.SERVING:
-                unready_after = time.monotonic() - killed
-            time.sleep(0.05)
-        exited_after = time.monotonic() - killed
+        unready_after, exited_after = _leader_exit_after_losing(leader, port, time.monotonic())
         assert leader.popen.wait(5) == multihost.EXIT_PEER_LOST, leader.output
         assert unready_after is not None and unready_after <= exited_after
         # Bound: a dead peer's socket closes at once; then NOT_SERVING for at most the exit grace.
         assert exited_after <= PEER_TIMEOUT_S + EXIT_GRACE_S + 5, f"leader exited after {exited_after:.1f} s"
         assert "process 1" in leader.output and "NOT_SERVING" in leader.output
     finally:
-        for process in processes:
-            if process.popen.poll() is None:
-                process.popen.kill()
-            process.popen.wait(10)
+        _stop_all(processes)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(STARTUP_S + 120)
+def test_the_leader_exits_when_the_follower_freezes(tmp_path_factory):
+    """A hung follower (SIGSTOP: its socket stays open, its heartbeats stop) is detected within
+    the peer timeout; the leader goes NOT_SERVING and exits with status 3."""
+    processes = _start_group(tmp_path_factory)
+    try:
+        leader, follower = processes
+        port = leader.port(r"gRPC listening on 127\.0\.0\.1:(\d+)", STARTUP_S)
+        with ExpertClient(f"127.0.0.1:{port}", timeout=120, retries=0) as client:
+            client.wait_ready(STARTUP_S)
+            x = np.random.default_rng(1).standard_normal((3, 64), dtype=np.float32)
+            assert client.forward(x, layer=0).shape == (3, 64)  # the group works before the freeze
+        follower.popen.send_signal(signal.SIGSTOP)
+        unready_after, exited_after = _leader_exit_after_losing(leader, port, time.monotonic())
+        assert leader.popen.wait(5) == multihost.EXIT_PEER_LOST, leader.output
+        assert unready_after is not None and unready_after <= exited_after
+        # Silence is noticed after peer_timeout_s (heartbeats every peer_timeout_s / 4), then the exit grace.
+        assert PEER_TIMEOUT_S * 0.5 <= exited_after <= PEER_TIMEOUT_S + EXIT_GRACE_S + 5, \
+            f"leader exited after {exited_after:.1f} s"
+        assert "process 1" in leader.output
+    finally:
+        _stop_all(processes)
