@@ -4,8 +4,9 @@ Both are applied once, when a service registers its handlers, not per call: ``wr
 metrics, token)`` returns a stand-in for the grpc.aio server that every ``add_*_to_server``
 function is given. It wraps each method handler in a behavior that counts the call and checks
 the token, then hands it to the real server. grpc.aio's own ``ServerInterceptor`` chain would
-await a coroutine per interceptor and rebuild the handler on every call; on the 2-core dev box
-that cost ~0.25 ms of the ~1 ms of server CPU per single-token Forward (BENCHMARKS.md, Serving).
+await a coroutine per interceptor and rebuild the handler on every call: on the 2-core dev box,
+with 64 single-token clients, the server spent 1.13 ms of CPU per Forward that way and 0.98 ms
+with these wrappers (BENCHMARKS.md, Serving).
 
 The metrics wrapper is the outermost one, so calls that auth rejects are counted too. Health is
 open: Kubernetes probes cannot send metadata.
