@@ -6,7 +6,8 @@ Start-up, in order:
 2. Start a grpc.aio server on its own thread and event loop: ``expertd.v1.ExpertService``, the
    KServe v2 service when ``expertd.server.kserve`` is present, ``grpc.health.v1`` (services "",
    each served service, "liveness", "readiness"), reflection (optional), the metrics and
-   bearer-token wrappers (applied once per method: ``expertd.server.interceptors``), TLS / mutual TLS, message limits sized from the request limit.
+   bearer-token wrappers (applied once per method: ``expertd.server.interceptors``), TLS /
+   mutual TLS, message limits sized from the request limit.
    Prometheus ``/metrics`` listens on its own HTTP port. Port 0 binds a free port.
 3. Warm up (compile every bucket) on the device-worker thread while health says NOT_SERVING
    ("liveness" is SERVING from the start); then SERVING and ``expertd_model_ready`` 1.
