@@ -58,6 +58,12 @@ def _original(handler: grpc.RpcMethodHandler):
     return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
 
+async def _unary_result(inner, request, context):
+    """``inner(request, context)``'s response, awaited when the handler is a coroutine function."""
+    response = inner(request, context)
+    return await response if inspect.isawaitable(response) else response
+
+
 def with_metrics(metrics: Metrics) -> Wrap:
     """``(method, handler) -> handler`` counting started / handled calls, handling time and messages."""
 
@@ -96,9 +102,7 @@ def with_metrics(metrics: Metrics) -> Wrap:
             async def behavior(request, context):
                 started, error = time.perf_counter(), None
                 try:
-                    response = inner(begin(request), context)
-                    if inspect.isawaitable(response):
-                        response = await response
+                    response = await _unary_result(inner, begin(request), context)
                     if not response_streaming:
                         series.sent.inc()
                     return response
@@ -156,8 +160,7 @@ def with_token(token: str) -> Wrap:
             async def behavior(request, context):
                 if not authorized(context):
                     await deny(context)
-                response = inner(request, context)
-                return await response if inspect.isawaitable(response) else response
+                return await _unary_result(inner, request, context)
 
         return _rebuild(handler, behavior)
 
