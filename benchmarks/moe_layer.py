@@ -190,18 +190,25 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, only_backends=None, w
         if work[backend] > FLOP_CAP:
             row["backends"][backend] = {"skipped": f"{work[backend] / 1e12:.1f} TFLOP per call (E x or T*E work)"}
             continue
-        fn = jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b))
+        # `auto` compiles as a server would: with the options moe.compiler_options picks for T
+        options = moe.compiler_options(cfg, t) if backend == "auto" else {}
+        fn = jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b), compiler_options=options or None)
         median, first = median_time(fn, params, x)
         err = float(jnp.max(jnp.abs(fn(params, x).astype(jnp.float32) - out_ref.astype(jnp.float32))))
         row["backends"][backend] = {"median_s": median, "first_call_s": first, "max_abs_diff_vs_expert_loop": err}
     row["auto_backend"] = experts.choose_backend(t * k, e, h, i, dtype)
+    row["auto_compiler_options"] = moe.compiler_options(cfg, t)
     if e * 6 * t * h * i <= FLOP_CAP:
         row["dense_s"], _ = median_time(jax.jit(lambda p, v: dense_all_experts(p, v, cfg)), params, x)
     else:
         row["notes"].append("(a) skipped: above FLOP_CAP")
     rows = jax.random.normal(jax.random.key(2), (t * k, h), jnp.float32).astype(dtype)
     w = (params["w_gate"][0], params["w_up"][0], params["w_down"][0])
-    roof = {name: median_time(jax.jit(f), rows, *w)[0] for name, f in roofline_variants(dtype).items()}
+    # (b) is the fastest formulation, so it also tries the XLA:CPU options the layer may compile with
+    option_sets = [("", None)] + ([(" no-ynn", opts)] if (opts := experts.small_rows_cpu_options())
+                                  and jax.default_backend() == "cpu" else [])
+    roof = {name + tag: median_time(jax.jit(f, compiler_options=opts), rows, *w)[0]
+            for name, f in roofline_variants(dtype).items() for tag, opts in option_sets}
     row["roofline_s"], row["roofline_variant"] = min((v, n) for n, v in roof.items())
     row["hf_s"], hf_out, row["hf_how"] = (measure_hf(cfg, params, family, dtype_name, x, row["notes"])
                                           if with_hf else (None, None, "not run (--no-hf)"))
@@ -216,6 +223,11 @@ def ratios(row, seconds):
          "of_roofline": row["roofline_s"] / seconds, "x_floor": seconds / row["floor_s"]}
     r["vs_hf"] = row["hf_s"] / seconds if row.get("hf_s") else float("nan")
     return r
+
+
+def auto_label(row):
+    """The backend `auto` ran, with "+no-ynn" when it compiled with YNNPACK off."""
+    return row["auto_backend"] + ("+no-ynn" if row.get("auto_compiler_options") else "")
 
 
 def print_table(rows):
@@ -235,7 +247,7 @@ def print_table(rows):
                 f"(b) {row['roofline_s'] * 1e3:.1f} ms [{row['roofline_variant']}]",
                 f"(c) {row['floor_s'] * 1e3:.2f} ms ({row['touched_experts']} experts)",
                 f"(d) {row['hf_s'] * 1e3:.1f} ms [{row['hf_how']}]" if row.get("hf_s") else "(d) -"]
-        print(f"{'':>24} baselines: " + ", ".join(base) + f"; auto -> {row['auto_backend']}")
+        print(f"{'':>24} baselines: " + ", ".join(base) + f"; auto -> {auto_label(row)}")
 
 
 def markdown(rows):
@@ -251,7 +263,7 @@ def markdown(rows):
                            if n != "auto" and "skipped" not in m)
         hf = "" if row.get("hf_how") == "measured" else f" ({row.get('hf_how')})"
         out.append(f"| {row['E']} | {row['k']} | {row['T']} | {row['dtype']} | {auto['median_s'] * 1e3:.1f} "
-                   f"({row['auto_backend']}) | {row['active_gflop'] / auto['median_s']:.1f} | {r['vs_dense']:.2f} | "
+                   f"({auto_label(row)}) | {row['active_gflop'] / auto['median_s']:.1f} | {r['vs_dense']:.2f} | "
                    f"{r['of_roofline']:.2f} | {r['x_floor']:.1f} | {r['vs_hf']:.2f}{hf} | {others} |")
     return "\n".join(out)
 

@@ -27,9 +27,16 @@ N rows):
                     Pallas-Triton on GPU, interpret mode on CPU
       "auto"        chosen per platform and shape by `choose_backend` (measured, see there)
 
+  compiler_options(num_rows, E, H, I, *, backend="auto", platform=None) -> dict
+      XLA compiler options for the jit of a program running the grouped FFN at that shape (per
+      compiled shape: a server passes them per token bucket). Non-empty only on CPU for few rows
+      per large expert, where they turn YNNPACK off (measured faster, see SMALL_ROWS_CPU_OPTIONS).
+
 ACTIVATIONS: "silu" (default), "gelu" (exact erf), "gelu_tanh" (tanh approximation).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -239,6 +246,49 @@ def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: i
     """
     platform = platform or jax.default_backend()
     return "expert_loop" if platform == "cpu" else "ragged_dot"
+
+
+# XLA:CPU options for programs whose expert_loop runs few rows per large expert. jaxlib lowers every
+# dot to YNNPACK by default; with fewer than 64 rows per expert and an expert matrix of 8 MiB (fp32
+# [1024, 2048]) XLA's own dot emitter ran the whole layer 1.35-1.8x faster (E=8, T in {1..128}, bf16
+# and fp32), while for 2 MiB matrices ([1024, 512], E=64) it was 0.80-0.98x and at 64 rows per
+# expert about even (A/B on the CPU dev box, BENCHMARKS.md "MoE layer"). Compiler options are per
+# compiled program, so a server applies them per token bucket; the 4 MiB cut lies between the two
+# measured matrix sizes.
+SMALL_ROWS_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+SMALL_ROWS_PER_EXPERT = 64
+SMALL_ROWS_MIN_MATRIX_BYTES = 4 << 20
+
+
+@functools.cache
+def small_rows_cpu_options() -> dict:
+    """SMALL_ROWS_CPU_OPTIONS if this jaxlib's compiler knows them, else {} (debug option names
+    change across XLA releases; an unknown one fails the compile)."""
+    try:
+        jax.jit(lambda v: v + 1, compiler_options=SMALL_ROWS_CPU_OPTIONS).lower(jnp.zeros((), jnp.float32)).compile()
+    except Exception:  # noqa: BLE001 - an unknown option name raises a version-specific error type
+        return {}
+    return dict(SMALL_ROWS_CPU_OPTIONS)
+
+
+def compiler_options(num_rows: int, num_experts: int, hidden: int, intermediate: int, *,
+                     backend: str = "auto", platform: str | None = None) -> dict:
+    """XLA compiler options for a program running the grouped FFN on `num_rows` rows of this shape.
+
+    Pass them to `jax.jit(..., compiler_options=...)` of the program that calls `grouped_ffn` (or
+    `moe.moe_layer`, see `moe.compiler_options`). On CPU, when `backend` resolves to "expert_loop"
+    with fewer than SMALL_ROWS_PER_EXPERT rows per expert and fp32 expert matrices of at least
+    SMALL_ROWS_MIN_MATRIX_BYTES, this is SMALL_ROWS_CPU_OPTIONS (YNNPACK off, measured faster, see
+    there) if this jaxlib accepts it; otherwise (other platforms and shapes) an empty dict.
+    """
+    platform = platform or jax.default_backend()
+    if backend == "auto":
+        backend = choose_backend(num_rows, num_experts, hidden, intermediate, jnp.float32, platform)
+    few_rows = num_rows < SMALL_ROWS_PER_EXPERT * num_experts
+    large_matrix = hidden * intermediate * 4 >= SMALL_ROWS_MIN_MATRIX_BYTES
+    if platform != "cpu" or backend != "expert_loop" or not (few_rows and large_matrix):
+        return {}
+    return small_rows_cpu_options()
 
 
 def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", backend="auto",

@@ -16,7 +16,9 @@ What it does, in order:
    and after it are padding: masked out of routing, counts and the aux loss, their outputs zero.
    On a mesh, the forward step is `steps.ep_forward_step` (`ep_moe_layer` traced under the same
    jit: tokens sharded over "ep" inside, expert weights split), AOT-compiled per bucket like the
-   others and counted in the same compile metrics.
+   others and counted in the same compile metrics. Forward steps compile with
+   `moe.compiler_options(cfg, bucket)` (on CPU, YNNPACK off for few rows per large expert:
+   measured faster there); `info()["forward_compiler_options"]` lists where any apply.
 4. Results come back to the host as numpy, cut to the valid rows.
 
 Multi-host (issue 7): every process builds the same Engine and must call `forward` / `route`
@@ -54,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import experts
+from expertd.kernels import experts, moe
 from expertd.server import steps
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement, pick_devices, split_over_ep
@@ -252,7 +254,8 @@ class Engine:
         return RouteResult(ids[:num_valid], weights[:num_valid], counts, float(aux), scores[:num_valid])
 
     def info(self) -> dict:
-        """Layers (index, source, full config), dtype, buckets, mesh, backend, compile counters."""
+        """Layers (index, source, full config), dtype, buckets, mesh, backend, compile counters and
+        the XLA compiler options of forward steps that have any (per shape group and bucket)."""
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
                         "params": {name: {"shape": list(np.shape(p)), "dtype": str(p.dtype),
@@ -269,6 +272,10 @@ class Engine:
             "compilations": self.compilations,
             "compile_seconds": self.compile_seconds,
             "compile_cache_dir": None if self.compile_cache_dir is None else str(self.compile_cache_dir),
+            "forward_compiler_options": [
+                {"layers": list(layers), "bucket": bucket, "options": options}
+                for key, layers in self._shape_groups().items() for bucket in self.buckets
+                if (options := self._forward_options(key[0], bucket))],
         }
 
     # ------------------------------------------------------------------ internals
@@ -333,6 +340,7 @@ class Engine:
         token_dtype = np.float32 if kind == "route_logits" else self.dtype
         tokens = jax.ShapeDtypeStruct((bucket, width), token_dtype, sharding=self.replicated)
         abstract = jax.tree.map(_abstract, self._step_args(layer, kind, tokens, 0, 0.0))
+        options = {}
         if kind != "forward":
             step = functools.partial(steps.route_step, cfg=cfg, from_logits=kind == "route_logits")
         elif self._ep is None:
@@ -340,7 +348,13 @@ class Engine:
         else:
             step = functools.partial(steps.ep_forward_step, cfg=cfg, backend=self.backend, mesh=self.mesh,
                                      ep=self._ep, axis=AXIS)
-        return jax.jit(step, out_shardings=self.replicated).lower(*abstract)
+        if kind == "forward":
+            options = self._forward_options(cfg, bucket)
+        return jax.jit(step, out_shardings=self.replicated, compiler_options=options or None).lower(*abstract)
+
+    def _forward_options(self, cfg, bucket: int) -> dict:
+        """XLA compiler options of the forward step at `bucket` (see `moe.compiler_options`)."""
+        return moe.compiler_options(cfg, bucket, backend=self.backend, platform=self.devices[0].platform)
 
     def _record(self, key, layers, bucket, kind, executable, seconds, done, total) -> CompileEvent:
         self._executables[(key, bucket, kind)] = executable

@@ -173,3 +173,31 @@ def test_auto_resolves_to_a_backend_for_every_platform():
     for platform in ("cpu", "gpu", "tpu"):
         for rows in (16, 4096, 32768):
             assert experts.choose_backend(rows, 8, 1024, 2048, jnp.bfloat16, platform) in BACKENDS
+
+
+def test_compiler_options_turn_ynn_off_only_for_few_rows_per_large_expert():
+    small_rows = experts.small_rows_cpu_options()
+    assert small_rows == experts.SMALL_ROWS_CPU_OPTIONS  # this jaxlib knows the option
+    mixtral = (8, 1024, 2048)  # fp32 expert matrices of 8 MiB
+    assert experts.compiler_options(32, *mixtral, platform="cpu") == small_rows
+    assert experts.compiler_options(8 * 63, *mixtral, platform="cpu") == small_rows
+    assert experts.compiler_options(8 * 64, *mixtral, platform="cpu") == {}  # 64 rows per expert
+    assert experts.compiler_options(32, 64, 1024, 512, platform="cpu") == {}  # 2 MiB matrices
+    assert experts.compiler_options(32, *mixtral, platform="gpu") == {}
+    assert experts.compiler_options(32, *mixtral, backend="capacity", platform="cpu") == {}
+    assert experts.compiler_options(32, *mixtral, backend="expert_loop", platform="cpu") == small_rows
+
+
+def test_expert_loop_compiled_with_small_rows_options_matches_default():
+    """The options change the compiled program (no YNNPACK fusions), not the numbers."""
+    rng = np.random.default_rng(3)
+    e, h, i = 4, 64, 128
+    xs = jnp.asarray(rng.standard_normal((24, h)), jnp.float32)
+    gs = jnp.asarray([5, 0, 12, 7], jnp.int32)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in ((e, h, i), (e, h, i), (e, i, h))]
+    ffn = lambda *a: grouped_ffn(*a, backend="expert_loop")
+    default = jax.jit(ffn).lower(xs, gs, *ws).compile()
+    small = jax.jit(ffn, compiler_options=experts.small_rows_cpu_options()).lower(xs, gs, *ws).compile()
+    assert "ynn_fusion" in default.as_text() and "ynn_fusion" not in small.as_text()
+    np.testing.assert_allclose(np.asarray(small(xs, gs, *ws)), np.asarray(default(xs, gs, *ws)),
+                               rtol=1e-5, atol=1e-5)

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertd.kernels import moe, router
+from expertd.kernels import experts, moe, router
 from expertd.server.engine import CompileEvent, Engine, UnknownLayerError, enable_compile_cache
 from expertd.server import steps
-from expertd.server.model import load_preset
+from expertd.server.model import LoadedLayer, load_preset
 
 BUCKETS = (8, 32)
 # The kernels the engine must agree with, jitted once (cheaper than op-by-op on a loaded CPU).
@@ -164,6 +164,22 @@ def test_buckets_and_info(warm_engine):
     assert info["layers"][1]["config"]["score_function"] == "sigmoid"
     assert info["layers"][0]["params"]["w_gate"] == {"shape": [8, 64, 128], "dtype": "float32",
                                                      "split_over_ep": False}
+    assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
+
+
+def test_small_buckets_of_large_experts_compile_with_small_rows_options():
+    """A layer with 4 MiB fp32 expert matrices: buckets under 64 rows per expert compile with
+    YNNPACK off (moe.compiler_options), larger ones with the defaults; both equal the kernel."""
+    cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=1024, intermediate_size=1024)
+    params = {name: np.asarray(value) for name, value in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
+    layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
+    engine = Engine([layer], buckets=(8, 128), dtype="float32", devices=1)
+    assert engine.info()["forward_compiler_options"] == [
+        {"layers": [0], "bucket": 8, "options": experts.SMALL_ROWS_CPU_OPTIONS}]
+    for n in (5, 100):
+        x = _tokens(n, hidden=1024, seed=n)
+        expected = moe_layer(_device_params(layer, jnp.float32), jnp.asarray(x), cfg=cfg)
+        np.testing.assert_allclose(engine.forward(0, x).output, np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("call, error, message", [
