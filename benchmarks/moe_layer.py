@@ -15,7 +15,12 @@ Backends whose work grows with E (reference, ragged_dot: E x the active FLOPs on
 (capacity, (a)) are skipped above FLOP_CAP, and the Pallas backend (interpret mode on CPU, a GPU
 kernel) runs at T=16 only; skipped entries say why. (d) in bf16 is very slow on CPUs without
 bf16 matmul units: when one call would exceed HF_CALL_CAP_S it is estimated by a linear fit of
-two smaller token counts and marked "fit".
+two smaller token counts and marked "fit". The `auto` column compiles with
+`moe.compiler_options(cfg, T)`, as the server does per bucket.
+
+`--options-ab` instead checks that rule on this machine: the layer ("expert_loop") compiled with
+the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), calls interleaved, at
+T in {1, 4, 16, 64, 128, 256}; writes benchmarks/results/moe_layer_options_ab.json.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ BACKENDS = experts.BACKENDS + ("auto",)
 FLOP_CAP = 1.0e12  # skip a variant whose real work exceeds this many FLOPs per call
 HF_CALL_CAP_S = 60.0
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_layer.json")
+AB_RESULTS = os.path.join(os.path.dirname(RESULTS), "moe_layer_options_ab.json")
+AB_TOKENS = (1, 4, 16, 64, 128, 256)
 
 
 def median_time(fn, *args, budget_s=6.0, max_reps=15):
@@ -268,43 +275,91 @@ def markdown(rows):
     return "\n".join(out)
 
 
+def options_ab(e, k, h, i, family, t, dtype_name, reps=9):
+    """One A/B row: the layer ("expert_loop") compiled with default options and with YNNPACK off,
+    calls interleaved (alternating which goes first), medians and the rule's choice."""
+    cfg = layer_config(e, k, h, i, family)
+    params = moe.init_params(cfg, jax.random.key(0), jnp.dtype(dtype_name))
+    x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype_name)
+    variants = {"default": None, "no_ynn": experts.small_rows_cpu_options() or None}
+    fns = {name: jax.jit(lambda p, v: moe.moe_layer(p, v, cfg, backend="expert_loop"), compiler_options=opts)
+           for name, opts in variants.items()}
+    times = {name: [] for name in fns}
+    for name, fn in fns.items():
+        jax.block_until_ready(fn(params, x))
+    for rep in range(reps):
+        for name in (list(fns) if rep % 2 else list(fns)[::-1]):
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name](params, x))
+            times[name].append(time.perf_counter() - start)
+    default_s, no_ynn_s = (statistics.median(times[n]) for n in ("default", "no_ynn"))
+    return dict(E=e, k=k, H=h, I=i, T=t, dtype=dtype_name, rows_per_expert=t * k / e, default_s=default_s,
+                no_ynn_s=no_ynn_s, speedup=default_s / no_ynn_s, rule_picks_no_ynn=bool(moe.compiler_options(cfg, t)))
+
+
+def run_options_ab(args):
+    """--options-ab: is the rule in experts.compiler_options right on this machine?"""
+    if not experts.small_rows_cpu_options():
+        sys.exit("this jaxlib does not accept experts.SMALL_ROWS_CPU_OPTIONS; nothing to compare")
+    print(f"{'E':>3} {'T':>5} {'dtype':>8} {'rows/E':>7} {'default ms':>10} {'no-ynn ms':>9} {'speedup':>7} rule")
+    rows = []
+    for e, k, h, i, family in SHAPES:
+        if e not in args.experts:
+            continue
+        for dtype_name in args.dtypes:
+            for t in args.tokens or AB_TOKENS:
+                r = options_ab(e, k, h, i, family, t, dtype_name)
+                rows.append(r)
+                print(f"{e:>3} {t:>5} {dtype_name:>8} {r['rows_per_expert']:>7.1f} {r['default_s'] * 1e3:>10.1f} "
+                      f"{r['no_ynn_s'] * 1e3:>9.1f} {r['speedup']:>7.2f} {'no-ynn' if r['rule_picks_no_ynn'] else 'default'}")
+                sys.stdout.flush()
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--tokens", type=int, nargs="*", help=f"default {TOKENS} ({AB_TOKENS} with --options-ab)")
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     parser.add_argument("--experts", type=int, nargs="*", default=[s[0] for s in SHAPES])
     parser.add_argument("--backends", nargs="*", default=None)
     parser.add_argument("--no-hf", action="store_true", help="skip (d), the transformers peer")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--markdown", metavar="JSON", help="print the BENCHMARKS.md table of a results file and exit")
+    parser.add_argument("--options-ab", action="store_true",
+                        help="A/B the layer with and without experts.SMALL_ROWS_CPU_OPTIONS (interleaved) "
+                             f"at T in {AB_TOKENS} (or --tokens); writes {os.path.basename(AB_RESULTS)}")
     args = parser.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown(json.load(f)["rows"]))
         return
     load_before = os.getloadavg()
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); jax {jax.__version__} on {jax.default_backend()}")
-    rows = []
-    for e, k, h, i, family in SHAPES:
-        if e not in args.experts:
-            continue
-        for dtype_name in args.dtypes:
-            for t in args.tokens:
-                rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, args.backends, not args.no_hf))
-                print_table(rows[-1:])
-                sys.stdout.flush()
-    print()
-    print_table(rows)
-    result = dict(benchmark="moe_layer", date=datetime.date.today().isoformat(), machine=platform.platform(),
+    if args.options_ab:
+        name, bandwidth, rows = "moe_layer_options_ab", None, run_options_ab(args)
+        out = AB_RESULTS if args.out == RESULTS else args.out
+    else:
+        bandwidth = copy_bandwidth()
+        print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); jax {jax.__version__} on {jax.default_backend()}")
+        name, out, rows = "moe_layer", args.out, []
+        for e, k, h, i, family in SHAPES:
+            if e not in args.experts:
+                continue
+            for dtype_name in args.dtypes:
+                for t in args.tokens or TOKENS:
+                    rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, args.backends, not args.no_hf))
+                    print_table(rows[-1:])
+                    sys.stdout.flush()
+        print()
+        print_table(rows)
+    result = dict(benchmark=name, date=datetime.date.today().isoformat(), machine=platform.platform(),
                   cpu_count=os.cpu_count(), jax=jax.__version__, jaxlib=jax.lib.__version__,
                   xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
                   load_average_after=os.getloadavg(), device=jax.default_backend(),
                   copy_bandwidth_bytes_per_s=bandwidth, rows=rows)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """grouped_ffn: every backend against a float64 per-expert numpy loop, over E x rows x dtype with
 empty experts whose unused rows hold NaN garbage, all rows on one expert, aligned layouts,
 capacity drops, activations, the Pallas kernel's Triton lowering, and argument errors."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +101,16 @@ def test_every_backend_matches_per_expert_oracle(compiled, num_experts, rows, ki
             check(out, ref, inputs[0].dtype, f"{backend} {inputs[0].dtype}")
             # Rows past the groups come back as exact zeros even though they held NaN.
             np.testing.assert_array_equal(np.asarray(out[int(np.sum(inputs[1])):], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("extra_rows", (0, 3, 300))
+def test_expert_loop_tiles_at_the_end_of_the_buffer(extra_rows):
+    """The last expert's 250 rows run as one masked 256-row tile that would cross the end of the
+    buffer (moved back, so it overlaps the previous expert's rows) or read NaN garbage rows."""
+    inputs = make_inputs(3, [300, 0, 250], jnp.float32, extra_rows=extra_rows, seed=4)
+    out = jax.jit(functools.partial(grouped_ffn, backend="expert_loop"))(*inputs)
+    check(out, ffn_oracle(*inputs), jnp.float32, f"expert_loop, {extra_rows} garbage rows")
+    np.testing.assert_array_equal(np.asarray(out[550:]), 0.0)
 
 
 @pytest.mark.parametrize("align_size", (8, 128))
