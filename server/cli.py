@@ -86,8 +86,10 @@ def say(message: str) -> None:
 
 
 def _print_progress(event) -> None:
+    options = ", ".join(f"{name}={value!r}" for name, value in sorted(event.compiler_options.items()))
     say(f"compiled {event.done}/{event.total}: {event.kind} bucket {event.bucket} for layers "
-        f"{','.join(map(str, event.layers))} in {event.seconds:.2f}s")
+        f"{','.join(map(str, event.layers))} in {event.seconds:.2f}s"
+        + (f" (XLA options: {options})" if options else ""))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ class RouteResult:
 
 @dataclasses.dataclass(frozen=True)
 class CompileEvent:
-    """One compiled step: `layers` share it; `done` of `total` during warm-up (total 0 outside)."""
+    """One compiled step: `layers` share it; `done` of `total` during warm-up (total 0 outside);
+    `compiler_options` are the XLA options it was compiled with (see `moe.compiler_options`)."""
 
     layers: tuple[int, ...]
     bucket: int
@@ -106,6 +107,7 @@ class CompileEvent:
     seconds: float
     done: int
     total: int
+    compiler_options: dict = dataclasses.field(default_factory=dict)
 
 
 def enable_compile_cache(directory) -> None:
@@ -275,7 +277,7 @@ class Engine:
             "forward_compiler_options": [
                 {"layers": list(layers), "bucket": bucket, "options": options}
                 for key, layers in self._shape_groups().items() for bucket in self.buckets
-                if (options := self._forward_options(key[0], bucket))],
+                if (options := self._step_options(key[0], bucket, "forward"))],
         }
 
     # ------------------------------------------------------------------ internals
@@ -340,7 +342,6 @@ class Engine:
         token_dtype = np.float32 if kind == "route_logits" else self.dtype
         tokens = jax.ShapeDtypeStruct((bucket, width), token_dtype, sharding=self.replicated)
         abstract = jax.tree.map(_abstract, self._step_args(layer, kind, tokens, 0, 0.0))
-        options = {}
         if kind != "forward":
             step = functools.partial(steps.route_step, cfg=cfg, from_logits=kind == "route_logits")
         elif self._ep is None:
@@ -348,19 +349,20 @@ class Engine:
         else:
             step = functools.partial(steps.ep_forward_step, cfg=cfg, backend=self.backend, mesh=self.mesh,
                                      ep=self._ep, axis=AXIS)
-        if kind == "forward":
-            options = self._forward_options(cfg, bucket)
+        options = self._step_options(cfg, bucket, kind)
         return jax.jit(step, out_shardings=self.replicated, compiler_options=options or None).lower(*abstract)
 
-    def _forward_options(self, cfg, bucket: int) -> dict:
-        """XLA compiler options of the forward step at `bucket` (see `moe.compiler_options`)."""
+    def _step_options(self, cfg, bucket: int, kind: str) -> dict:
+        """XLA compiler options of a step: `moe.compiler_options` for forward, none for routing."""
+        if kind != "forward":
+            return {}
         return moe.compiler_options(cfg, bucket, backend=self.backend, platform=self.devices[0].platform)
 
     def _record(self, key, layers, bucket, kind, executable, seconds, done, total) -> CompileEvent:
         self._executables[(key, bucket, kind)] = executable
         self.compilations += 1
         self.compile_seconds += seconds
-        event = CompileEvent(layers, bucket, kind, seconds, done, total)
+        event = CompileEvent(layers, bucket, kind, seconds, done, total, self._step_options(key[0], bucket, kind))
         for listener in self._listeners:
             listener(event)
         return event

@@ -174,12 +174,28 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options():
     params = {name: np.asarray(value) for name, value in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
     engine = Engine([layer], buckets=(8, 128), dtype="float32", devices=1)
+    events = []
+    engine.add_compile_listener(events.append)
     assert engine.info()["forward_compiler_options"] == [
         {"layers": [0], "bucket": 8, "options": experts.SMALL_ROWS_CPU_OPTIONS}]
     for n in (5, 100):
         x = _tokens(n, hidden=1024, seed=n)
         expected = moe_layer(_device_params(layer, jnp.float32), jnp.asarray(x), cfg=cfg)
         np.testing.assert_allclose(engine.forward(0, x).output, np.asarray(expected), rtol=1e-4, atol=1e-4)
+    engine.route(0, hidden=_tokens(5, hidden=1024))
+    assert [(e.kind, e.bucket, e.compiler_options) for e in events] == [
+        ("forward", 8, experts.SMALL_ROWS_CPU_OPTIONS), ("forward", 128, {}), ("route_hidden", 8, {})]
+
+
+def test_serve_progress_line_names_the_compiler_options(capsys):
+    from expertd.server import cli
+
+    cli._print_progress(CompileEvent((0, 1), 8, "forward", 1.5, 1, 3, {"xla_cpu_experimental_ynn_fusion_type": ""}))
+    cli._print_progress(CompileEvent((0,), 32, "route_hidden", 0.25, 2, 3))
+    assert capsys.readouterr().out.splitlines() == [
+        "expertd: compiled 1/3: forward bucket 8 for layers 0,1 in 1.50s "
+        "(XLA options: xla_cpu_experimental_ynn_fusion_type='')",
+        "expertd: compiled 2/3: route_hidden bucket 32 for layers 0 in 0.25s"]
 
 
 @pytest.mark.parametrize("call, error, message", [
