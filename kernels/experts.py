@@ -250,11 +250,12 @@ def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: i
 
 # XLA:CPU options for programs whose expert_loop runs few rows per large expert. jaxlib lowers every
 # dot to YNNPACK by default; with fewer than 64 rows per expert and an expert matrix of 8 MiB (fp32
-# [1024, 2048]) XLA's own dot emitter ran the whole layer 1.35-1.8x faster (E=8, T in {1..128}, bf16
-# and fp32), while for 2 MiB matrices ([1024, 512], E=64) it was 0.80-0.98x and at 64 rows per
-# expert about even (A/B on the CPU dev box, BENCHMARKS.md "MoE layer"). Compiler options are per
-# compiled program, so a server applies them per token bucket; the 4 MiB cut lies between the two
-# measured matrix sizes.
+# [1024, 2048]) XLA's own dot emitter ran the whole layer 1.26-2.18x faster (E=8, T in {1..128}, bf16
+# and fp32; also 1.2-1.9x on Qwen3-30B-A3B / Mixtral-8x7B layer shapes), while for 2 MiB matrices
+# ([1024, 512], E=64) it was 0.80-1.02x and at 64 rows per expert about even (two A/B runs on the
+# CPU dev box, `benchmarks/moe_layer.py --options-ab`, BENCHMARKS.md "MoE layer"). Compiler
+# options are per compiled program, so a server applies them per token bucket; the 4 MiB cut
+# lies between the two measured matrix sizes.
 SMALL_ROWS_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 SMALL_ROWS_PER_EXPERT = 64
 SMALL_ROWS_MIN_MATRIX_BYTES = 4 << 20
