@@ -236,12 +236,14 @@ def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: i
                    platform: str | None = None) -> str:
     """The backend "auto" runs for `num_rows` (= T*k) rows of this shape on this platform.
 
-    CPU: "expert_loop", measured fastest at every benchmarked shape (benchmarks/moe_layer.py,
-    BENCHMARKS.md "MoE layer": T in {16, 256, 4096}, E in {8, 64}, bf16 and fp32). "capacity" was
-    within ~1.3x only at T=16, E=8 (its E*T padded rows match the loop's tiles there) and pays
-    E/k x the FLOPs at large T; ragged_dot and the reference do E x the FLOPs on CPU; Pallas runs
-    interpreted. GPU / TPU: "ragged_dot", XLA's native grouped GEMM there; the Pallas kernel is
-    written for GPU but has not been compiled or measured on one, so "auto" does not pick it yet.
+    CPU: "expert_loop", measured fastest at every benchmarked shape when compiled with
+    `compiler_options` (benchmarks/moe_layer.py, BENCHMARKS.md "MoE layer": T in {16, 256, 4096},
+    E in {8, 64}, bf16 and fp32). "capacity" came close only at T=16, E=8 (its E*T padded rows
+    match the loop's tiles there: fp32 48 ms vs 66 ms for expert_loop with default options, 45.5
+    ms with YNNPACK off) and pays E/k x the FLOPs at large T; ragged_dot and the reference do
+    E x the FLOPs on CPU; Pallas runs interpreted. GPU / TPU: "ragged_dot", XLA's native grouped
+    GEMM there; the Pallas kernel is written for GPU but has not been compiled or measured on one,
+    so "auto" does not pick it yet.
     The shape arguments are part of the contract for when a platform's choice depends on them.
     """
     platform = platform or jax.default_backend()
