@@ -15,22 +15,25 @@ N rows):
       to xs.dtype before the down projection (as the Hugging Face models do in bf16).
       `capacity` (static int, "capacity" backend only): rows per expert in the padded [E, C, H]
       buffer; None = dropless (C = N, or pass the largest possible group, e.g. T for a top-k
-      layout). Rows past the capacity of their expert are dropped (zeros).
+      layout). Rows past the capacity of their expert are dropped (zeros). Each call runs the
+      smallest of `capacity_buckets(capacity)` that holds its largest group (same results).
 
   Backends:
       "reference"   per-expert loop over all rows, selecting each expert's rows (clarity, E x FLOPs)
       "ragged_dot"  jax.lax.ragged_dot (a real grouped GEMM on GPU/TPU; E x FLOPs on CPU)
-      "capacity"    rows scattered into [E, C, H], one batched matmul per projection
+      "capacity"    rows scattered into [E, C, H], one batched matmul per projection (C chosen
+                    per call from a few compiled sizes, see capacity_buckets)
       "expert_loop" loop over the experts that have rows, each running only its rows in row
                     tiles (dropless, <= 63 masked rows per expert; fp32 compute, see there)
       "pallas"      fused grouped-GEMM Pallas kernel (experts_pallas.py): compiled with
                     Pallas-Triton on GPU, interpret mode on CPU
       "auto"        chosen per platform and shape by `choose_backend` (measured, see there)
 
-  compiler_options(num_rows, E, H, I, *, backend="auto", platform=None) -> dict
-      XLA compiler options for the jit of a program running the grouped FFN at that shape (per
-      compiled shape: a server passes them per token bucket). Non-empty only on CPU for few rows
-      per large expert, where they turn YNNPACK off (measured faster, see SMALL_ROWS_CPU_OPTIONS).
+  compiler_options(num_rows, E, H, I, *, dtype, backend="auto", platform=None) -> dict
+      XLA compiler options for the jit of a program running the grouped FFN at that shape and
+      weight dtype (per compiled shape: a server passes them per token bucket). Non-empty only on
+      CPU for few rows per large expert, where they turn YNNPACK off (measured faster, see
+      SMALL_ROWS_CPU_OPTIONS).
 
 ACTIVATIONS: "silu" (default), "gelu" (exact erf), "gelu_tanh" (tanh approximation).
 """
@@ -130,13 +133,29 @@ def capacity_slots(group_sizes, capacity: int):
     return jnp.where(slot < gs[:, None], offsets[:, None] + slot, jnp.iinfo(jnp.int32).max)
 
 
-def grouped_ffn_capacity(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", capacity=None):
-    """Capacity-padded grouped FFN: gather rows into `[E, C, H]`, batched matmuls, gather back."""
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
+# The "capacity" backend compiles its batched FFN for a few capacities and runs the smallest that
+# holds the largest group (lax.switch on max(group_sizes)): capacity / 2^j for j < this many, rounded
+# up to a multiple of 8 and no smaller than 8. Results are those of the full capacity (every bucket
+# holds every row it runs, and rows past the full capacity are dropped as before); only the padded
+# work shrinks: with C = T dropless, T=16 and 8 experts ran 16 rows per expert where ~4-9 are used.
+CAPACITY_BUCKETS = 6
+
+
+def capacity_buckets(capacity: int) -> tuple[int, ...]:
+    """The capacities, ascending and ending in `capacity`, that the capacity backend chooses from."""
+    sizes = {capacity}
+    for j in range(1, CAPACITY_BUCKETS):
+        size = -(-capacity // (8 << j)) * 8  # ceil(capacity / 2^j) rounded up to a multiple of 8
+        if size < capacity:
+            sizes.add(size)
+        if size <= 8:
+            break
+    return tuple(sorted(sizes))
+
+
+def _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, activation, capacity: int):
+    """Grouped FFN through a `[E, capacity, H]` buffer; rows past the capacity of their expert -> 0."""
     n = xs.shape[0]
-    capacity = n if capacity is None else int(capacity)
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1, got {capacity}")
     slots = capacity_slots(group_sizes, capacity)  # [E, C]
     buf = xs.at[slots].get(mode="fill", fill_value=0)  # [E, C, H]; empty slots are 0
     out = gated_mlp(buf, w_gate, w_up, w_down, activation)  # [E, C, H]
@@ -146,6 +165,26 @@ def grouped_ffn_capacity(xs, group_sizes, w_gate, w_up, w_down, *, activation="s
     kept = valid & (pos < capacity)
     y = out.at[jnp.minimum(expert, gs.shape[0] - 1), jnp.minimum(pos, capacity - 1)].get()
     return jnp.where(kept[:, None], y, 0)
+
+
+def grouped_ffn_capacity(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", capacity=None):
+    """Capacity-padded grouped FFN: gather rows into `[E, C, H]`, batched matmuls, gather back.
+
+    C is chosen per call from `capacity_buckets(capacity)`: the smallest that holds the largest
+    group (the full capacity when a group exceeds it, whose extra rows are dropped), so a dropless
+    capacity costs the padding of the batch at hand, not of the worst case. On GPU the switch reads
+    max(group_sizes) on the host (a sync per call)."""
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
+    capacity = xs.shape[0] if capacity is None else int(capacity)
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    buckets = capacity_buckets(capacity)
+    branches = [functools.partial(_capacity_ffn, activation=activation, capacity=c) for c in buckets]
+    if len(branches) == 1:
+        return branches[0](xs, group_sizes, w_gate, w_up, w_down)
+    largest = jnp.max(group_sizes.astype(jnp.int32))
+    index = jnp.minimum(jnp.sum(largest > jnp.asarray(buckets, jnp.int32)), len(buckets) - 1)
+    return lax.switch(index, branches, xs, group_sizes, w_gate, w_up, w_down)
 
 
 # Row tiles of the "expert_loop" backend, largest first. An expert's rows run as full tiles of a
@@ -232,35 +271,66 @@ def grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, *, activation
     return jnp.where(valid[:, None], out[:n], 0).astype(xs.dtype)
 
 
+def expected_touched_fraction(num_rows: int, num_experts: int) -> float:
+    """Expected fraction of the experts that get at least one of `num_rows` rows, each row routed to
+    an expert uniformly at random (a top-k layout of T*k rows is within 0.03 of this for T >= 4)."""
+    return 1.0 - (1.0 - 1.0 / num_experts) ** num_rows
+
+
+# CPU backend and XLA options for few rows per large expert (all measured on the CPU dev box,
+# BENCHMARKS.md "MoE layer"; `benchmarks/moe_layer.py --options-ab` re-measures them on any CPU).
+# - jaxlib lowers every dot to YNNPACK by default. With fewer than 64 rows per expert and 8 MiB fp32
+#   expert matrices ([1024, 2048]) XLA's own dot emitter ran expert_loop 1.25-2.18x faster (E=8, T in
+#   1..128, bf16 and fp32, three A/B runs; 1.2-1.9x on Qwen3-30B-A3B / Mixtral-8x7B layer shapes),
+#   while for 2 MiB matrices ([1024, 512], E=64) it was 0.80-1.02x and at 64 rows per expert about
+#   even. The 4 MiB cut lies between the two measured sizes.
+# - With fp32 weights, fewer than 16 rows per expert and most experts in use, the capacity backend
+#   (one batched dot per projection over every expert, C from capacity_buckets) beats expert_loop:
+#   its dots read the weights in place at ~12 GB/s where expert_loop copies each expert's slice
+#   first and streams ~4-5 GB/s (E=8, T 4-16: 1.36-2.11x; E=128 [2048, 768], T 16-128: 1.03-1.89x;
+#   two A/B runs).
+#   It reads every expert, so with under half of them in use it lost (0.28-0.55x at E=8, T=1 and
+#   E=128, T=4); with 16 rows per expert its padded rows (C = 32) make it compute-bound, and it
+#   won at E=8 (T 64-128: 1.25-1.35x) but lost at E=128, T=256 (0.86x), so the cut is 16.
+#   bf16 weights stay on expert_loop: a batched dot over bf16 weights converts all of them per call.
+# Compiler options are per compiled program, so a server applies them per token bucket.
+SMALL_ROWS_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+SMALL_ROWS_PER_EXPERT = 64
+SMALL_ROWS_MIN_MATRIX_BYTES = 4 << 20
+CAPACITY_MIN_TOUCHED = 0.5
+CAPACITY_ROWS_PER_EXPERT = 16
+
+
+def few_rows_per_large_expert(num_rows: int, num_experts: int, hidden: int, intermediate: int) -> bool:
+    """Fewer than SMALL_ROWS_PER_EXPERT rows per expert, and fp32 expert matrices of at least
+    SMALL_ROWS_MIN_MATRIX_BYTES: the regime of the CPU rules above."""
+    return (num_rows < SMALL_ROWS_PER_EXPERT * num_experts
+            and hidden * intermediate * 4 >= SMALL_ROWS_MIN_MATRIX_BYTES)
+
+
 def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: int, dtype,
                    platform: str | None = None) -> str:
     """The backend "auto" runs for `num_rows` (= T*k) rows of this shape on this platform.
 
-    CPU: "expert_loop", measured fastest at every benchmarked shape when compiled with
-    `compiler_options` (benchmarks/moe_layer.py, BENCHMARKS.md "MoE layer": T in {16, 256, 4096},
-    E in {8, 64}, bf16 and fp32). "capacity" came close only at T=16, E=8 (its E*T padded rows
-    match the loop's tiles there: fp32 48 ms vs 66 ms for expert_loop with default options, 45.5
-    ms with YNNPACK off) and pays E/k x the FLOPs at large T; ragged_dot and the reference do
-    E x the FLOPs on CPU; Pallas runs interpreted. GPU / TPU: "ragged_dot", XLA's native grouped
-    GEMM there; the Pallas kernel is written for GPU but has not been compiled or measured on one,
-    so "auto" does not pick it yet.
-    The shape arguments are part of the contract for when a platform's choice depends on them.
+    `dtype` is the expert weights' dtype. CPU: "capacity" for fp32 weights with fewer than
+    CAPACITY_ROWS_PER_EXPERT rows per large expert (`few_rows_per_large_expert`) when at least
+    CAPACITY_MIN_TOUCHED of the experts are expected in use (measured faster there, see the
+    comment above SMALL_ROWS_CPU_OPTIONS);
+    otherwise "expert_loop", measured fastest at every other benchmarked shape when compiled with
+    `compiler_options` (benchmarks/moe_layer.py: T in {16, 256, 4096}, E in {8, 64}, bf16 and
+    fp32). ragged_dot and the reference do E x the FLOPs on CPU, capacity pays E/k x at large T,
+    and Pallas runs interpreted. GPU / TPU: "ragged_dot", XLA's native grouped GEMM there; the
+    Pallas kernel is written for GPU but has not been compiled or measured on one, so "auto" does
+    not pick it yet.
     """
     platform = platform or jax.default_backend()
-    return "expert_loop" if platform == "cpu" else "ragged_dot"
-
-
-# XLA:CPU options for programs whose expert_loop runs few rows per large expert. jaxlib lowers every
-# dot to YNNPACK by default; with fewer than 64 rows per expert and an expert matrix of 8 MiB (fp32
-# [1024, 2048]) XLA's own dot emitter ran the whole layer 1.26-2.18x faster (E=8, T in {1..128}, bf16
-# and fp32; also 1.2-1.9x on Qwen3-30B-A3B / Mixtral-8x7B layer shapes), while for 2 MiB matrices
-# ([1024, 512], E=64) it was 0.80-1.02x and at 64 rows per expert about even (two A/B runs on the
-# CPU dev box, `benchmarks/moe_layer.py --options-ab`, BENCHMARKS.md "MoE layer"). Compiler
-# options are per compiled program, so a server applies them per token bucket; the 4 MiB cut
-# lies between the two measured matrix sizes.
-SMALL_ROWS_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-SMALL_ROWS_PER_EXPERT = 64
-SMALL_ROWS_MIN_MATRIX_BYTES = 4 << 20
+    if platform != "cpu":
+        return "ragged_dot"
+    if (jnp.dtype(dtype) == jnp.float32 and num_rows < CAPACITY_ROWS_PER_EXPERT * num_experts
+            and few_rows_per_large_expert(num_rows, num_experts, hidden, intermediate)
+            and expected_touched_fraction(num_rows, num_experts) >= CAPACITY_MIN_TOUCHED):
+        return "capacity"
+    return "expert_loop"
 
 
 @functools.cache
@@ -274,22 +344,21 @@ def small_rows_cpu_options() -> dict:
     return dict(SMALL_ROWS_CPU_OPTIONS)
 
 
-def compiler_options(num_rows: int, num_experts: int, hidden: int, intermediate: int, *,
+def compiler_options(num_rows: int, num_experts: int, hidden: int, intermediate: int, *, dtype,
                      backend: str = "auto", platform: str | None = None) -> dict:
     """XLA compiler options for a program running the grouped FFN on `num_rows` rows of this shape.
 
     Pass them to `jax.jit(..., compiler_options=...)` of the program that calls `grouped_ffn` (or
-    `moe.moe_layer`, see `moe.compiler_options`). On CPU, when `backend` resolves to "expert_loop"
-    with fewer than SMALL_ROWS_PER_EXPERT rows per expert and fp32 expert matrices of at least
-    SMALL_ROWS_MIN_MATRIX_BYTES, this is SMALL_ROWS_CPU_OPTIONS (YNNPACK off, measured faster, see
-    there) if this jaxlib accepts it; otherwise (other platforms and shapes) an empty dict.
+    `moe.moe_layer`, see `moe.compiler_options`); `dtype` is the expert weights' dtype. On CPU with
+    few rows per large expert (`few_rows_per_large_expert`) this is SMALL_ROWS_CPU_OPTIONS (YNNPACK
+    off, measured faster, see there) for "expert_loop", and for "capacity" with fp32 weights, if
+    this jaxlib accepts it; otherwise (other platforms, shapes and backends) an empty dict.
     """
     platform = platform or jax.default_backend()
     if backend == "auto":
-        backend = choose_backend(num_rows, num_experts, hidden, intermediate, jnp.float32, platform)
-    few_rows = num_rows < SMALL_ROWS_PER_EXPERT * num_experts
-    large_matrix = hidden * intermediate * 4 >= SMALL_ROWS_MIN_MATRIX_BYTES
-    if platform != "cpu" or backend != "expert_loop" or not (few_rows and large_matrix):
+        backend = choose_backend(num_rows, num_experts, hidden, intermediate, dtype, platform)
+    wants_no_ynn = backend == "expert_loop" or (backend == "capacity" and jnp.dtype(dtype) == jnp.float32)
+    if platform != "cpu" or not wants_no_ynn or not few_rows_per_large_expert(num_rows, num_experts, hidden, intermediate):
         return {}
     return small_rows_cpu_options()
 
@@ -301,7 +370,7 @@ def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", bac
     activation_fn(activation)  # validate early
     if backend == "auto":
         e, h, i = w_gate.shape
-        backend = choose_backend(xs.shape[0], e, h, i, xs.dtype)
+        backend = choose_backend(xs.shape[0], e, h, i, w_gate.dtype)
     if backend == "reference":
         return grouped_ffn_reference(xs, group_sizes, w_gate, w_up, w_down, activation=activation)
     if backend == "ragged_dot":

@@ -18,9 +18,10 @@ Public API (T tokens, H hidden, I expert intermediate, Is shared intermediate, E
       routed, not counted and come back as zeros.
       backend: an expert backend of `expertd.kernels.experts` ("auto", "reference", "ragged_dot",
       "capacity", "expert_loop", "pallas").
-  compiler_options(cfg, T, *, backend="auto") -> dict for `jax.jit(..., compiler_options=...)` of
-      the program calling moe_layer on T tokens (XLA:CPU options measured faster for few rows per
-      expert; empty where the defaults are fastest; see experts.compiler_options).
+  compiler_options(cfg, T, *, dtype, backend="auto") -> dict for `jax.jit(..., compiler_options=...)`
+      of the program calling moe_layer on T tokens with expert weights of `dtype` (XLA:CPU options
+      measured faster for few rows per expert; empty where the defaults are fastest; see
+      experts.compiler_options).
 
 Semantics (checked against the Hugging Face modelling code; router math in fp32):
   logits = x @ router_weight in fp32; the router is expertd.kernels.router (TE semantics).
@@ -307,15 +308,16 @@ def shared_experts(params: dict, x, cfg: MoEConfig):
     return y
 
 
-def compiler_options(cfg: MoEConfig, num_tokens: int, *, backend: str = "auto",
+def compiler_options(cfg: MoEConfig, num_tokens: int, *, dtype, backend: str = "auto",
                      platform: str | None = None) -> dict:
     """XLA compiler options for the jit of a program running `moe_layer` on `num_tokens` tokens.
 
-    `jax.jit(f, compiler_options=moe.compiler_options(cfg, T))`: the grouped FFN sees T * topk
-    rows (see `experts.compiler_options`); empty where the defaults are fastest. The same options
-    fit `ep.ep_moe_layer`, whose ranks see the same rows per expert on average."""
+    `jax.jit(f, compiler_options=moe.compiler_options(cfg, T, dtype=params["w_gate"].dtype))`: the
+    grouped FFN sees T * topk rows (see `experts.compiler_options`); empty where the defaults are
+    fastest. The same options fit `ep.ep_moe_layer`, whose ranks see the same rows per expert on
+    average."""
     return experts.compiler_options(num_tokens * cfg.topk, cfg.num_experts, cfg.hidden_size,
-                                    cfg.intermediate_size, backend=backend, platform=platform)
+                                    cfg.intermediate_size, dtype=dtype, backend=backend, platform=platform)
 
 
 def moe_layer(params: dict, x, cfg: MoEConfig, *, backend: str = "auto", valid_tokens=None,

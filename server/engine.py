@@ -17,7 +17,7 @@ What it does, in order:
    On a mesh, the forward step is `steps.ep_forward_step` (`ep_moe_layer` traced under the same
    jit: tokens sharded over "ep" inside, expert weights split), AOT-compiled per bucket like the
    others and counted in the same compile metrics. Forward steps compile with
-   `moe.compiler_options(cfg, bucket)` (on CPU, YNNPACK off for few rows per large expert:
+   `moe.compiler_options(cfg, bucket, dtype=...)` (on CPU, YNNPACK off for few rows per large expert:
    measured faster there); `info()["forward_compiler_options"]` lists where any apply.
 4. Results come back to the host as numpy, cut to the valid rows.
 
@@ -356,7 +356,8 @@ class Engine:
         """XLA compiler options of a step: `moe.compiler_options` for forward, none for routing."""
         if kind != "forward":
             return {}
-        return moe.compiler_options(cfg, bucket, backend=self.backend, platform=self.devices[0].platform)
+        return moe.compiler_options(cfg, bucket, dtype=self.dtype, backend=self.backend,
+                                   platform=self.devices[0].platform)
 
     def _record(self, key, layers, bucket, kind, executable, seconds, done, total) -> CompileEvent:
         self._executables[(key, bucket, kind)] = executable

@@ -133,15 +133,37 @@ def test_aligned_layout_with_zero_pad_rows(align_size):
         check(out, expected, jnp.float32, f"{backend} align={align_size}")
 
 
-def test_capacity_drops_rows_past_capacity():
-    sizes = np.array([10, 3, 0, 7])
+@pytest.mark.parametrize("capacity", (5, 20))
+def test_capacity_drops_rows_past_capacity(capacity):
+    sizes = np.array([10, 3, 0, 30])  # capacity 20 runs in buckets (8, 16, 20): the largest is chosen
     xs, gs, wg, wu, wd = make_inputs(4, sizes, jnp.float32)
-    out = np.asarray(grouped_ffn(xs, gs, wg, wu, wd, backend="capacity", capacity=5))
+    out = np.asarray(grouped_ffn(xs, gs, wg, wu, wd, backend="capacity", capacity=capacity))
     ref = ffn_oracle(xs, gs, wg, wu, wd)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     for start, n in zip(starts, sizes):
-        check(out[start:start + min(n, 5)], ref[start:start + min(n, 5)], jnp.float32, "kept rows")
-        np.testing.assert_array_equal(out[start + 5:start + n], 0.0)
+        kept = min(n, capacity)
+        check(out[start:start + kept], ref[start:start + kept], jnp.float32, "kept rows")
+        np.testing.assert_array_equal(out[start + kept:start + n], 0.0)
+
+
+def test_capacity_buckets():
+    assert experts.capacity_buckets(16) == (8, 16)
+    assert experts.capacity_buckets(100) == (8, 16, 32, 56, 100)
+    assert experts.capacity_buckets(4096) == (128, 256, 512, 1024, 2048, 4096)  # CAPACITY_BUCKETS sizes
+    assert experts.capacity_buckets(8) == (8,) and experts.capacity_buckets(5) == (5,)
+
+
+@pytest.mark.parametrize("largest", (1, 7, 8, 9, 16, 17, 24, 25, 40))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_capacity_runs_the_bucket_that_holds_the_largest_group(largest, dtype):
+    """Capacity 40 compiles buckets (8, 16, 24, 40); groups on both sides of every edge are kept
+    whole (dropless), empty experts and the NaN garbage rows after the groups give no NaN."""
+    sizes = np.array([3, 0, largest, 5])
+    xs, gs, wg, wu, wd = make_inputs(4, sizes, dtype, extra_rows=7)
+    assert experts.capacity_buckets(40) == (8, 16, 24, 40)
+    out = jax.jit(functools.partial(grouped_ffn, backend="capacity", capacity=40))(xs, gs, wg, wu, wd)
+    check(out, ffn_oracle(xs, gs, wg, wu, wd), dtype, f"largest group {largest}")
+    np.testing.assert_array_equal(np.asarray(out[int(sizes.sum()):], np.float32), 0.0)
 
 
 @pytest.mark.parametrize("activation", ("gelu", "gelu_tanh"))
@@ -187,29 +209,52 @@ def test_auto_resolves_to_a_backend_for_every_platform():
             assert experts.choose_backend(rows, 8, 1024, 2048, jnp.bfloat16, platform) in BACKENDS
 
 
+def test_cpu_auto_picks_capacity_for_fp32_few_rows_per_large_expert_with_most_experts_in_use():
+    mixtral = (8, 1024, 2048)  # fp32 expert matrices of 8 MiB
+    choose = functools.partial(experts.choose_backend, platform="cpu")
+    assert choose(32, *mixtral, jnp.float32) == "capacity"  # T=16, k=2: 4 rows per expert, 98% in use
+    assert choose(8, *mixtral, jnp.float32) == "capacity"  # T=4: 66% of the experts expected in use
+    assert choose(4, *mixtral, jnp.float32) == "expert_loop"  # T=2: 41%
+    assert choose(8 * 15, *mixtral, jnp.float32) == "capacity"
+    assert choose(8 * 16, *mixtral, jnp.float32) == "expert_loop"  # 16 rows per expert: C = 32 pads
+    assert choose(32, *mixtral, jnp.bfloat16) == "expert_loop"  # bf16 weights would be converted whole
+    assert choose(128, 64, 1024, 512, jnp.float32) == "expert_loop"  # 2 MiB matrices
+    assert choose(128, 128, 2048, 768, jnp.float32) == "capacity"  # Qwen3-30B-A3B, T=16
+    assert choose(128 * 16, 128, 2048, 768, jnp.float32) == "expert_loop"  # T=256: measured 0.86x
+    assert choose(32, 128, 2048, 768, jnp.float32) == "expert_loop"  # T=4: 22% in use
+    assert experts.choose_backend(32, *mixtral, jnp.float32, "gpu") == "ragged_dot"
+    assert experts.expected_touched_fraction(8, 8) == pytest.approx(1 - (7 / 8) ** 8)
+
+
 def test_compiler_options_turn_ynn_off_only_for_few_rows_per_large_expert():
     small_rows = experts.small_rows_cpu_options()
     assert small_rows == experts.SMALL_ROWS_CPU_OPTIONS  # this jaxlib knows the option
     mixtral = (8, 1024, 2048)  # fp32 expert matrices of 8 MiB
-    assert experts.compiler_options(32, *mixtral, platform="cpu") == small_rows
-    assert experts.compiler_options(8 * 63, *mixtral, platform="cpu") == small_rows
-    assert experts.compiler_options(8 * 64, *mixtral, platform="cpu") == {}  # 64 rows per expert
-    assert experts.compiler_options(32, 64, 1024, 512, platform="cpu") == {}  # 2 MiB matrices
-    assert experts.compiler_options(32, *mixtral, platform="gpu") == {}
-    assert experts.compiler_options(32, *mixtral, backend="capacity", platform="cpu") == {}
-    assert experts.compiler_options(32, *mixtral, backend="expert_loop", platform="cpu") == small_rows
+    options = functools.partial(experts.compiler_options, platform="cpu")
+    for dtype in DTYPES:  # auto: capacity (fp32) or expert_loop (bf16), both with YNNPACK off
+        assert options(32, *mixtral, dtype=dtype) == small_rows
+        assert options(2, *mixtral, dtype=dtype) == small_rows  # expert_loop for both
+        assert options(8 * 63, *mixtral, dtype=dtype) == small_rows
+        assert options(8 * 64, *mixtral, dtype=dtype) == {}  # 64 rows per expert
+        assert options(32, 64, 1024, 512, dtype=dtype) == {}  # 2 MiB matrices
+        assert experts.compiler_options(32, *mixtral, dtype=dtype, platform="gpu") == {}
+        assert options(32, *mixtral, dtype=dtype, backend="expert_loop") == small_rows
+        assert options(32, *mixtral, dtype=dtype, backend="ragged_dot") == {}
+    assert options(32, *mixtral, dtype=jnp.float32, backend="capacity") == small_rows
+    assert options(32, *mixtral, dtype=jnp.bfloat16, backend="capacity") == {}  # measured 0.2-0.5x
 
 
-def test_expert_loop_compiled_with_small_rows_options_matches_default():
+def test_compiled_with_small_rows_options_matches_default():
     """The options change the compiled program (no YNNPACK fusions), not the numbers."""
     rng = np.random.default_rng(3)
     e, h, i = 4, 64, 128
     xs = jnp.asarray(rng.standard_normal((24, h)), jnp.float32)
     gs = jnp.asarray([5, 0, 12, 7], jnp.int32)
     ws = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in ((e, h, i), (e, h, i), (e, i, h))]
-    ffn = lambda *a: grouped_ffn(*a, backend="expert_loop")
-    default = jax.jit(ffn).lower(xs, gs, *ws).compile()
-    small = jax.jit(ffn, compiler_options=experts.small_rows_cpu_options()).lower(xs, gs, *ws).compile()
-    assert "ynn_fusion" in default.as_text() and "ynn_fusion" not in small.as_text()
-    np.testing.assert_allclose(np.asarray(small(xs, gs, *ws)), np.asarray(default(xs, gs, *ws)),
-                               rtol=1e-5, atol=1e-5)
+    for backend in ("expert_loop", "capacity"):
+        ffn = lambda *a, b=backend: grouped_ffn(*a, backend=b)
+        default = jax.jit(ffn).lower(xs, gs, *ws).compile()
+        small = jax.jit(ffn, compiler_options=experts.small_rows_cpu_options()).lower(xs, gs, *ws).compile()
+        assert "ynn_fusion" in default.as_text() and "ynn_fusion" not in small.as_text(), backend
+        np.testing.assert_allclose(np.asarray(small(xs, gs, *ws)), np.asarray(default(xs, gs, *ws)),
+                                   rtol=1e-5, atol=1e-5, err_msg=backend)
