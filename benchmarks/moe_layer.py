@@ -16,11 +16,13 @@ Backends whose work grows with E (reference, ragged_dot: E x the active FLOPs on
 kernel) runs at T=16 only; skipped entries say why. (d) in bf16 is very slow on CPUs without
 bf16 matmul units: when one call would exceed HF_CALL_CAP_S it is estimated by a linear fit of
 two smaller token counts and marked "fit". The `auto` column compiles with
-`moe.compiler_options(cfg, T)`, as the server does per bucket.
+`moe.compiler_options(cfg, T, dtype=...)`, as the server does per bucket.
 
-`--options-ab` instead checks that rule on this machine: the layer ("expert_loop") compiled with
-the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), calls interleaved, at
-T in {1, 4, 16, 64, 128, 256}; writes benchmarks/results/moe_layer_options_ab.json.
+`--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
+with the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
+server compiles it (experts.choose_backend picks "capacity" for fp32 weights with few rows per
+large expert), calls interleaved, at T in {1, 4, 16, 64, 128, 256}; `--experts 128` adds
+Qwen3-30B-A3B's layer shape; writes benchmarks/results/moe_layer_options_ab.json.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ HF_CALL_CAP_S = 60.0
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_layer.json")
 AB_RESULTS = os.path.join(os.path.dirname(RESULTS), "moe_layer_options_ab.json")
 AB_TOKENS = (1, 4, 16, 64, 128, 256)
+# --options-ab only, with --experts 128: Qwen3-30B-A3B's layer shape (6 MiB fp32 expert matrices)
+AB_EXTRA_SHAPES = ((128, 8, 2048, 768, "qwen3_moe"),)
 
 
 def median_time(fn, *args, budget_s=6.0, max_reps=15):
@@ -198,13 +202,13 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, only_backends=None, w
             row["backends"][backend] = {"skipped": f"{work[backend] / 1e12:.1f} TFLOP per call (E x or T*E work)"}
             continue
         # `auto` compiles as a server would: with the options moe.compiler_options picks for T
-        options = moe.compiler_options(cfg, t) if backend == "auto" else {}
+        options = moe.compiler_options(cfg, t, dtype=dtype) if backend == "auto" else {}
         fn = jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b), compiler_options=options or None)
         median, first = median_time(fn, params, x)
         err = float(jnp.max(jnp.abs(fn(params, x).astype(jnp.float32) - out_ref.astype(jnp.float32))))
         row["backends"][backend] = {"median_s": median, "first_call_s": first, "max_abs_diff_vs_expert_loop": err}
     row["auto_backend"] = experts.choose_backend(t * k, e, h, i, dtype)
-    row["auto_compiler_options"] = moe.compiler_options(cfg, t)
+    row["auto_compiler_options"] = moe.compiler_options(cfg, t, dtype=dtype)
     if e * 6 * t * h * i <= FLOP_CAP:
         row["dense_s"], _ = median_time(jax.jit(lambda p, v: dense_all_experts(p, v, cfg)), params, x)
     else:
@@ -276,14 +280,17 @@ def markdown(rows):
 
 
 def options_ab(e, k, h, i, family, t, dtype_name, reps=9):
-    """One A/B row: the layer ("expert_loop") compiled with default options and with YNNPACK off,
-    calls interleaved (alternating which goes first), medians and the rule's choice."""
+    """One A/B row, calls interleaved (alternating the order), medians: the layer's "expert_loop"
+    compiled with default options and with YNNPACK off, and "auto" compiled as the server does
+    (backend by `experts.choose_backend`, options by `moe.compiler_options`)."""
+    dtype = jnp.dtype(dtype_name)
     cfg = layer_config(e, k, h, i, family)
-    params = moe.init_params(cfg, jax.random.key(0), jnp.dtype(dtype_name))
-    x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype_name)
-    variants = {"default": None, "no_ynn": experts.small_rows_cpu_options() or None}
-    fns = {name: jax.jit(lambda p, v: moe.moe_layer(p, v, cfg, backend="expert_loop"), compiler_options=opts)
-           for name, opts in variants.items()}
+    params = moe.init_params(cfg, jax.random.key(0), dtype)
+    x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
+    variants = {"default": ("expert_loop", None), "no_ynn": ("expert_loop", experts.small_rows_cpu_options() or None),
+                "auto": ("auto", moe.compiler_options(cfg, t, dtype=dtype) or None)}
+    fns = {name: jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b), compiler_options=opts)
+           for name, (backend, opts) in variants.items()}
     times = {name: [] for name in fns}
     for name, fn in fns.items():
         jax.block_until_ready(fn(params, x))
@@ -292,28 +299,40 @@ def options_ab(e, k, h, i, family, t, dtype_name, reps=9):
             start = time.perf_counter()
             jax.block_until_ready(fns[name](params, x))
             times[name].append(time.perf_counter() - start)
-    default_s, no_ynn_s = (statistics.median(times[n]) for n in ("default", "no_ynn"))
+    default_s, no_ynn_s, auto_s = (statistics.median(times[n]) for n in ("default", "no_ynn", "auto"))
+    rule_picks_no_ynn = bool(moe.compiler_options(cfg, t, dtype=dtype, backend="expert_loop"))
+    loop_s = no_ynn_s if rule_picks_no_ynn else default_s  # expert_loop as auto compiled it before the backend rule
     return dict(E=e, k=k, H=h, I=i, T=t, dtype=dtype_name, rows_per_expert=t * k / e, default_s=default_s,
-                no_ynn_s=no_ynn_s, speedup=default_s / no_ynn_s, rule_picks_no_ynn=bool(moe.compiler_options(cfg, t)))
+                no_ynn_s=no_ynn_s, speedup=default_s / no_ynn_s, rule_picks_no_ynn=rule_picks_no_ynn,
+                auto_backend=experts.choose_backend(t * k, e, h, i, dtype), auto_s=auto_s,
+                auto_vs_expert_loop=loop_s / auto_s)
 
 
 def run_options_ab(args):
-    """--options-ab: is the rule in experts.compiler_options right on this machine?"""
+    """--options-ab: are the rules in experts.compiler_options / choose_backend right on this machine?"""
     if not experts.small_rows_cpu_options():
         sys.exit("this jaxlib does not accept experts.SMALL_ROWS_CPU_OPTIONS; nothing to compare")
-    print(f"{'E':>3} {'T':>5} {'dtype':>8} {'rows/E':>7} {'default ms':>10} {'no-ynn ms':>9} {'speedup':>7} rule")
+    print(f"{'E':>3} {'T':>5} {'dtype':>8} {'rows/E':>7} {'default ms':>10} {'no-ynn ms':>9} {'speedup':>7} "
+          f"{'rule':>7} {'auto ms':>8} {'auto backend':>12} {'vs loop':>7}")
     rows = []
-    for e, k, h, i, family in SHAPES:
-        if e not in args.experts:
+    for (e, k, h, i, family), dtype_name, t in selected_cases(args, SHAPES + AB_EXTRA_SHAPES, AB_TOKENS):
+        r = options_ab(e, k, h, i, family, t, dtype_name)
+        rows.append(r)
+        print(f"{e:>3} {t:>5} {dtype_name:>8} {r['rows_per_expert']:>7.1f} {r['default_s'] * 1e3:>10.1f} "
+              f"{r['no_ynn_s'] * 1e3:>9.1f} {r['speedup']:>7.2f} {'no-ynn' if r['rule_picks_no_ynn'] else 'default':>7} "
+              f"{r['auto_s'] * 1e3:>8.1f} {r['auto_backend']:>12} {r['auto_vs_expert_loop']:>7.2f}")
+        sys.stdout.flush()
+    return rows
+
+
+def selected_cases(args, shapes, default_tokens):
+    """(shape, dtype name, T) for every shape whose E is in --experts, dtype and token count."""
+    for shape in shapes:
+        if shape[0] not in args.experts:
             continue
         for dtype_name in args.dtypes:
-            for t in args.tokens or AB_TOKENS:
-                r = options_ab(e, k, h, i, family, t, dtype_name)
-                rows.append(r)
-                print(f"{e:>3} {t:>5} {dtype_name:>8} {r['rows_per_expert']:>7.1f} {r['default_s'] * 1e3:>10.1f} "
-                      f"{r['no_ynn_s'] * 1e3:>9.1f} {r['speedup']:>7.2f} {'no-ynn' if r['rule_picks_no_ynn'] else 'default'}")
-                sys.stdout.flush()
-    return rows
+            for t in args.tokens or default_tokens:
+                yield shape, dtype_name, t
 
 
 def main(argv=None):
@@ -326,8 +345,9 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--markdown", metavar="JSON", help="print the BENCHMARKS.md table of a results file and exit")
     parser.add_argument("--options-ab", action="store_true",
-                        help="A/B the layer with and without experts.SMALL_ROWS_CPU_OPTIONS (interleaved) "
-                             f"at T in {AB_TOKENS} (or --tokens); writes {os.path.basename(AB_RESULTS)}")
+                        help="A/B the layer's expert_loop with and without experts.SMALL_ROWS_CPU_OPTIONS and "
+                             f"auto as served (interleaved) at T in {AB_TOKENS} (or --tokens; --experts 128 adds "
+                             f"Qwen3-30B-A3B's shape); writes {os.path.basename(AB_RESULTS)}")
     args = parser.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
@@ -341,14 +361,10 @@ def main(argv=None):
         bandwidth = copy_bandwidth()
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); jax {jax.__version__} on {jax.default_backend()}")
         name, out, rows = "moe_layer", args.out, []
-        for e, k, h, i, family in SHAPES:
-            if e not in args.experts:
-                continue
-            for dtype_name in args.dtypes:
-                for t in args.tokens or TOKENS:
-                    rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, args.backends, not args.no_hf))
-                    print_table(rows[-1:])
-                    sys.stdout.flush()
+        for (e, k, h, i, family), dtype_name, t in selected_cases(args, SHAPES, TOKENS):
+            rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, args.backends, not args.no_hf))
+            print_table(rows[-1:])
+            sys.stdout.flush()
         print()
         print_table(rows)
     result = dict(benchmark=name, date=datetime.date.today().isoformat(), machine=platform.platform(),
