@@ -85,6 +85,16 @@ def test_capacity_dispatch_equals_moe_layer(family, r):
     assert stats["rows_received"].sum() == 24 * cfg.topk
 
 
+@pytest.mark.parametrize("r", (2, 4))
+def test_capacity_expert_backend_inside_the_ranks_equals_moe_layer(r):
+    """The "capacity" expert backend picks its bucket with lax.switch on each rank's own groups."""
+    cfg, params = setup("mixtral")
+    x = tokens(24)
+    got, stats = run_ep(params, x, cfg, r, dispatch="capacity", backend="capacity")
+    np.testing.assert_allclose(got, reference(params, x, cfg)[0], **FP32_TOL)
+    assert stats["dropped_pairs"] == 0
+
+
 @pytest.mark.parametrize("family,r", [("mixtral", 2), ("qwen2_moe", 8), ("deepseek_v3", 4), ("qwen3_moe", 8)])
 def test_ragged_dispatch_through_the_emulation_equals_capacity_dispatch(family, r):
     cfg, params = setup(family)
