@@ -209,7 +209,8 @@ def test_auto_resolves_to_a_backend_for_every_platform():
             assert experts.choose_backend(rows, 8, 1024, 2048, jnp.bfloat16, platform) in BACKENDS
 
 
-def test_cpu_auto_picks_capacity_for_fp32_few_rows_per_large_expert_with_most_experts_in_use():
+def test_cpu_auto_picks_capacity_for_fp32_few_rows_per_large_expert_with_most_experts_in_use(monkeypatch):
+    monkeypatch.setattr(experts, "native_cpu_available", lambda: False)  # a machine without a C++ compiler
     mixtral = (8, 1024, 2048)  # fp32 expert matrices of 8 MiB
     choose = functools.partial(experts.choose_backend, platform="cpu")
     assert choose(32, *mixtral, jnp.float32) == "capacity"  # T=16, k=2: 4 rows per expert, 98% in use
@@ -226,7 +227,8 @@ def test_cpu_auto_picks_capacity_for_fp32_few_rows_per_large_expert_with_most_ex
     assert experts.expected_touched_fraction(8, 8) == pytest.approx(1 - (7 / 8) ** 8)
 
 
-def test_compiler_options_turn_ynn_off_only_for_few_rows_per_large_expert():
+def test_compiler_options_turn_ynn_off_only_for_few_rows_per_large_expert(monkeypatch):
+    monkeypatch.setattr(experts, "native_cpu_available", lambda: False)  # a machine without a C++ compiler
     small_rows = experts.small_rows_cpu_options()
     assert small_rows == experts.SMALL_ROWS_CPU_OPTIONS  # this jaxlib knows the option
     mixtral = (8, 1024, 2048)  # fp32 expert matrices of 8 MiB

@@ -167,9 +167,11 @@ def test_buckets_and_info(warm_engine):
     assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
 
 
-def test_small_buckets_of_large_experts_compile_with_small_rows_options():
-    """A layer with 4 MiB fp32 expert matrices: buckets under 64 rows per expert compile with
-    YNNPACK off (moe.compiler_options), larger ones with the defaults; both equal the kernel."""
+def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypatch):
+    """Without the native CPU kernel (no compiler), a layer with 4 MiB fp32 expert matrices: buckets
+    under 64 rows per expert compile with YNNPACK off (moe.compiler_options), larger ones with the
+    defaults; both equal the kernel."""
+    monkeypatch.setattr(experts, "native_cpu_available", lambda: False)
     cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=1024, intermediate_size=1024)
     params = {name: np.asarray(value) for name, value in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")

@@ -1,0 +1,122 @@
+"""The C++ grouped matmul (native_cpu.py) against its plain-jnp reference and a float64 loop, over
+shapes that hit the vector chunks, the column tails and the k remainder, with empty experts, NaN
+garbage past the groups and in unused experts; its build, cache and the fallback without a
+compiler, in fresh processes."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from expertd.kernels import experts, native_cpu
+
+pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native kernel: {native_cpu.unavailable_reason()}")
+
+# (group sizes, K, C): C = 17 / 50 have scalar column tails, K = 5 / 40 a k remainder past the
+# 16-row steps, 2064 columns a second column block, one expert of 4 or more rows several row blocks.
+CASES = [
+    ([3], 5, 17),
+    ([2, 0, 5], 40, 50),
+    ([1, 2, 3, 9], 64, 96),
+    ([0, 0, 7, 0], 48, 32),
+    ([4, 4], 1024, 2048),
+    ([1, 0, 6, 2, 0, 0, 1, 13], 128, 2064),
+]
+
+
+def loop_oracle(x, group_sizes, w):
+    """float64 row-by-row product with each row's expert matrix; rows past the groups are 0."""
+    x, w = np.asarray(x, np.float64), np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+    out, start = np.zeros((x.shape[0], w.shape[2])), 0
+    for e, n in enumerate(group_sizes):
+        out[start:start + n] = x[start:start + n] @ w[e]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+@pytest.mark.parametrize("sizes,k,c", CASES)
+def test_matches_reference_and_float64(sizes, k, c, dtype):
+    rng = np.random.default_rng(len(sizes) * k + c)
+    used = sum(sizes)
+    x = rng.standard_normal((used + 3, k)).astype(np.float32)
+    x[used:] = np.nan  # rows past the groups are never read
+    w = rng.standard_normal((len(sizes), k, c)).astype(np.float32) * 0.1
+    for e, n in enumerate(sizes):
+        if n == 0:
+            w[e] = np.nan  # experts without rows are never read
+    x, gs, w = jnp.asarray(x), jnp.asarray(sizes, jnp.int32), jnp.asarray(w, dtype)
+    got = np.asarray(jax.jit(native_cpu.grouped_matmul)(x, gs, w))
+    assert got.shape == (used + 3, c) and got.dtype == np.float32
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[used:], 0)
+    want = np.asarray(native_cpu.grouped_matmul_reference(jnp.where(jnp.isnan(x), 0, x), gs, jnp.where(jnp.isnan(w), 0, w)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    np.testing.assert_allclose(got[:used], loop_oracle(x[:used], sizes, w)[:used], rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_no_rows_gives_zeros_and_argument_errors_name_the_field():
+    x, w = jnp.ones((4, 8), jnp.float32), jnp.ones((2, 8, 16), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(native_cpu.grouped_matmul(x, jnp.zeros(2, jnp.int32), w)), 0)
+    with pytest.raises(ValueError, match="group_sizes"):
+        native_cpu.grouped_matmul(x, jnp.zeros(3, jnp.int32), w)
+    with pytest.raises(ValueError, match="w must be float32 or bfloat16"):
+        native_cpu.grouped_matmul(x, jnp.zeros(2, jnp.int32), w.astype(jnp.float16))
+
+
+def test_cpu_auto_picks_native_below_128_rows_per_expert():
+    assert native_cpu.vectorized()  # the dev box and CI have AVX2 + FMA
+    for e, h, i in ((8, 1024, 2048), (64, 1024, 512), (4, 64, 128)):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            assert experts.choose_backend(1, e, h, i, dtype, "cpu") == "native_cpu"
+            assert experts.choose_backend(127 * e, e, h, i, dtype, "cpu") == "native_cpu"
+            assert experts.choose_backend(128 * e, e, h, i, dtype, "cpu") != "native_cpu"
+            assert experts.compiler_options(16, e, h, i, dtype=dtype, platform="cpu") == {}
+    assert experts.choose_backend(16, 8, 1024, 2048, jnp.bfloat16, "gpu") == "ragged_dot"
+
+
+def _fresh_process(code: str, **env) -> dict:
+    """Run `code` (which prints one JSON line last) in a new interpreter with `env` added."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_builds_into_the_cache_dir_and_the_next_process_loads_it(tmp_path):
+    code = """
+        import json, jax.numpy as jnp, numpy as np
+        from expertd.kernels import native_cpu
+        ok = native_cpu.available()
+        y = native_cpu.grouped_matmul(jnp.ones((3, 16), jnp.float32), jnp.asarray([2, 1], jnp.int32),
+                                      jnp.ones((2, 16, 32), jnp.bfloat16))
+        print(json.dumps({"ok": ok, "sum": float(np.asarray(y).sum())}))
+    """
+    assert _fresh_process(code, EXPERTD_CACHE_DIR=str(tmp_path)) == {"ok": True, "sum": 3 * 16 * 32}
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) == 1 and built[0].startswith("grouped_matmul_cpu-") and built[0].endswith(".so")
+    # No compiler now: the cached library still loads.
+    assert _fresh_process(code, EXPERTD_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")["ok"] is True
+
+
+def test_without_a_compiler_auto_falls_back_and_explicit_use_says_why(tmp_path):
+    code = """
+        import json, jax.numpy as jnp
+        from expertd.kernels import experts, native_cpu
+        try:
+            native_cpu.grouped_matmul(jnp.ones((1, 16), jnp.float32), jnp.ones(1, jnp.int32), jnp.ones((1, 16, 16)))
+            error = ""
+        except RuntimeError as err:
+            error = str(err)
+        print(json.dumps({"ok": native_cpu.available(), "why": native_cpu.unavailable_reason(), "error": error,
+                          "auto": experts.choose_backend(32, 8, 1024, 2048, jnp.bfloat16, "cpu")}))
+    """
+    got = _fresh_process(code, EXPERTD_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")
+    assert got["ok"] is False and "/nonexistent/c++" in got["why"]
+    assert "native CPU kernel is unavailable" in got["error"]
+    assert got["auto"] == "expert_loop"
