@@ -20,8 +20,9 @@ two smaller token counts and marked "fit". The `auto` column compiles with
 
 `--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
 with the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
-server compiles it (experts.choose_backend picks "capacity" for fp32 weights with few rows per
-large expert), calls interleaved, at T in {1, 4, 16, 64, 128, 256}; `--experts 128` adds
+server compiles it (experts.choose_backend picks "native_cpu" below 128 rows per expert where its
+C++ kernel builds, else "capacity" for fp32 weights with few rows per large expert), calls
+interleaved, at T in {1, 4, 16, 64, 128, 256}; `--experts 128` adds
 Qwen3-30B-A3B's layer shape; writes benchmarks/results/moe_layer_options_ab.json.
 """
 from __future__ import annotations
@@ -193,7 +194,7 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, only_backends=None, w
     row["touched_experts"] = touched
     row["floor_s"] = touched * 3 * h * i * dtype.itemsize / bandwidth  # STREAM-style copy rate (r+w)
     work = {"reference": e * active_flops, "ragged_dot": e * active_flops, "capacity": e * 6 * t * h * i,
-            "expert_loop": active_flops, "auto": active_flops, "pallas": active_flops}
+            "expert_loop": active_flops, "native_cpu": active_flops, "auto": active_flops, "pallas": active_flops}
     for backend in only_backends or BACKENDS:
         if backend == "pallas" and t > 16:
             row["backends"][backend] = {"skipped": "interpret mode on CPU (a GPU kernel); run at T=16 only"}

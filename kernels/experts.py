@@ -313,9 +313,10 @@ def expected_touched_fraction(num_rows: int, num_experts: int) -> float:
 #   bf16 weights stay on expert_loop: a batched dot over bf16 weights converts all of them per call.
 # - Above all of these, when its C++ kernel builds (native_cpu.py), the "native_cpu" backend: it
 #   reads each used expert's weights once in place and widens bf16 in registers. Against
-#   expert_loop with the better of both options it ran 2.0-5.2x faster below 64 rows per expert
-#   (E in {8, 64, 128}, T 1-256, bf16 and fp32), 1.12-1.49x at 64, 0.97-1.10x at 128 and 0.75-0.81x
-#   at 256 (E=8, T=1024): compute-bound there, where XLA's GEMMs are faster. Hence the cut at 128.
+#   expert_loop with the better of its two options (interleaved A/B) it ran the layer 1.5-5.2x
+#   faster below 64 rows per expert (E in {8, 64, 128}, T 1-256, bf16 and fp32), 1.12-1.39x at 64,
+#   0.97-1.10x at 128 and 0.75-0.81x at 256 (E=8, T=1024): compute-bound there, where XLA's GEMMs
+#   are faster. Hence the cut at 128.
 # Compiler options are per compiled program, so a server applies them per token bucket.
 SMALL_ROWS_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 SMALL_ROWS_PER_EXPERT = 64
