@@ -75,6 +75,10 @@ def serve(argv: list[str]) -> int:
         return 1
     say(f"ready: {len(handle.engine.layers)} layers, buckets {list(handle.engine.buckets)}, "
         f"{time.perf_counter() - started:.1f}s after start")
+    native = handle.engine.info()["native_cpu_kernel"]
+    if native is not None and not native["available"]:
+        say(f"note: the native CPU expert kernel is unavailable ({native['reason']}); small batches run "
+            "XLA's slower expert paths")
     while not handle.wait(0.5):  # short waits keep the main thread responsive to signals
         pass
     say("drained, exiting")

@@ -256,8 +256,9 @@ class Engine:
         return RouteResult(ids[:num_valid], weights[:num_valid], counts, float(aux), scores[:num_valid])
 
     def info(self) -> dict:
-        """Layers (index, source, full config), dtype, buckets, mesh, backend, compile counters and
-        the XLA compiler options of forward steps that have any (per shape group and bucket)."""
+        """Layers (index, source, full config), dtype, buckets, mesh, backend, compile counters, the
+        native CPU expert kernel's status (CPU only) and the XLA compiler options of forward steps
+        that have any (per shape group and bucket)."""
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
                         "params": {name: {"shape": list(np.shape(p)), "dtype": str(p.dtype),
@@ -274,6 +275,7 @@ class Engine:
             "compilations": self.compilations,
             "compile_seconds": self.compile_seconds,
             "compile_cache_dir": None if self.compile_cache_dir is None else str(self.compile_cache_dir),
+            "native_cpu_kernel": self._native_cpu_kernel(),
             "forward_compiler_options": [
                 {"layers": list(layers), "bucket": bucket, "options": options}
                 for key, layers in self._shape_groups().items() for bucket in self.buckets
@@ -281,6 +283,15 @@ class Engine:
         }
 
     # ------------------------------------------------------------------ internals
+
+    def _native_cpu_kernel(self) -> dict | None:
+        """On CPU, whether the C++ expert kernel (`auto`'s choice for small buckets) is usable and,
+        if not, why; None on other platforms, which never run it."""
+        if self.devices[0].platform != "cpu":
+            return None
+        from expertd.kernels import native_cpu
+
+        return {"available": native_cpu.available(), "reason": native_cpu.unavailable_reason() or None}
 
     def _layer(self, index) -> LoadedLayer:
         try:

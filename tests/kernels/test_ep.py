@@ -95,6 +95,23 @@ def test_capacity_expert_backend_inside_the_ranks_equals_moe_layer(r):
     assert stats["dropped_pairs"] == 0
 
 
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_native_cpu_expert_backend_inside_the_ranks_equals_moe_layer(dtype):
+    """The C++ custom call runs per simulated device inside shard_map, on each rank's own groups."""
+    from expertd.kernels import native_cpu
+
+    if not native_cpu.available():
+        pytest.skip(f"no native kernel: {native_cpu.unavailable_reason()}")
+    cfg, params = setup("mixtral", dtype=dtype)
+    x = tokens(24, dtype=jnp.dtype(dtype))
+    got, stats = run_ep(params, x, cfg, 4, dispatch="capacity", backend="native_cpu")
+    want = reference(params, x, cfg, backend="native_cpu")[0]
+    np.testing.assert_allclose(got, want, **(FP32_TOL if dtype == "float32" else BF16_TOL))
+    np.testing.assert_allclose(got, reference(params, x, cfg, backend="expert_loop")[0],
+                               **(FP32_TOL if dtype == "float32" else BF16_TOL))
+    assert stats["dropped_pairs"] == 0
+
+
 @pytest.mark.parametrize("family,r", [("mixtral", 2), ("qwen2_moe", 8), ("deepseek_v3", 4), ("qwen3_moe", 8)])
 def test_ragged_dispatch_through_the_emulation_equals_capacity_dispatch(family, r):
     cfg, params = setup(family)

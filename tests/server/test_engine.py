@@ -165,6 +165,7 @@ def test_buckets_and_info(warm_engine):
     assert info["layers"][0]["params"]["w_gate"] == {"shape": [8, 64, 128], "dtype": "float32",
                                                      "split_over_ep": False}
     assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
+    assert info["native_cpu_kernel"] == {"available": True, "reason": None}  # the dev box and CI have g++
 
 
 def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypatch):
