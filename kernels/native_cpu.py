@@ -11,7 +11,8 @@ against the XLA FFI headers jaxlib ships, into `$EXPERTD_CACHE_DIR` (default `~/
 keyed by a hash of the source, jaxlib's version and the flags; later processes load it from there
 (`python -m expertd.kernels.native_cpu` builds it ahead of time, e.g. in an image). Where there is no
 compiler or the build fails, `available()` is False with the reason in `unavailable_reason()`, and
-`experts.choose_backend` keeps to XLA's paths. The custom call exists for the CPU platform only.
+`experts.choose_backend` keeps to XLA's paths. The custom call exists for the CPU platform only,
+on x86-64 (AVX2 + FMA, with a portable scalar loop for older x86 CPUs).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import hashlib
 import logging
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -74,11 +77,21 @@ def _build(cxx: str, target: pathlib.Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
+_LOAD_LOCK = threading.Lock()
+
+
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(library, "") once registered with XLA, else (None, why not). Built at most once per process."""
-    path = library_path()
+    with _LOAD_LOCK:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> tuple[ctypes.CDLL | None, str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the kernel is written for x86-64 (AVX2), this machine is {platform.machine()}"
     try:
+        path = library_path()
         if not path.exists():
             cxx = _compiler()
             if cxx is None:
@@ -103,7 +116,8 @@ def unavailable_reason() -> str:
 
 
 def vectorized() -> bool:
-    """Whether this CPU runs the AVX2/FMA path (else a portable scalar loop: correct, slow)."""
+    """Whether this CPU runs the AVX2/FMA path (else a portable scalar loop: correct, slow; set
+    EXPERTD_NATIVE_CPU_PORTABLE=1 before the first call to force it)."""
     lib = _load()[0]
     return lib is not None and bool(lib.expertd_grouped_matmul_has_avx2())
 

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -137,8 +138,10 @@ __attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, int64_t rows,
   for (; k0 < k_dim; ++k0) RowBlocks<1>(x, rows, k_dim, w, c_dim, k0, c0, c_vec, y);
 }
 
+// EXPERTD_NATIVE_CPU_PORTABLE=1 forces the portable loop (how the tests exercise it on AVX2 CPUs).
 bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has = std::getenv("EXPERTD_NATIVE_CPU_PORTABLE") == nullptr &&
+                          __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
 }
 

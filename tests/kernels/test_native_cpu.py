@@ -120,3 +120,25 @@ def test_without_a_compiler_auto_falls_back_and_explicit_use_says_why(tmp_path):
     assert got["ok"] is False and "/nonexistent/c++" in got["why"]
     assert "native CPU kernel is unavailable" in got["error"]
     assert got["auto"] == "expert_loop"
+
+
+def test_portable_loop_matches_the_reference(tmp_path):
+    """The scalar path of CPUs without AVX2 (forced by EXPERTD_NATIVE_CPU_PORTABLE), column tails
+    and k remainders included."""
+    code = """
+        import json, jax.numpy as jnp, numpy as np
+        from expertd.kernels import native_cpu
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.standard_normal((9, 40)), jnp.float32)
+        gs = jnp.asarray([3, 0, 4], jnp.int32)
+        err = []
+        for dtype in (jnp.float32, jnp.bfloat16):
+            w = jnp.asarray(rng.standard_normal((3, 40, 50)), dtype)
+            got = np.asarray(native_cpu.grouped_matmul(x, gs, w))
+            want = np.asarray(native_cpu.grouped_matmul_reference(x, gs, w))
+            err.append(float(np.max(np.abs(got - want))))
+        print(json.dumps({"vectorized": native_cpu.vectorized(), "err": err}))
+    """
+    got = _fresh_process(code, EXPERTD_NATIVE_CPU_PORTABLE="1")
+    assert got["vectorized"] is False
+    assert max(got["err"]) < 1e-4
