@@ -75,10 +75,8 @@ def serve(argv: list[str]) -> int:
         return 1
     say(f"ready: {len(handle.engine.layers)} layers, buckets {list(handle.engine.buckets)}, "
         f"{time.perf_counter() - started:.1f}s after start")
-    native = handle.engine.info()["native_cpu_kernel"]
-    if native is not None and not native["available"]:
-        say(f"note: the native CPU expert kernel is unavailable ({native['reason']}); small batches run "
-            "XLA's slower expert paths")
+    if note := _native_kernel_note(handle.engine.info()["native_cpu_kernel"]):
+        say(note)
     while not handle.wait(0.5):  # short waits keep the main thread responsive to signals
         pass
     say("drained, exiting")
@@ -87,6 +85,14 @@ def serve(argv: list[str]) -> int:
 
 def say(message: str) -> None:
     print(f"expertd: {message}", flush=True)
+
+
+def _native_kernel_note(status: dict | None) -> str | None:
+    """The line `serve` prints when the native CPU expert kernel could not be built (status: Engine.info()'s)."""
+    if status is None or status["available"]:
+        return None
+    return (f"note: the native CPU expert kernel is unavailable ({status['reason']}); small batches run "
+            "XLA's slower expert paths")
 
 
 def _print_progress(event) -> None:

@@ -190,6 +190,15 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
         ("forward", 8, experts.SMALL_ROWS_CPU_OPTIONS), ("forward", 128, {}), ("route_hidden", 8, {})]
 
 
+def test_serve_notes_a_missing_native_kernel():
+    from expertd.server import cli
+
+    assert cli._native_kernel_note(None) is None  # not a CPU engine
+    assert cli._native_kernel_note({"available": True, "reason": None}) is None
+    note = cli._native_kernel_note({"available": False, "reason": "no C++ compiler found (set CXX)"})
+    assert "unavailable (no C++ compiler found (set CXX))" in note
+
+
 def test_serve_progress_line_names_the_compiler_options(capsys):
     from expertd.server import cli
 
