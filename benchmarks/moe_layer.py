@@ -20,8 +20,8 @@ two smaller token counts and marked "fit". The `auto` column compiles with
 
 `--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
 with the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
-server compiles it (experts.choose_backend picks "native_cpu" below 128 rows per expert where its
-C++ kernel builds, else "capacity" for fp32 weights with few rows per large expert), calls
+server compiles it (experts.choose_backend picks "native_cpu" where its C++ kernel builds, else
+"capacity" for fp32 weights with few rows per large expert), calls
 interleaved, at T in {1, 4, 16, 64, 128, 256}; `--experts 128` adds
 Qwen3-30B-A3B's layer shape; writes benchmarks/results/moe_layer_options_ab.json.
 """

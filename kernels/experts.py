@@ -25,8 +25,9 @@ N rows):
                     per call from a few compiled sizes, see capacity_buckets)
       "expert_loop" loop over the experts that have rows, each running only its rows in row
                     tiles (dropless, <= 63 masked rows per expert; fp32 compute, see there)
-      "native_cpu"  a C++ XLA:CPU custom call (native_cpu.py) per projection that reads each used
-                    expert's weights once in place (bf16 widened in registers); CPU only, built
+      "native_cpu"  a C++ XLA:CPU custom call (native_cpu.py) per projection: few rows per
+                    expert stream each used expert's weights once in place (bf16 widened in
+                    registers), many rows run a packed register-blocked GEMM; CPU only, built
                     with the system compiler on first use
       "pallas"      fused grouped-GEMM Pallas kernel (experts_pallas.py): compiled with
                     Pallas-Triton on GPU, interpret mode on CPU
@@ -311,19 +312,19 @@ def expected_touched_fraction(num_rows: int, num_experts: int) -> float:
 #   E=128, T=4); with 16 rows per expert its padded rows (C = 32) make it compute-bound, and it
 #   won at E=8 (T 64-128: 1.25-1.35x) but lost at E=128, T=256 (0.86x), so the cut is 16.
 #   bf16 weights stay on expert_loop: a batched dot over bf16 weights converts all of them per call.
-# - Above all of these, when its C++ kernel builds (native_cpu.py), the "native_cpu" backend: it
-#   reads each used expert's weights once in place and widens bf16 in registers. Against
-#   expert_loop with the better of its two options (interleaved A/B) it ran the layer 1.5-5.2x
-#   faster below 64 rows per expert (E in {8, 64, 128}, T 1-256, bf16 and fp32), 1.12-1.39x at 64,
-#   0.97-1.10x at 128 and 0.75-0.81x at 256 (E=8, T=1024): compute-bound there, where XLA's GEMMs
-#   are faster. Hence the cut at 128.
+# - Above all of these, when its C++ kernel builds (native_cpu.py), the "native_cpu" backend at
+#   every batch size: below 40 rows per expert it reads each used expert's weights once in place
+#   and widens bf16 in registers; from 40 rows it packs them into panels for a register-blocked
+#   GEMM micro-kernel. Against expert_loop with the better of its two options (interleaved A/B) it
+#   ran the layer 1.5-5.2x faster below 64 rows per expert (E in {8, 64, 128}, T 1-256, bf16 and
+#   fp32; session 5's streaming kernel), and with the packed path 1.57-1.65x at 32-64 rows,
+#   1.20-1.36x at 128-256 and 1.05-1.08x at 512-1024 (E in {8, 64}, T 256-4096).
 # Compiler options are per compiled program, so a server applies them per token bucket.
 SMALL_ROWS_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 SMALL_ROWS_PER_EXPERT = 64
 SMALL_ROWS_MIN_MATRIX_BYTES = 4 << 20
 CAPACITY_MIN_TOUCHED = 0.5
 CAPACITY_ROWS_PER_EXPERT = 16
-NATIVE_CPU_ROWS_PER_EXPERT = 128
 
 
 def few_rows_per_large_expert(num_rows: int, num_experts: int, hidden: int, intermediate: int) -> bool:
@@ -337,9 +338,8 @@ def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: i
                    platform: str | None = None) -> str:
     """The backend "auto" runs for `num_rows` (= T*k) rows of this shape on this platform.
 
-    `dtype` is the expert weights' dtype. CPU: "native_cpu" for fewer than
-    NATIVE_CPU_ROWS_PER_EXPERT rows per expert when its kernel is available (see the comment above
-    SMALL_ROWS_CPU_OPTIONS); else "capacity" for fp32 weights with fewer than
+    `dtype` is the expert weights' dtype. CPU: "native_cpu" whenever its kernel is available (see
+    the comment above SMALL_ROWS_CPU_OPTIONS); without it, "capacity" for fp32 weights with fewer than
     CAPACITY_ROWS_PER_EXPERT rows per large expert (`few_rows_per_large_expert`) when at least
     CAPACITY_MIN_TOUCHED of the experts are expected in use (measured faster there, see the
     comment above SMALL_ROWS_CPU_OPTIONS);
@@ -353,7 +353,7 @@ def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: i
     platform = platform or jax.default_backend()
     if platform != "cpu":
         return "ragged_dot"
-    if num_rows < NATIVE_CPU_ROWS_PER_EXPERT * num_experts and native_cpu_available():
+    if native_cpu_available():
         return "native_cpu"
     if (jnp.dtype(dtype) == jnp.float32 and num_rows < CAPACITY_ROWS_PER_EXPERT * num_experts
             and few_rows_per_large_expert(num_rows, num_experts, hidden, intermediate)

@@ -17,8 +17,11 @@ from expertd.kernels import experts, native_cpu
 
 pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native kernel: {native_cpu.unavailable_reason()}")
 
-# (group sizes, K, C): C = 17 / 50 have scalar column tails, K = 5 / 40 a k remainder past the
+# (group sizes, K, C): C = 17 / 50 / 40 have scalar column tails, K = 5 / 40 a k remainder past the
 # 16-row steps, 2064 columns a second column block, one expert of 4 or more rows several row blocks.
+# Experts of 40 rows or more take the packed path: 45 / 41 / 130 rows end in partial 6-row panels,
+# 130 spans two 120-row L2 blocks, K = 300 / 520 end in a partial 256-deep k block, and the last
+# case mixes both paths (and an empty expert) in one call.
 CASES = [
     ([3], 5, 17),
     ([2, 0, 5], 40, 50),
@@ -26,6 +29,8 @@ CASES = [
     ([0, 0, 7, 0], 48, 32),
     ([4, 4], 1024, 2048),
     ([1, 0, 6, 2, 0, 0, 1, 13], 128, 2064),
+    ([45], 300, 40),
+    ([0, 130, 41, 3], 520, 64),
 ]
 
 
@@ -69,14 +74,13 @@ def test_no_rows_gives_zeros_and_argument_errors_name_the_field():
         native_cpu.grouped_matmul(x, jnp.zeros(2, jnp.int32), w.astype(jnp.float16))
 
 
-def test_cpu_auto_picks_native_below_128_rows_per_expert():
+def test_cpu_auto_picks_native_at_every_batch_size():
     assert native_cpu.vectorized()  # the dev box and CI have AVX2 + FMA
     for e, h, i in ((8, 1024, 2048), (64, 1024, 512), (4, 64, 128)):
         for dtype in (jnp.float32, jnp.bfloat16):
-            assert experts.choose_backend(1, e, h, i, dtype, "cpu") == "native_cpu"
-            assert experts.choose_backend(127 * e, e, h, i, dtype, "cpu") == "native_cpu"
-            assert experts.choose_backend(128 * e, e, h, i, dtype, "cpu") != "native_cpu"
-            assert experts.compiler_options(16, e, h, i, dtype=dtype, platform="cpu") == {}
+            for rows in (1, 39 * e, 40 * e, 1024 * e):
+                assert experts.choose_backend(rows, e, h, i, dtype, "cpu") == "native_cpu"
+                assert experts.compiler_options(rows, e, h, i, dtype=dtype, platform="cpu") == {}
     assert experts.choose_backend(16, 8, 1024, 2048, jnp.bfloat16, "gpu") == "ragged_dot"
 
 
