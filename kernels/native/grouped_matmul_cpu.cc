@@ -184,16 +184,22 @@ constexpr int64_t kPackRowsL2 = 120;  // a multiple of kPanelRows
 // this box's 195 FMA peak on two cores).
 constexpr int64_t kPackedMinRows = 40;
 
-// y[r, 0:16] += sum_k a[k][r] * b[k][0:16] for the first kRows of a 6-row x panel.
+// y[r, 0:16] (+)= sum_k a[k][r] * b[k][0:16] for the first kRows of a 6-row x panel; `accumulate`
+// adds to y (later k blocks), else overwrites it. The y tile is added after the k loop, behind a
+// prefetch: loaded first, its cache misses (one k block ago it was evicted) held up every FMA.
 template <int kRows>
 __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const float* a,
                                                                             const float* b,
                                                                             int64_t kc, float* y,
-                                                                            int64_t c_dim) {
+                                                                            int64_t c_dim,
+                                                                            bool accumulate) {
   __m256 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) {
-    acc[r][0] = _mm256_loadu_ps(y + r * c_dim);
-    acc[r][1] = _mm256_loadu_ps(y + r * c_dim + 8);
+    if (accumulate) {
+      _mm_prefetch(reinterpret_cast<const char*>(y + r * c_dim), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(y + r * c_dim + 15), _MM_HINT_T0);
+    }
+    acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k, a += kPanelRows, b += kPanelCols) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
@@ -204,6 +210,10 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const
     }
   }
   for (int r = 0; r < kRows; ++r) {
+    if (accumulate) {
+      acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(y + r * c_dim));
+      acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_loadu_ps(y + r * c_dim + 8));
+    }
     _mm256_storeu_ps(y + r * c_dim, acc[r][0]);
     _mm256_storeu_ps(y + r * c_dim + 8, acc[r][1]);
   }
@@ -233,34 +243,37 @@ void PackRows(const float* x, int64_t rows, int64_t k_dim, int64_t k0, int64_t k
   }
 }
 
-// Columns [c0, c1) (a multiple of 16 wide) of y = x @ w for `rows` rows; y starts at 0 there.
+// Columns [c0, c1) (a multiple of 16 wide) of y = x @ w for `rows` rows.
 template <typename W>
 __attribute__((target("avx2,fma"))) void BlockPacked(const float* x, int64_t rows, int64_t k_dim,
                                                      const W* w, int64_t c_dim, int64_t c0,
                                                      int64_t c1, float* y) {
-  thread_local std::vector<float> packed_w, packed_x;
+  thread_local std::vector<float> packed_w_buffer, packed_x_buffer;
   const int64_t panels = (c1 - c0) / kPanelCols;
   const int64_t row_panels = (rows + kPanelRows - 1) / kPanelRows;
-  packed_w.resize(kPackK * (c1 - c0));
-  packed_x.resize(kPackK * row_panels * kPanelRows);
+  packed_w_buffer.resize(kPackK * (c1 - c0));
+  packed_x_buffer.resize(kPackK * row_panels * kPanelRows);
+  float* const packed_w = packed_w_buffer.data();
+  float* const packed_x = packed_x_buffer.data();
   for (int64_t k0 = 0; k0 < k_dim; k0 += kPackK) {
     const int64_t kc = std::min(kPackK, k_dim - k0);
-    PackWeights(w, c_dim, k0, kc, c0, panels, packed_w.data());
-    PackRows(x, rows, k_dim, k0, kc, packed_x.data());
+    const bool accumulate = k0 > 0;
+    PackWeights(w, c_dim, k0, kc, c0, panels, packed_w);
+    PackRows(x, rows, k_dim, k0, kc, packed_x);
     for (int64_t i0 = 0; i0 < rows; i0 += kPackRowsL2) {
       const int64_t i1 = std::min(rows, i0 + kPackRowsL2);
       for (int64_t p = 0; p < panels; ++p) {
-        const float* b = packed_w.data() + p * kc * kPanelCols;
+        const float* b = packed_w + p * kc * kPanelCols;
         for (int64_t r0 = i0; r0 < i1; r0 += kPanelRows) {
-          const float* a = packed_x.data() + r0 * kc;
+          const float* a = packed_x + r0 * kc;
           float* yt = y + r0 * c_dim + c0 + p * kPanelCols;
           switch (std::min<int64_t>(kPanelRows, rows - r0)) {
-            case 6: MicroKernel<6>(a, b, kc, yt, c_dim); break;
-            case 5: MicroKernel<5>(a, b, kc, yt, c_dim); break;
-            case 4: MicroKernel<4>(a, b, kc, yt, c_dim); break;
-            case 3: MicroKernel<3>(a, b, kc, yt, c_dim); break;
-            case 2: MicroKernel<2>(a, b, kc, yt, c_dim); break;
-            default: MicroKernel<1>(a, b, kc, yt, c_dim); break;
+            case 6: MicroKernel<6>(a, b, kc, yt, c_dim, accumulate); break;
+            case 5: MicroKernel<5>(a, b, kc, yt, c_dim, accumulate); break;
+            case 4: MicroKernel<4>(a, b, kc, yt, c_dim, accumulate); break;
+            case 3: MicroKernel<3>(a, b, kc, yt, c_dim, accumulate); break;
+            case 2: MicroKernel<2>(a, b, kc, yt, c_dim, accumulate); break;
+            default: MicroKernel<1>(a, b, kc, yt, c_dim, accumulate); break;
           }
         }
       }
@@ -275,8 +288,8 @@ __attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, int64_t rows,
   const int64_t c_vec = c0 + (c1 - c0) / 16 * 16;
   if (c_vec < c1) BlockScalar(x, rows, k_dim, w, c_dim, c_vec, c1, y);
   if (c_vec == c0) return;
-  for (int64_t r = 0; r < rows; ++r) std::fill(y + r * c_dim + c0, y + r * c_dim + c_vec, 0.0f);
   if (rows >= kPackedMinRows) return BlockPacked(x, rows, k_dim, w, c_dim, c0, c_vec, y);
+  for (int64_t r = 0; r < rows; ++r) std::fill(y + r * c_dim + c0, y + r * c_dim + c_vec, 0.0f);
   int64_t k0 = 0;
   for (; k0 + kRowsPerStep <= k_dim; k0 += kRowsPerStep) {
     RowBlocks<kRowsPerStep>(x, rows, k_dim, w, c_dim, k0, c0, c_vec, y);
