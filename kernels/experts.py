@@ -313,8 +313,8 @@ def expected_touched_fraction(num_rows: int, num_experts: int) -> float:
 #   won at E=8 (T 64-128: 1.25-1.35x) but lost at E=128, T=256 (0.86x), so the cut is 16.
 #   bf16 weights stay on expert_loop: a batched dot over bf16 weights converts all of them per call.
 # - Above all of these, when its C++ kernel builds (native_cpu.py), the "native_cpu" backend at
-#   every batch size: below 40 rows per expert it reads each used expert's weights once in place
-#   and widens bf16 in registers; from 40 rows it packs them into panels for a register-blocked
+#   every batch size: below 32 rows per expert it reads each used expert's weights once in place
+#   and widens bf16 in registers; from 32 rows it packs them into panels for a register-blocked
 #   GEMM micro-kernel. Against expert_loop with the better of its two options (interleaved A/B) it
 #   ran the layer 1.5-5.2x faster below 64 rows per expert (E in {8, 64, 128}, T 1-256, bf16 and
 #   fp32; session 5's streaming kernel), and with the packed path 1.57-1.65x at 32-64 rows,

@@ -2,7 +2,7 @@
 
 `grouped_matmul(x, group_sizes, w)`: `x f32 [N, K]` (expert-major rows), `group_sizes int [E]`,
 `w bf16|f32 [E, K, C]` -> `f32 [N, C]`, each row times its expert's matrix; rows past
-sum(group_sizes) are 0. Experts with few rows (under 40) have their weights read once, in place,
+sum(group_sizes) are 0. Experts with few rows (under 32) have their weights read once, in place,
 with bf16 widened in registers (XLA:CPU copies and widens each expert's slice first); experts with
 more rows run a BLIS-style packed GEMM (fp32 weight panels, a 6 x 16 register micro-kernel), which
 beats XLA:CPU's dots at every measured size. `grouped_matmul_reference` is its plain-jnp twin.

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native k
 
 # (group sizes, K, C): C = 17 / 50 / 40 have scalar column tails, K = 5 / 40 a k remainder past the
 # 16-row steps, 2064 columns a second column block, one expert of 4 or more rows several row blocks.
-# Experts of 40 rows or more take the packed path: 45 / 41 / 130 rows end in partial 6-row panels,
+# Experts of 32 rows or more take the packed path: 45 / 41 / 130 rows end in partial 6-row panels,
 # 130 spans two 120-row L2 blocks, K = 300 / 520 end in a partial 256-deep k block, and the last
 # case mixes both paths (and an empty expert) in one call.
 CASES = [
@@ -78,7 +78,7 @@ def test_cpu_auto_picks_native_at_every_batch_size():
     assert native_cpu.vectorized()  # the dev box and CI have AVX2 + FMA
     for e, h, i in ((8, 1024, 2048), (64, 1024, 512), (4, 64, 128)):
         for dtype in (jnp.float32, jnp.bfloat16):
-            for rows in (1, 39 * e, 40 * e, 1024 * e):
+            for rows in (1, 31 * e, 32 * e, 1024 * e):
                 assert experts.choose_backend(rows, e, h, i, dtype, "cpu") == "native_cpu"
                 assert experts.compiler_options(rows, e, h, i, dtype=dtype, platform="cpu") == {}
     assert experts.choose_backend(16, 8, 1024, 2048, jnp.bfloat16, "gpu") == "ragged_dot"
