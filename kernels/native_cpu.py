@@ -62,13 +62,14 @@ def library_path() -> pathlib.Path:
     return cache_dir() / f"grouped_matmul_cpu-{key.hexdigest()[:16]}.so"
 
 
-def _build(cxx: str, target: pathlib.Path) -> None:
-    """Compile SOURCE into `target` atomically (concurrent processes may build at once)."""
+def _build(cxx: str, target: pathlib.Path, source: pathlib.Path = SOURCE) -> None:
+    """Compile `source` into `target` atomically (concurrent processes may build at once);
+    benchmarks/native_cpu_kernel.py builds variants of SOURCE with it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")

@@ -91,14 +91,15 @@ def _native_kernel_note(status: dict | None) -> str | None:
     """The line `serve` prints when the native CPU expert kernel could not be built (status: Engine.info()'s)."""
     if status is None or status["available"]:
         return None
-    return (f"note: the native CPU expert kernel is unavailable ({status['reason']}); small batches run "
-            "XLA's slower expert paths")
+    return (f"note: the native CPU expert kernel is unavailable ({status['reason']}); the experts run "
+            "XLA's slower paths")
 
 
 def _print_progress(event) -> None:
     options = ", ".join(f"{name}={value!r}" for name, value in sorted(event.compiler_options.items()))
     say(f"compiled {event.done}/{event.total}: {event.kind} bucket {event.bucket} for layers "
         f"{','.join(map(str, event.layers))} in {event.seconds:.2f}s"
+        + (f" (experts: {event.expert_backend})" if event.expert_backend else "")
         + (f" (XLA options: {options})" if options else ""))
 
 

@@ -18,7 +18,8 @@ What it does, in order:
    jit: tokens sharded over "ep" inside, expert weights split), AOT-compiled per bucket like the
    others and counted in the same compile metrics. Forward steps compile with
    `moe.compiler_options(cfg, bucket, dtype=...)` (on CPU, YNNPACK off for few rows per large expert:
-   measured faster there); `info()["forward_compiler_options"]` lists where any apply.
+   measured faster there); `info()["forward_compiler_options"]` lists where any apply, and
+   `info()["forward_expert_backends"]` which expert FFN backend each forward bucket runs.
 4. Results come back to the host as numpy, cut to the valid rows.
 
 Multi-host (issue 7): every process builds the same Engine and must call `forward` / `route`
@@ -99,7 +100,8 @@ class RouteResult:
 @dataclasses.dataclass(frozen=True)
 class CompileEvent:
     """One compiled step: `layers` share it; `done` of `total` during warm-up (total 0 outside);
-    `compiler_options` are the XLA options it was compiled with (see `moe.compiler_options`)."""
+    `compiler_options` are the XLA options it was compiled with (see `moe.compiler_options`);
+    `expert_backend` is the expert FFN backend a forward step runs (None for routing steps)."""
 
     layers: tuple[int, ...]
     bucket: int
@@ -108,6 +110,7 @@ class CompileEvent:
     done: int
     total: int
     compiler_options: dict = dataclasses.field(default_factory=dict)
+    expert_backend: str | None = None
 
 
 def enable_compile_cache(directory) -> None:
@@ -280,12 +283,15 @@ class Engine:
                 {"layers": list(layers), "bucket": bucket, "options": options}
                 for key, layers in self._shape_groups().items() for bucket in self.buckets
                 if (options := self._step_options(key[0], bucket, "forward"))],
+            "forward_expert_backends": [
+                {"layers": list(layers), "bucket": bucket, "backend": self._step_backend(key[0], bucket, "forward")}
+                for key, layers in self._shape_groups().items() for bucket in self.buckets],
         }
 
     # ------------------------------------------------------------------ internals
 
     def _native_cpu_kernel(self) -> dict | None:
-        """On CPU, whether the C++ expert kernel (`auto`'s choice for small buckets) is usable and,
+        """On CPU, whether the C++ expert kernel (`auto`'s choice there) is usable and,
         if not, why; None on other platforms, which never run it."""
         if self.devices[0].platform != "cpu":
             return None
@@ -370,11 +376,23 @@ class Engine:
         return moe.compiler_options(cfg, bucket, dtype=self.dtype, backend=self.backend,
                                    platform=self.devices[0].platform)
 
+    def _step_backend(self, cfg, bucket: int, kind: str) -> str | None:
+        """The expert FFN backend a forward step runs: the engine's, or what `auto` picks for the
+        bucket's rows (`experts.choose_backend`; EP ranks pick by their receive buffer, and no
+        platform's rule depends on the row count today). None for routing steps."""
+        if kind != "forward":
+            return None
+        if self.backend != "auto":
+            return self.backend
+        return experts.choose_backend(bucket * cfg.topk, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
+                                      self.dtype, self.devices[0].platform)
+
     def _record(self, key, layers, bucket, kind, executable, seconds, done, total) -> CompileEvent:
         self._executables[(key, bucket, kind)] = executable
         self.compilations += 1
         self.compile_seconds += seconds
-        event = CompileEvent(layers, bucket, kind, seconds, done, total, self._step_options(key[0], bucket, kind))
+        event = CompileEvent(layers, bucket, kind, seconds, done, total, self._step_options(key[0], bucket, kind),
+                             self._step_backend(key[0], bucket, kind))
         for listener in self._listeners:
             listener(event)
         return event

@@ -1,25 +1,25 @@
-// Grouped matmul for few rows per expert on CPU, as an XLA FFI custom call.
+// Grouped matmul on CPU, as an XLA FFI custom call.
 //
 //   y[r, :] = x[r, :] @ w[e(r)]   for the rows r of expert e (expert-major, group_sizes[e] rows each)
 //   x f32 [N, K], group_sizes s32 [E], w bf16 or f32 [E, K, C]  ->  y f32 [N, C]
 //   rows past sum(group_sizes) -> 0; experts without rows are never read.
 //
 // Why it exists: XLA:CPU's small-M dots copy each expert's weight slice (and widen bf16 weights to
-// fp32) into fresh buffers before multiplying, so a decode batch moves ~3-5x the weight bytes. This
-// kernel reads each used expert's weights once, in place, in their natural row order (sequential
-// streams the hardware prefetchers follow), widens bf16 in registers and accumulates in fp32.
+// fp32) into fresh buffers before multiplying, so a decode batch moves ~3-5x the weight bytes; and
+// its GEMMs reach ~110-135 GFLOP/s of this dev box's 195 where a packed micro-kernel does 145-175.
 //
 // Work split: items of (expert, block of output columns) are claimed from an atomic counter by the
 // calling thread and by helper tasks on XLA's intra-op thread pool; the caller only waits for items
 // already claimed, so it cannot deadlock on a busy pool.
 //
-// Items with kPackedMinRows rows or more take the packed path (BlockPacked: weight and x panels,
-// a 6 x 16 register micro-kernel), where the weights are reused enough for compute to dominate.
-// Below that, the streaming path; loop order inside an item: k in steps of kRowsPerStep (that many weight rows streamed at once),
-// row blocks of up to 4, column chunks: the accumulators of a row block (8 ymm: 4 rows x 16
-// columns, 2 x 32 or 1 x 64 for bf16) stay in registers across the step, and the item's output
-// block (rows x kBlockColumns fp32) in L1/L2. The first row block of a step also prefetches the
-// next step's weight rows (see PrefetchNextStep).
+// Two paths per item, by its rows (kPackedMinRows):
+// - Streaming (few rows: memory-bound). The expert's weights are read once, in place, in their row
+//   order, bf16 widened in registers. Loop order: k in steps of kRowsPerStep (that many weight
+//   rows streamed at once), row blocks of up to 4, column chunks: the accumulators of a row block
+//   (8 ymm: 4 rows x 16 columns, 2 x 32 or 1 x 64 for bf16) stay in registers across the step,
+//   and the item's output block (rows x kBlockColumns fp32) in L1/L2. The first row block of a
+//   step also prefetches the next step's weight rows (see PrefetchNextStep).
+// - Packed (many rows: compute-bound). BLIS-style blocking, see BlockPacked.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -82,9 +82,9 @@ __attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* w) {
 // The weights of the next step (kRowsPerStep rows x the item's columns), prefetched a slice per
 // column chunk while the current step runs, so they arrive one step ahead in memory order. Without
 // it, rows of 1-2 KB (E=64, C=512) restart the hardware prefetcher's streams every step, and bf16's
-// widening leaves too few loads in flight: 1.2-1.9x for bf16 at 1-16 rows per expert and for fp32
+// widening leaves too few loads in flight: bf16 0.99-1.51x at 1-4 rows per expert, fp32 0.93-1.29x
 // at 4-16 (interleaved A/B, weights cycled past L3). fp32 with 1-3 rows already streams at the read
-// rate; the extra instructions cost it 5-10%, so it is off below 4 rows.
+// rate; the extra instructions cost it up to 14%, so it is off below 4 rows.
 struct NextStep {
   const char* first;  // the next step's first weight row, at the item's first column
   int64_t rows;       // weight rows it has (0: this is the last step)
@@ -145,7 +145,7 @@ __attribute__((target("avx2,fma"))) void Columns(const float* x, int64_t k_dim, 
 }
 
 // One step (kk weight rows from k0) for all rows of the item. bf16 gives its 1- and 2-row blocks
-// wider chunks (8 accumulators as for 4 rows: 1.25-1.45x there); for fp32 they measured 0.93-1.0x.
+// wider chunks (8 accumulators as for 4 rows: 1.25-1.43x there); for fp32 they measured 0.93-1.05x.
 template <int kk, typename W>
 __attribute__((target("avx2,fma"))) void RowBlocks(const float* x, int64_t rows, int64_t k_dim,
                                                    const W* w, int64_t c_dim, int64_t k0,

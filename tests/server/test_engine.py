@@ -166,6 +166,8 @@ def test_buckets_and_info(warm_engine):
                                                      "split_over_ep": False}
     assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
     assert info["native_cpu_kernel"] == {"available": True, "reason": None}  # the dev box and CI have g++
+    assert info["forward_expert_backends"] == [  # the two layers' routers differ: one compiled step each
+        {"layers": [layer], "bucket": b, "backend": "native_cpu"} for layer in (0, 1) for b in (8, 32)]
 
 
 def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypatch):
@@ -181,13 +183,16 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
     engine.add_compile_listener(events.append)
     assert engine.info()["forward_compiler_options"] == [
         {"layers": [0], "bucket": 8, "options": experts.SMALL_ROWS_CPU_OPTIONS}]
+    assert engine.info()["forward_expert_backends"] == [
+        {"layers": [0], "bucket": 8, "backend": "capacity"}, {"layers": [0], "bucket": 128, "backend": "expert_loop"}]
     for n in (5, 100):
         x = _tokens(n, hidden=1024, seed=n)
         expected = moe_layer(_device_params(layer, jnp.float32), jnp.asarray(x), cfg=cfg)
         np.testing.assert_allclose(engine.forward(0, x).output, np.asarray(expected), rtol=1e-4, atol=1e-4)
     engine.route(0, hidden=_tokens(5, hidden=1024))
-    assert [(e.kind, e.bucket, e.compiler_options) for e in events] == [
-        ("forward", 8, experts.SMALL_ROWS_CPU_OPTIONS), ("forward", 128, {}), ("route_hidden", 8, {})]
+    assert [(e.kind, e.bucket, e.compiler_options, e.expert_backend) for e in events] == [
+        ("forward", 8, experts.SMALL_ROWS_CPU_OPTIONS, "capacity"), ("forward", 128, {}, "expert_loop"),
+        ("route_hidden", 8, {}, None)]
 
 
 def test_serve_notes_a_missing_native_kernel():
@@ -199,13 +204,14 @@ def test_serve_notes_a_missing_native_kernel():
     assert "unavailable (no C++ compiler found (set CXX))" in note
 
 
-def test_serve_progress_line_names_the_compiler_options(capsys):
+def test_serve_progress_line_names_the_expert_backend_and_compiler_options(capsys):
     from expertd.server import cli
 
-    cli._print_progress(CompileEvent((0, 1), 8, "forward", 1.5, 1, 3, {"xla_cpu_experimental_ynn_fusion_type": ""}))
+    cli._print_progress(CompileEvent((0, 1), 8, "forward", 1.5, 1, 3, {"xla_cpu_experimental_ynn_fusion_type": ""},
+                                     "expert_loop"))
     cli._print_progress(CompileEvent((0,), 32, "route_hidden", 0.25, 2, 3))
     assert capsys.readouterr().out.splitlines() == [
-        "expertd: compiled 1/3: forward bucket 8 for layers 0,1 in 1.50s "
+        "expertd: compiled 1/3: forward bucket 8 for layers 0,1 in 1.50s (experts: expert_loop) "
         "(XLA options: xla_cpu_experimental_ynn_fusion_type='')",
         "expertd: compiled 2/3: route_hidden bucket 32 for layers 0 in 0.25s"]
 

@@ -1,0 +1,144 @@
+"""The native CPU grouped matmul (kernels/native/grouped_matmul_cpu.cc) on its own, per projection.
+
+For each (E, K, C) projection shape, rows per expert and weight dtype: `native_cpu.grouped_matmul`
+against, in the same run, XLA's batched dot of the same products (`einsum("emk,ekc->emc")` with
+uniform groups: what the "capacity" backend runs, no padding) and the memory floor (the weight
+bytes / this machine's copy bandwidth, read + write, as in moe_layer.py's (c)). Each call reads
+another copy of the weights, enough copies to pass 4x 32 MiB, so no shape runs out of the last-level
+cache. Reports median ms, GB/s of weights, GFLOP/s, and the ratios; writes
+benchmarks/results/native_cpu_kernel.json.
+
+`--variant other.cc` also builds a modified copy of the kernel source and times it interleaved
+with the committed one (the A/B that picked the kernel's parameters): "variant/base" > 1 means the
+variant is faster. Run under `flock /tmp/expertd-bench.lock` when other jobs share the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from expertd.kernels import native_cpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_layer import copy_bandwidth  # noqa: E402
+
+# Projections of the two moe_layer.py shapes: Mixtral-style E=8 [1024, 2048] (gate / up) and
+# [2048, 1024] (down); Qwen3-MoE-style E=64 [1024, 512] and [512, 1024].
+SHAPES = ((8, 1024, 2048), (8, 2048, 1024), (64, 1024, 512), (64, 512, 1024))
+ROWS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 256)
+DTYPES = ("bfloat16", "float32")
+CYCLE_BYTES = 128 << 20
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "native_cpu_kernel.json")
+
+
+def variant_call(source: pathlib.Path):
+    """Build `source` (a variant of the kernel) and return a jitted call of it like grouped_matmul."""
+    cxx = native_cpu._compiler()
+    if cxx is None:
+        sys.exit("no C++ compiler for --variant")
+    target = pathlib.Path(tempfile.mkdtemp(prefix="expertd-variant-")) / "variant.so"
+    native_cpu._build(cxx, target, source=source)
+    lib = ctypes.cdll.LoadLibrary(str(target))
+    jax.ffi.register_ffi_target("expertd_grouped_matmul_variant", jax.ffi.pycapsule(lib.ExpertdGroupedMatmul),
+                                platform="cpu")
+
+    def call(x, group_sizes, w):
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+        return jax.ffi.ffi_call("expertd_grouped_matmul_variant", out)(x, group_sizes, w)
+    return jax.jit(call)
+
+
+def run_case(e, k, c, m, dtype_name, bandwidth, variant=None, reps=15):
+    dtype = jnp.dtype(dtype_name)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((e * m, k)), jnp.float32)
+    group_sizes = jnp.full((e,), m, jnp.int32)
+    w0 = jnp.asarray(rng.standard_normal((e, k, c)) * 0.02, dtype)
+    weights = [w0] + [(w0 * (1 + 1e-3 * j)).astype(dtype) for j in range(1, max(2, -(-CYCLE_BYTES // w0.nbytes)))]
+    fns = {"native": jax.jit(native_cpu.grouped_matmul),
+           "xla": jax.jit(lambda v, g, w: jnp.einsum("emk,ekc->emc", v.reshape(e, m, k), w.astype(jnp.float32),
+                                                     precision=jax.lax.Precision.DEFAULT).reshape(e * m, c))}
+    if variant is not None:
+        fns["variant"] = variant
+    want = np.asarray(fns["xla"](x, group_sizes, w0))
+    for name, fn in fns.items():  # compile, and check they compute the same product
+        got = np.asarray(fn(x, group_sizes, w0))
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
+    times = {name: [] for name in fns}
+    for rep in range(reps):
+        for j, name in enumerate(list(fns) if rep % 2 else list(fns)[::-1]):
+            w = weights[(rep * len(fns) + j) % len(weights)]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[name](x, group_sizes, w))
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    row = dict(E=e, K=k, C=c, rows_per_expert=m, dtype=dtype_name, weight_bytes=w0.nbytes,
+               gflop=2 * e * m * k * c / 1e9, floor_s=w0.nbytes / bandwidth,
+               **{f"{name}_s": s for name, s in med.items()})
+    row["vs_xla"] = med["xla"] / med["native"]
+    row["x_floor"] = med["native"] / row["floor_s"]
+    if variant is not None:
+        row["variant_vs_base"] = med["native"] / med["variant"]
+    return row
+
+
+def print_row(r):
+    s = r["native_s"]
+    extra = f" {r['variant_s'] * 1e3:>8.2f} {r['variant_vs_base']:>6.2f}" if "variant_s" in r else ""
+    print(f"{r['E']:>3} {r['K']:>5} {r['C']:>5} {r['rows_per_expert']:>4} {r['dtype']:>8} {s * 1e3:>8.2f} "
+          f"{r['weight_bytes'] / s / 1e9:>6.1f} {r['gflop'] / s:>7.1f} {r['xla_s'] * 1e3:>8.2f} {r['vs_xla']:>6.2f} "
+          f"{r['x_floor']:>6.2f}{extra}")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS_PER_EXPERT), help="rows per expert")
+    parser.add_argument("--experts", type=int, nargs="*", default=sorted({s[0] for s in SHAPES}))
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES))
+    parser.add_argument("--variant", type=pathlib.Path, help="a modified kernel source to A/B against the committed one")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    if not native_cpu.available():
+        sys.exit(f"native CPU kernel unavailable: {native_cpu.unavailable_reason()}")
+    variant = variant_call(args.variant) if args.variant else None
+    load_before = os.getloadavg()
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); jax {jax.__version__}; "
+          f"{'AVX2' if native_cpu.vectorized() else 'portable'} kernel")
+    print(f"{'E':>3} {'K':>5} {'C':>5} {'rows':>4} {'dtype':>8} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>7} {'xla ms':>8} "
+          f"{'vs xla':>6} {'x floor':>6}" + (f" {'var ms':>8} {'var/base':>6}" if variant else ""))
+    rows = []
+    for e, k, c in SHAPES:
+        if e not in args.experts:
+            continue
+        for dtype_name in args.dtypes:
+            for m in args.rows:
+                rows.append(run_case(e, k, c, m, dtype_name, bandwidth, variant, args.reps))
+                print_row(rows[-1])
+    result = dict(benchmark="native_cpu_kernel", date=datetime.date.today().isoformat(), machine=platform.platform(),
+                  cpu_count=os.cpu_count(), jax=jax.__version__, variant=str(args.variant or ""),
+                  load_average_before=load_before, load_average_after=os.getloadavg(),
+                  copy_bandwidth_bytes_per_s=bandwidth, rows=rows)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
