@@ -14,11 +14,11 @@
 //
 // Two paths per item, by its rows (kPackedMinRows):
 // - Streaming (few rows: memory-bound). The expert's weights are read once, in place, in their row
-//   order, bf16 widened in registers. Loop order: k in steps of kRowsPerStep (that many weight
-//   rows streamed at once), row blocks of up to 4, column chunks: the accumulators of a row block
-//   (8 ymm: 4 rows x 16 columns, 2 x 32 or 1 x 64 for bf16) stay in registers across the step,
-//   and the item's output block (rows x kBlockColumns fp32) in L1/L2. The first row block of a
-//   step also prefetches the next step's weight rows (see PrefetchNextStep).
+//   order, bf16 widened in registers. Loop order: k in steps of kRowsPerStep weight rows
+//   (kRowsPerStepOneBlock for items of up to 4 rows), row blocks of up to 4, column chunks: the
+//   accumulators of a row block (8 ymm: 4 rows x 16 columns, 2 x 32 or 1 x 64 for bf16) stay in
+//   registers across the step, and the item's output block (rows x kBlockColumns fp32) in L1/L2.
+//   The first row block of a step also prefetches the next step's weight rows (PrefetchNextStep).
 // - Packed (many rows: compute-bound). BLIS-style blocking, see BlockPacked.
 #include <immintrin.h>
 
@@ -43,6 +43,9 @@ namespace {
 constexpr int64_t kBlockColumns = 2048;  // output columns per work item
 constexpr int64_t kMinBlockColumns = 256;
 constexpr int kRowsPerStep = 16;         // weight rows streamed at once; accumulators stay in registers
+// Items of one row block stream 8 weight rows per step instead: fewer concurrent streams (once the
+// next-step prefetch existed, interleaved A/B: 1.0-1.26x at 1-4 rows, 0.85-0.94x at 8-24).
+constexpr int kRowsPerStepOneBlock = 8;
 constexpr int64_t kRowBlock = 4;
 
 inline float Bf16ToFloat(uint16_t bits) {
@@ -79,7 +82,7 @@ __attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// The weights of the next step (kRowsPerStep rows x the item's columns), prefetched a slice per
+// The weights of the next step (its weight rows x the item's columns), prefetched a slice per
 // column chunk while the current step runs, so they arrive one step ahead in memory order. Without
 // it, rows of 1-2 KB (E=64, C=512) restart the hardware prefetcher's streams every step, and bf16's
 // widening leaves too few loads in flight: bf16 0.99-1.51x at 1-4 rows per expert, fp32 0.93-1.29x
@@ -155,7 +158,7 @@ __attribute__((target("avx2,fma"))) void RowBlocks(const float* x, int64_t rows,
                      std::max<int64_t>(0, std::min<int64_t>(kk, k_dim - k0 - kk)),
                      c_dim * static_cast<int64_t>(sizeof(W)),
                      (c1 - c0) * static_cast<int64_t>(sizeof(W))};
-  const bool prefetch = kk == kRowsPerStep && next_step.rows > 0 && (kBf16 || rows >= kRowBlock);
+  const bool prefetch = kk > 1 && next_step.rows > 0 && (kBf16 || rows >= kRowBlock);
   for (int64_t r = 0; r < rows; r += kRowBlock) {
     const float* xr = x + r * k_dim;
     float* yr = y + r * c_dim;
@@ -281,6 +284,16 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* x, int64_t row
   }
 }
 
+// All of k for the streaming path: steps of kk weight rows, then single rows for the remainder.
+template <int kk, typename W>
+__attribute__((target("avx2,fma"))) void Steps(const float* x, int64_t rows, int64_t k_dim,
+                                               const W* w, int64_t c_dim, int64_t c0, int64_t c1,
+                                               float* y) {
+  int64_t k0 = 0;
+  for (; k0 + kk <= k_dim; k0 += kk) RowBlocks<kk>(x, rows, k_dim, w, c_dim, k0, c0, c1, y);
+  for (; k0 < k_dim; ++k0) RowBlocks<1>(x, rows, k_dim, w, c_dim, k0, c0, c1, y);
+}
+
 template <typename W>
 __attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, int64_t rows, int64_t k_dim,
                                                    const W* w, int64_t c_dim, int64_t c0,
@@ -290,11 +303,8 @@ __attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, int64_t rows,
   if (c_vec == c0) return;
   if (rows >= kPackedMinRows) return BlockPacked(x, rows, k_dim, w, c_dim, c0, c_vec, y);
   for (int64_t r = 0; r < rows; ++r) std::fill(y + r * c_dim + c0, y + r * c_dim + c_vec, 0.0f);
-  int64_t k0 = 0;
-  for (; k0 + kRowsPerStep <= k_dim; k0 += kRowsPerStep) {
-    RowBlocks<kRowsPerStep>(x, rows, k_dim, w, c_dim, k0, c0, c_vec, y);
-  }
-  for (; k0 < k_dim; ++k0) RowBlocks<1>(x, rows, k_dim, w, c_dim, k0, c0, c_vec, y);
+  if (rows <= kRowBlock) return Steps<kRowsPerStepOneBlock>(x, rows, k_dim, w, c_dim, c0, c_vec, y);
+  Steps<kRowsPerStep>(x, rows, k_dim, w, c_dim, c0, c_vec, y);
 }
 
 // EXPERTD_NATIVE_CPU_PORTABLE=1 forces the portable loop (how the tests exercise it on AVX2 CPUs).
