@@ -251,24 +251,25 @@ template <typename W>
 __attribute__((target("avx2,fma"))) void BlockPacked(const float* x, int64_t rows, int64_t k_dim,
                                                      const W* w, int64_t c_dim, int64_t c0,
                                                      int64_t c1, float* y) {
+  // Per thread, reused across calls: at most kPackK x kBlockColumns + kPackK x kPackRowsL2 floats
+  // (2 MB + 120 KB), however many rows an expert gets.
   thread_local std::vector<float> packed_w_buffer, packed_x_buffer;
   const int64_t panels = (c1 - c0) / kPanelCols;
-  const int64_t row_panels = (rows + kPanelRows - 1) / kPanelRows;
   packed_w_buffer.resize(kPackK * (c1 - c0));
-  packed_x_buffer.resize(kPackK * row_panels * kPanelRows);
+  packed_x_buffer.resize(kPackK * kPackRowsL2);
   float* const packed_w = packed_w_buffer.data();
   float* const packed_x = packed_x_buffer.data();
   for (int64_t k0 = 0; k0 < k_dim; k0 += kPackK) {
     const int64_t kc = std::min(kPackK, k_dim - k0);
     const bool accumulate = k0 > 0;
     PackWeights(w, c_dim, k0, kc, c0, panels, packed_w);
-    PackRows(x, rows, k_dim, k0, kc, packed_x);
     for (int64_t i0 = 0; i0 < rows; i0 += kPackRowsL2) {
       const int64_t i1 = std::min(rows, i0 + kPackRowsL2);
+      PackRows(x + i0 * k_dim, i1 - i0, k_dim, k0, kc, packed_x);
       for (int64_t p = 0; p < panels; ++p) {
         const float* b = packed_w + p * kc * kPanelCols;
         for (int64_t r0 = i0; r0 < i1; r0 += kPanelRows) {
-          const float* a = packed_x + r0 * kc;
+          const float* a = packed_x + (r0 - i0) * kc;
           float* yt = y + r0 * c_dim + c0 + p * kPanelCols;
           switch (std::min<int64_t>(kPanelRows, rows - r0)) {
             case 6: MicroKernel<6>(a, b, kc, yt, c_dim, accumulate); break;
