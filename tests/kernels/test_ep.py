@@ -95,15 +95,17 @@ def test_capacity_expert_backend_inside_the_ranks_equals_moe_layer(r):
     assert stats["dropped_pairs"] == 0
 
 
+@pytest.mark.parametrize("num_tokens", (24, 256))  # ~6 rows per expert (streaming path), ~64 (packed)
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
-def test_native_cpu_expert_backend_inside_the_ranks_equals_moe_layer(dtype):
-    """The C++ custom call runs per simulated device inside shard_map, on each rank's own groups."""
+def test_native_cpu_expert_backend_inside_the_ranks_equals_moe_layer(dtype, num_tokens):
+    """The C++ custom call runs per simulated device inside shard_map (concurrently, each on its
+    own thread-local panels in the packed path), on each rank's own groups."""
     from expertd.kernels import native_cpu
 
     if not native_cpu.available():
         pytest.skip(f"no native kernel: {native_cpu.unavailable_reason()}")
     cfg, params = setup("mixtral", dtype=dtype)
-    x = tokens(24, dtype=jnp.dtype(dtype))
+    x = tokens(num_tokens, dtype=jnp.dtype(dtype))
     got, stats = run_ep(params, x, cfg, 4, dispatch="capacity", backend="native_cpu")
     want = reference(params, x, cfg, backend="native_cpu")[0]
     np.testing.assert_allclose(got, want, **(FP32_TOL if dtype == "float32" else BF16_TOL))
