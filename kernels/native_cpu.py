@@ -4,8 +4,9 @@
 `w bf16|f32 [E, K, C]` -> `f32 [N, C]`, each row times its expert's matrix; rows past
 sum(group_sizes) are 0. Experts with few rows (under 32) have their weights read once, in place,
 with bf16 widened in registers (XLA:CPU copies and widens each expert's slice first); experts with
-more rows run a BLIS-style packed GEMM (fp32 weight panels, a 6 x 16 register micro-kernel), which
-beats XLA:CPU's dots at every measured size. `grouped_matmul_reference` is its plain-jnp twin.
+more rows run a BLIS-style packed GEMM (fp32 weight panels, a 6 x 16 register micro-kernel); the
+layer ran faster with it than with any XLA:CPU backend at every benchmarked batch size (BENCHMARKS.md).
+`grouped_matmul_reference` is its plain-jnp twin.
 
 The shared library is compiled with the system C++ compiler (`$CXX`, else c++ / g++ / clang++)
 against the XLA FFI headers jaxlib ships, into `$EXPERTD_CACHE_DIR` (default `~/.cache/expertd`),

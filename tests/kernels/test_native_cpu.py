@@ -148,3 +148,10 @@ def test_portable_loop_matches_the_reference(tmp_path):
     got = _fresh_process(code, EXPERTD_NATIVE_CPU_PORTABLE="1")
     assert got["vectorized"] is False
     assert max(got["err"]) < 1e-4
+
+
+@pytest.mark.parametrize("rows", (3, 40))  # streaming and packed paths
+def test_empty_contraction_gives_zeros(rows):
+    x, w = jnp.ones((rows, 0), jnp.float32), jnp.ones((1, 0, 48), jnp.bfloat16)
+    got = np.asarray(jax.jit(native_cpu.grouped_matmul)(x, jnp.asarray([rows], jnp.int32), w))
+    np.testing.assert_array_equal(got, np.zeros((rows, 48), np.float32))
