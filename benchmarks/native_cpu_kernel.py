@@ -15,7 +15,6 @@ variant is faster. Run under `flock /tmp/expertd-bench.lock` when other jobs sha
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import os
@@ -51,9 +50,7 @@ def variant_call(source: pathlib.Path):
         sys.exit("no C++ compiler for --variant")
     target = pathlib.Path(tempfile.mkdtemp(prefix="expertd-variant-")) / "variant.so"
     native_cpu._build(cxx, target, source=source)
-    lib = ctypes.cdll.LoadLibrary(str(target))
-    jax.ffi.register_ffi_target("expertd_grouped_matmul_variant", jax.ffi.pycapsule(lib.ExpertdGroupedMatmul),
-                                platform="cpu")
+    native_cpu._register(target, "expertd_grouped_matmul_variant")
 
     def call(x, group_sizes, w):
         out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)

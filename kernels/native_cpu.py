@@ -80,6 +80,14 @@ def _build(cxx: str, target: pathlib.Path, source: pathlib.Path = SOURCE) -> Non
             os.unlink(tmp)
 
 
+def _register(path: pathlib.Path, target: str) -> ctypes.CDLL:
+    """Load a built library and register its kernel with XLA:CPU under `target` (benchmarks/
+    native_cpu_kernel.py registers variants of SOURCE under other names)."""
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.ExpertdGroupedMatmul), platform="cpu")
+    return lib
+
+
 _LOAD_LOCK = threading.Lock()
 
 
@@ -101,8 +109,7 @@ def _load_once() -> tuple[ctypes.CDLL | None, str]:
                 return None, "no C++ compiler found (set CXX)"
             log.info("building %s with %s into %s", SOURCE.name, cxx, path)
             _build(cxx, path)
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ExpertdGroupedMatmul), platform="cpu")
+        lib = _register(path, TARGET)
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
         log.warning("native CPU kernel unavailable: %s", err)
         return None, str(err)
