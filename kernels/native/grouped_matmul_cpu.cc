@@ -185,7 +185,7 @@ constexpr int64_t kPackK = 256;
 constexpr int64_t kPackRowsL2 = 120;  // a multiple of kPanelRows
 // Interleaved A/B against the streaming path (weights cycled past L3): 0.64-0.83x at 6-8 rows,
 // 0.87-1.11x at 12-24, 1.09-1.20x at 32, 1.27-1.46x at 64, 1.3-1.4x at 256 and 1.8x at 1024 rows
-// (up to 175 GFLOP/s of this box's 195 FMA peak on two cores).
+// (up to 178 GFLOP/s of this box's 195 FMA peak on two cores).
 constexpr int64_t kPackedMinRows = 32;
 
 // y[r, 0:16] (+)= sum_k a[k][r] * b[k][0:16] for the first kRows of a 6-row x panel; `accumulate`
