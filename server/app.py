@@ -262,7 +262,8 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
         layers = load_layers(config)
     cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
     engine = Engine(layers, buckets=config.batching.bucket_sizes, dtype=config.model.dtype,
-                    devices=config.model.num_devices, backend=config.model.backend, compile_cache_dir=cache)
+                    devices=config.model.num_devices, backend=config.model.backend, compile_cache_dir=cache,
+                    huge_pages=config.model.huge_pages)
     if wrap_engine is not None:
         engine = wrap_engine(engine)
     handle = ServerHandle(config, engine, registry or CollectorRegistry(), progress)

@@ -6,7 +6,9 @@ What it does, in order:
    `expertd.kernels.ep.ep_moe_layer` over "ep" (E / R experts per rank).
 2. Weights (`expertd.server.placement`): each layer's params are placed once (`jax.device_put`,
    or `ep.shard_params` on a mesh); expert weights in the engine dtype, router weight and expert
-   bias in fp32. Seeded preset weights are generated straight into their device layout.
+   bias in fp32. Seeded preset weights are generated straight into their device layout. On CPU
+   devices their buffers are then moved onto transparent huge pages (`expertd.server.host_memory`,
+   `huge_pages=False` skips it); `info()["huge_pages"]` reports how many bytes made it.
 3. Steps (`expertd.server.steps`): three pure functions of (params, tokens padded to a bucket, number of valid tokens):
    forward (gate matmul, router, dispatch, experts, combine, shared experts), route from hidden
    states (router logits = x @ router_weight in fp32) and route from given logits [T, E]. Layers
@@ -48,6 +50,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -58,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import experts, moe
-from expertd.server import steps
+from expertd.server import host_memory, steps
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement, pick_devices, split_over_ep
 
@@ -66,6 +69,8 @@ STEP_KINDS = ("route_hidden", "route_logits", "forward")
 # Route's aux loss unscaled by default: 1.0 is perfectly balanced routing, E / k the worst.
 DEFAULT_AUX_LOSS_COEFF = 1.0
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+log = logging.getLogger(__name__)
 
 
 class UnknownLayerError(LookupError):
@@ -137,7 +142,7 @@ class Engine:
     """
 
     def __init__(self, layers: Sequence[LoadedLayer], *, buckets: Sequence[int], dtype="bfloat16",
-                 devices=None, backend: str = "auto", compile_cache_dir=None):
+                 devices=None, backend: str = "auto", compile_cache_dir=None, huge_pages: bool = True):
         if not layers:
             raise ValueError("layers: the engine needs at least one layer")
         self.layers = {}
@@ -177,6 +182,7 @@ class Engine:
         # whole weights, for a checkpoint) are released once the caller drops its own references.
         self.layers = {index: dataclasses.replace(layer, params=self._params[index])
                        for index, layer in self.layers.items()}
+        self.huge_pages = self._advise_huge_pages() if huge_pages else None
         self._keys = {index: (layer.cfg, tuple(sorted((name, p.shape, str(p.dtype))
                                                        for name, p in self._params[index].items())))
                       for index, layer in self.layers.items()}
@@ -279,6 +285,7 @@ class Engine:
             "compile_seconds": self.compile_seconds,
             "compile_cache_dir": None if self.compile_cache_dir is None else str(self.compile_cache_dir),
             "native_cpu_kernel": self._native_cpu_kernel(),
+            "huge_pages": None if self.huge_pages is None else self.huge_pages.as_dict(),
             "forward_compiler_options": [
                 {"layers": list(layers), "bucket": bucket, "options": options}
                 for key, layers in self._shape_groups().items() for bucket in self.buckets
@@ -289,6 +296,18 @@ class Engine:
         }
 
     # ------------------------------------------------------------------ internals
+
+    def _advise_huge_pages(self) -> host_memory.HugePageReport | None:
+        """Weights on CPU devices onto huge pages (None on other platforms)."""
+        if self.devices[0].platform != "cpu":
+            return None
+        report = host_memory.advise_huge_pages(p for params in self._params.values() for p in params.values())
+        if report.reason:
+            log.info("weights stay on 4 KiB pages: %s", report.reason)
+        else:
+            log.info("weights on huge pages: %.0f of %.0f MiB in %.2f s", report.huge_bytes / 2**20,
+                     report.eligible_bytes / 2**20, report.seconds)
+        return report
 
     def _native_cpu_kernel(self) -> dict | None:
         """On CPU, whether the C++ expert kernel (`auto`'s choice there) is usable and,

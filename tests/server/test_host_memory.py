@@ -1,0 +1,60 @@
+"""Huge pages for CPU-resident weights: real madvise calls on real XLA buffers, checked in smaps."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from expertd.kernels import moe
+from expertd.server import host_memory
+from expertd.server.engine import Engine
+from expertd.server.model import LoadedLayer
+
+MIB = 1 << 20
+# What the dev VM and CI run: Linux 6.x with THP in "madvise" (or "always") mode.
+CAN_COLLAPSE = host_memory.thp_setting() in ("always", "madvise") and host_memory.kernel_version() >= (6, 1)
+
+
+@pytest.mark.parametrize("address, nbytes, expected", [
+    (0, 4 * MIB, (0, 4 * MIB)),
+    (64, 4 * MIB, (2 * MIB, 4 * MIB)),             # XLA's buffers start just past a page boundary
+    (2 * MIB - 64, 2 * MIB + 128, (2 * MIB, 4 * MIB)),
+    (64, 2 * MIB, None),                            # no whole huge page inside
+    (3 * MIB, MIB, None),
+])
+def test_aligned_interior(address, nbytes, expected):
+    assert host_memory.aligned_interior(address, nbytes) == expected
+
+
+def test_cpu_buffer_ranges_cover_every_shard():
+    a = jnp.zeros((256, 1024), jnp.float32)
+    assert host_memory.cpu_buffer_ranges([a]) == [(a.unsafe_buffer_pointer(), a.nbytes)]
+    assert host_memory.cpu_buffer_ranges([]) == []
+
+
+@pytest.mark.skipif(not CAN_COLLAPSE, reason="needs THP (always / madvise) and Linux 6.1+ (MADV_COLLAPSE)")
+def test_weights_move_onto_huge_pages_with_their_values():
+    w = jax.random.normal(jax.random.key(0), (4, 1024, 2048), jnp.float32)  # 32 MiB, one XLA buffer
+    before = np.asarray(w).copy()
+    report = host_memory.advise_huge_pages([w])
+    assert report.reason is None and report.collapse_errors == 0
+    start, end = host_memory.aligned_interior(w.unsafe_buffer_pointer(), w.nbytes)
+    assert report.eligible_bytes == end - start >= 30 * MIB
+    assert report.huge_bytes == report.eligible_bytes  # all of it, read back from /proc/self/smaps
+    np.testing.assert_array_equal(np.asarray(w), before)
+    np.testing.assert_array_equal(np.asarray(w * 2), before * 2)  # and XLA still computes on it
+
+
+def test_small_buffers_are_left_alone_with_a_reason():
+    report = host_memory.advise_huge_pages([jnp.ones((16, 16))])
+    assert report.eligible_bytes == report.huge_bytes == 0 and report.reason
+
+
+def test_engine_reports_its_weights_on_huge_pages():
+    cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=512, intermediate_size=1024)  # 8 MiB per matrix set
+    params = {name: np.asarray(v) for name, v in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
+    layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
+    info = Engine([layer], buckets=(8,), dtype="float32", devices=1).info()["huge_pages"]
+    assert info["eligible_bytes"] >= 3 * 6 * MIB  # w_gate, w_up, w_down: 8 MiB each, 6+ in whole pages
+    if CAN_COLLAPSE:
+        assert info["huge_bytes"] == info["eligible_bytes"] and info["reason"] is None
+    assert Engine([layer], buckets=(8,), dtype="float32", devices=1, huge_pages=False).info()["huge_pages"] is None
