@@ -3,6 +3,11 @@
   (a) dense:     every expert on every token, masked by the routing weights (the naive layer)
   (b) roofline:  one dense gated MLP on T*k rows (the same active FLOPs), fastest formulation
   (c) floor:     bytes of the expert weights the batch touches / measured copy bandwidth
+                 (read + write, STREAM's convention; the issue's definition). Reported beside it:
+  (c') read floor: the same bytes / measured read bandwidth (the fastest of XLA's sum and
+                 matrix-vector product and numpy's BLAS one over 256 MiB). A layer only reads its
+                 weights, so (c') is the floor this machine can reach; on the 2-core dev VM the read
+                 rate measured 0.80-0.85x the copy rate (r+w), so (c') is ~1.2x (c).
   (d) HF:        transformers' MixtralSparseMoeBlock (E=8) / Qwen3MoeSparseMoeBlock (E=64) on torch
                  CPU with the same weights (skipped with a note when torch is not installed)
 
@@ -16,7 +21,8 @@ Backends whose work grows with E (reference, ragged_dot: E x the active FLOPs on
 kernel) runs at T=16 only; skipped entries say why. (d) in bf16 is very slow on CPUs without
 bf16 matmul units: when one call would exceed HF_CALL_CAP_S it is estimated by a linear fit of
 two smaller token counts and marked "fit". The `auto` column compiles with
-`moe.compiler_options(cfg, T, dtype=...)`, as the server does per bucket.
+`moe.compiler_options(cfg, T, dtype=...)`, as the server does per bucket. The weights are moved
+onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
 
 `--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
 with the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
@@ -41,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import experts, moe
+from expertd.server import host_memory
 
 SHAPES = ((8, 2, 1024, 2048, "mixtral"), (64, 8, 1024, 512, "qwen3_moe"))
 TOKENS = (16, 256, 4096)
@@ -82,6 +89,22 @@ def copy_bandwidth(nbytes=256 << 20):
         x = bump(x).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
+
+
+def read_bandwidth(nbytes=256 << 20):
+    """Bytes read per second by the fastest of XLA's sum, XLA's and numpy's (BLAS) fp32
+    matrix-vector product over `nbytes`: the rate a weight-streaming layer can at best reach."""
+    rows = nbytes // 4 // 4096
+    host = np.ones((rows, 4096), np.float32)
+    ones = np.ones(4096, np.float32)
+    device = jnp.ones((rows, 4096), jnp.float32)
+    host_memory.advise_huge_pages([device])  # like the weights (numpy's large arrays have them already)
+    probes = (lambda: host @ ones, jax.jit(jnp.sum), jax.jit(lambda a: a @ jnp.ones(4096, jnp.float32)))
+    best = float("inf")
+    for probe, args in zip(probes, ((), (device,), (device,))):
+        jax.block_until_ready(probe(*args))
+        best = min(best, min(_timed(lambda: jax.block_until_ready(probe(*args))) for _ in range(7)))
+    return host.nbytes / best
 
 
 def _timed(fn):
@@ -181,10 +204,13 @@ def measure_hf(cfg, params, family, dtype_name, x, note):
     return t_small + slope * (len(x_np) - 16), None, f"fit(T=16,{mid})"
 
 
-def run_case(e, k, h, i, family, t, dtype_name, bandwidth, only_backends=None, with_hf=True):
+def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backends=None, with_hf=True):
+    """One shape: every backend and the baselines; `bandwidth` is the copy rate (r+w) for (c),
+    `read_rate` the read rate for (c'), both in bytes/s."""
     dtype = jnp.dtype(dtype_name)
     cfg = layer_config(e, k, h, i, family)
     params = moe.init_params(cfg, jax.random.key(0), dtype)
+    host_memory.advise_huge_pages(params.values())  # as the engine places them
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
     active_flops = 2 * 3 * t * k * h * i
     row = dict(E=e, k=k, H=h, I=i, T=t, dtype=dtype_name, family=family, active_gflop=active_flops / 1e9,
@@ -192,7 +218,9 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, only_backends=None, w
     out_ref, routing = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg, backend="expert_loop", return_routing=True))(params, x)
     touched = int(np.sum(np.asarray(routing["tokens_per_expert"]) > 0))
     row["touched_experts"] = touched
-    row["floor_s"] = touched * 3 * h * i * dtype.itemsize / bandwidth  # STREAM-style copy rate (r+w)
+    touched_bytes = touched * 3 * h * i * dtype.itemsize
+    row["floor_s"] = touched_bytes / bandwidth  # STREAM-style copy rate (r+w)
+    row["read_floor_s"] = touched_bytes / read_rate
     work = {"reference": e * active_flops, "ragged_dot": e * active_flops, "capacity": e * 6 * t * h * i,
             "expert_loop": active_flops, "native_cpu": active_flops, "auto": active_flops, "pallas": active_flops}
     for backend in only_backends or BACKENDS:
@@ -232,7 +260,8 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, only_backends=None, w
 def ratios(row, seconds):
     """Ratios of a time to the baselines: >1 for (a), (d) means faster; (b) as a fraction of roofline."""
     r = {"vs_dense": row.get("dense_s", float("nan")) / seconds,
-         "of_roofline": row["roofline_s"] / seconds, "x_floor": seconds / row["floor_s"]}
+         "of_roofline": row["roofline_s"] / seconds, "x_floor": seconds / row["floor_s"],
+         "x_read_floor": seconds / row["read_floor_s"] if row.get("read_floor_s") else float("nan")}
     r["vs_hf"] = row["hf_s"] / seconds if row.get("hf_s") else float("nan")
     return r
 
@@ -243,8 +272,9 @@ def auto_label(row):
 
 
 def print_table(rows):
+    read_col = "x(c')"
     head = (f"{'E':>3} {'k':>2} {'T':>5} {'dtype':>8} {'backend':>12} {'ms':>9} {'GFLOP/s':>8} "
-            f"{'vs(a)':>7} {'of(b)':>6} {'x(c)':>7} {'vs(d)':>7}")
+            f"{'vs(a)':>7} {'of(b)':>6} {'x(c)':>7} {read_col:>6} {'vs(d)':>7}")
     print(head)
     print("-" * len(head))
     for row in rows:
@@ -254,18 +284,20 @@ def print_table(rows):
             r = ratios(row, m["median_s"])
             print(f"{row['E']:>3} {row['k']:>2} {row['T']:>5} {row['dtype']:>8} {name:>12} "
                   f"{m['median_s'] * 1e3:>9.2f} {row['active_gflop'] / m['median_s']:>8.1f} "
-                  f"{r['vs_dense']:>7.2f} {r['of_roofline']:>6.2f} {r['x_floor']:>7.2f} {r['vs_hf']:>7.2f}")
+                  f"{r['vs_dense']:>7.2f} {r['of_roofline']:>6.2f} {r['x_floor']:>7.2f} {r['x_read_floor']:>6.2f} "
+                  f"{r['vs_hf']:>7.2f}")
         base = [f"(a) {row['dense_s'] * 1e3:.1f} ms" if "dense_s" in row else "(a) -",
                 f"(b) {row['roofline_s'] * 1e3:.1f} ms [{row['roofline_variant']}]",
                 f"(c) {row['floor_s'] * 1e3:.2f} ms ({row['touched_experts']} experts)",
+                f"(c') {row['read_floor_s'] * 1e3:.2f} ms" if row.get("read_floor_s") else "(c') -",
                 f"(d) {row['hf_s'] * 1e3:.1f} ms [{row['hf_how']}]" if row.get("hf_s") else "(d) -"]
         print(f"{'':>24} baselines: " + ", ".join(base) + f"; auto -> {auto_label(row)}")
 
 
 def markdown(rows):
     """The BENCHMARKS.md table: one line per shape, auto's time and ratios, the other backends."""
-    out = ["| E | k | T | dtype | auto (backend) ms | GFLOP/s | vs (a) | of (b) | x (c) | vs (d) | others ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| E | k | T | dtype | auto (backend) ms | GFLOP/s | vs (a) | of (b) | x (c) | x (c') | vs (d) | others ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         auto = row["backends"].get("auto")
         if not auto or "skipped" in auto:
@@ -276,7 +308,7 @@ def markdown(rows):
         hf = "" if row.get("hf_how") == "measured" else f" ({row.get('hf_how')})"
         out.append(f"| {row['E']} | {row['k']} | {row['T']} | {row['dtype']} | {auto['median_s'] * 1e3:.1f} "
                    f"({auto_label(row)}) | {row['active_gflop'] / auto['median_s']:.1f} | {r['vs_dense']:.2f} | "
-                   f"{r['of_roofline']:.2f} | {r['x_floor']:.1f} | {r['vs_hf']:.2f}{hf} | {others} |")
+                   f"{r['of_roofline']:.2f} | {r['x_floor']:.1f} | {r['x_read_floor']:.2f} | {r['vs_hf']:.2f}{hf} | {others} |")
     return "\n".join(out)
 
 
@@ -287,6 +319,7 @@ def options_ab(e, k, h, i, family, t, dtype_name, reps=9):
     dtype = jnp.dtype(dtype_name)
     cfg = layer_config(e, k, h, i, family)
     params = moe.init_params(cfg, jax.random.key(0), dtype)
+    host_memory.advise_huge_pages(params.values())  # as the engine places them
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
     variants = {"default": ("expert_loop", None), "no_ynn": ("expert_loop", experts.small_rows_cpu_options() or None),
                 "auto": ("auto", moe.compiler_options(cfg, t, dtype=dtype) or None)}
@@ -356,14 +389,16 @@ def main(argv=None):
         return
     load_before = os.getloadavg()
     if args.options_ab:
-        name, bandwidth, rows = "moe_layer_options_ab", None, run_options_ab(args)
+        name, bandwidth, read_rate, rows = "moe_layer_options_ab", None, None, run_options_ab(args)
         out = AB_RESULTS if args.out == RESULTS else args.out
     else:
-        bandwidth = copy_bandwidth()
-        print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); jax {jax.__version__} on {jax.default_backend()}")
+        bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
+        print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read bandwidth {read_rate / 1e9:.1f} GB/s; "
+              f"jax {jax.__version__} on {jax.default_backend()}")
         name, out, rows = "moe_layer", args.out, []
         for (e, k, h, i, family), dtype_name, t in selected_cases(args, SHAPES, TOKENS):
-            rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, args.backends, not args.no_hf))
+            rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, args.backends,
+                                 not args.no_hf))
             print_table(rows[-1:])
             sys.stdout.flush()
         print()
@@ -372,7 +407,7 @@ def main(argv=None):
                   cpu_count=os.cpu_count(), jax=jax.__version__, jaxlib=jax.lib.__version__,
                   xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
                   load_average_after=os.getloadavg(), device=jax.default_backend(),
-                  copy_bandwidth_bytes_per_s=bandwidth, rows=rows)
+                  copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate, rows=rows)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

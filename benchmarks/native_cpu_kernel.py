@@ -3,10 +3,17 @@
 For each (E, K, C) projection shape, rows per expert and weight dtype: `native_cpu.grouped_matmul`
 against, in the same run, XLA's batched dot of the same products (`einsum("emk,ekc->emc")` with
 uniform groups: what the "capacity" backend runs, no padding) and the memory floor (the weight
-bytes / this machine's copy bandwidth, read + write, as in moe_layer.py's (c)). Each call reads
-another copy of the weights, enough copies to pass 4x 32 MiB, so no shape runs out of the last-level
-cache. Reports median ms, GB/s of weights, GFLOP/s, and the ratios; writes
+bytes / this machine's copy bandwidth, read + write, as in moe_layer.py's (c)); "of read" is the
+fraction of this machine's read bandwidth the kernel streams its weights at (moe_layer.py's (c')),
+the ceiling for few rows per expert. Each call reads another copy of the weights, enough copies to
+pass 4x 32 MiB, so no shape runs out of the last-level cache. XLA is timed in a loop of its own
+after the kernel: interleaved, its bf16 einsum (which writes a widened fp32 copy of the weights)
+slowed the kernel call after it by up to 2x at 1-4 rows per expert. Reports median ms, GB/s of weights, GFLOP/s, and the ratios; writes
 benchmarks/results/native_cpu_kernel.json.
+
+The weights are moved onto huge pages, as the engine places them (expertd.server.host_memory);
+`--pages-ab` also times the kernel on copies left on 4 KiB pages, interleaved ("2M/4k" > 1: huge
+pages faster).
 
 `--variant other.cc` also builds a modified copy of the kernel source and times it interleaved
 with the committed one (the A/B that picked the kernel's parameters): "variant/base" > 1 means the
@@ -30,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import native_cpu
+from expertd.server import host_memory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import copy_bandwidth  # noqa: E402
+from moe_layer import copy_bandwidth, read_bandwidth  # noqa: E402
 
 # Projections of the two moe_layer.py shapes: Mixtral-style E=8 [1024, 2048] (gate / up) and
 # [2048, 1024] (down); Qwen3-MoE-style E=64 [1024, 512] and [512, 1024].
@@ -58,46 +66,64 @@ def variant_call(source: pathlib.Path):
     return jax.jit(call)
 
 
-def run_case(e, k, c, m, dtype_name, bandwidth, variant=None, reps=15):
+def weight_copies(w0, dtype):
+    """Fresh scaled copies of w0, enough to pass CYCLE_BYTES."""
+    return [(w0 * (1 + 1e-3 * j)).astype(dtype) for j in range(max(2, -(-CYCLE_BYTES // w0.nbytes)))]
+
+
+def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15, pages_ab=False):
     dtype = jnp.dtype(dtype_name)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((e * m, k)), jnp.float32)
     group_sizes = jnp.full((e,), m, jnp.int32)
     w0 = jnp.asarray(rng.standard_normal((e, k, c)) * 0.02, dtype)
-    weights = [w0] + [(w0 * (1 + 1e-3 * j)).astype(dtype) for j in range(1, max(2, -(-CYCLE_BYTES // w0.nbytes)))]
+    weights_4k = weight_copies(w0, dtype) if pages_ab else None  # made first: fresh 4 KiB mappings
+    weights = weight_copies(w0, dtype)
+    host_memory.advise_huge_pages(weights)  # as the engine places them
     fns = {"native": jax.jit(native_cpu.grouped_matmul),
            "xla": jax.jit(lambda v, g, w: jnp.einsum("emk,ekc->emc", v.reshape(e, m, k), w.astype(jnp.float32),
                                                      precision=jax.lax.Precision.DEFAULT).reshape(e * m, c))}
     if variant is not None:
         fns["variant"] = variant
+    weights_of = {name: weights for name in fns}
+    if pages_ab:  # the same kernel on copies left on 4 KiB pages
+        fns["native_4k"] = fns["native"]
+        weights_of["native_4k"] = weights_4k
     want = np.asarray(fns["xla"](x, group_sizes, w0))
     for name, fn in fns.items():  # compile, and check they compute the same product
         got = np.asarray(fn(x, group_sizes, w0))
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
     times = {name: [] for name in fns}
-    for rep in range(reps):
-        for j, name in enumerate(list(fns) if rep % 2 else list(fns)[::-1]):
-            w = weights[(rep * len(fns) + j) % len(weights)]
-            t0 = time.perf_counter()
-            jax.block_until_ready(fns[name](x, group_sizes, w))
-            times[name].append(time.perf_counter() - t0)
+    for group in ([name for name in fns if name != "xla"], ["xla"]):  # the A/B interleaved, then XLA
+        for rep in range(reps):
+            for j, name in enumerate(group if rep % 2 else group[::-1]):
+                w = weights_of[name][(rep * len(group) + j) % len(weights)]
+                t0 = time.perf_counter()
+                jax.block_until_ready(fns[name](x, group_sizes, w))
+                times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(t) for name, t in times.items()}
     row = dict(E=e, K=k, C=c, rows_per_expert=m, dtype=dtype_name, weight_bytes=w0.nbytes,
-               gflop=2 * e * m * k * c / 1e9, floor_s=w0.nbytes / bandwidth,
+               gflop=2 * e * m * k * c / 1e9, floor_s=w0.nbytes / bandwidth, read_floor_s=w0.nbytes / read_rate,
                **{f"{name}_s": s for name, s in med.items()})
     row["vs_xla"] = med["xla"] / med["native"]
     row["x_floor"] = med["native"] / row["floor_s"]
+    row["of_read_rate"] = row["read_floor_s"] / med["native"]
     if variant is not None:
         row["variant_vs_base"] = med["native"] / med["variant"]
+    if pages_ab:
+        row["huge_vs_4k"] = med["native_4k"] / med["native"]
+        ranges = [(p, p + n) for p, n in host_memory.cpu_buffer_ranges(weights_4k)]
+        row["huge_bytes_of_4k_copies"] = host_memory.huge_page_bytes(ranges)  # 0 unless THP is "always"
     return row
 
 
 def print_row(r):
     s = r["native_s"]
     extra = f" {r['variant_s'] * 1e3:>8.2f} {r['variant_vs_base']:>6.2f}" if "variant_s" in r else ""
+    extra += f" {r['native_4k_s'] * 1e3:>8.2f} {r['huge_vs_4k']:>6.2f}" if "native_4k_s" in r else ""
     print(f"{r['E']:>3} {r['K']:>5} {r['C']:>5} {r['rows_per_expert']:>4} {r['dtype']:>8} {s * 1e3:>8.2f} "
           f"{r['weight_bytes'] / s / 1e9:>6.1f} {r['gflop'] / s:>7.1f} {r['xla_s'] * 1e3:>8.2f} {r['vs_xla']:>6.2f} "
-          f"{r['x_floor']:>6.2f}{extra}")
+          f"{r['x_floor']:>6.2f} {r['of_read_rate']:>6.2f}{extra}")
     sys.stdout.flush()
 
 
@@ -107,6 +133,8 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, nargs="*", default=sorted({s[0] for s in SHAPES}))
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     parser.add_argument("--variant", type=pathlib.Path, help="a modified kernel source to A/B against the committed one")
+    parser.add_argument("--pages-ab", action="store_true",
+                        help="also time the kernel on weights left on 4 KiB pages (interleaved)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
@@ -115,23 +143,24 @@ def main(argv=None):
         return
     variant = variant_call(args.variant) if args.variant else None
     load_before = os.getloadavg()
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write); jax {jax.__version__}; "
+    bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read {read_rate / 1e9:.1f} GB/s; jax {jax.__version__}; "
           f"{'AVX2' if native_cpu.vectorized() else 'portable'} kernel")
     print(f"{'E':>3} {'K':>5} {'C':>5} {'rows':>4} {'dtype':>8} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>7} {'xla ms':>8} "
-          f"{'vs xla':>6} {'x floor':>6}" + (f" {'var ms':>8} {'var/base':>6}" if variant else ""))
+          f"{'vs xla':>6} {'x floor':>6} {'of read':>6}" + (f" {'var ms':>8} {'var/base':>6}" if variant else "")
+          + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else ""))
     rows = []
     for e, k, c in SHAPES:
         if e not in args.experts:
             continue
         for dtype_name in args.dtypes:
             for m in args.rows:
-                rows.append(run_case(e, k, c, m, dtype_name, bandwidth, variant, args.reps))
+                rows.append(run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant, args.reps, args.pages_ab))
                 print_row(rows[-1])
     result = dict(benchmark="native_cpu_kernel", date=datetime.date.today().isoformat(), machine=platform.platform(),
                   cpu_count=os.cpu_count(), jax=jax.__version__, variant=str(args.variant or ""),
                   load_average_before=load_before, load_average_after=os.getloadavg(),
-                  copy_bandwidth_bytes_per_s=bandwidth, rows=rows)
+                  copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate, rows=rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
