@@ -21,7 +21,9 @@ Backends whose work grows with E (reference, ragged_dot: E x the active FLOPs on
 kernel) runs at T=16 only; skipped entries say why. (d) in bf16 is very slow on CPUs without
 bf16 matmul units: when one call would exceed HF_CALL_CAP_S it is estimated by a linear fit of
 two smaller token counts and marked "fit". The `auto` column compiles with
-`moe.compiler_options(cfg, T, dtype=...)`, as the server does per bucket. The weights are moved
+`moe.compiler_options(cfg, T, dtype=...)`, as the server does per bucket; its ratios to (b) and (d)
+(the issue's targets) come from one more timing of auto, (b) and (d) in alternation ("paired"; (d)
+only where one call takes at most PAIRED_HF_CALL_CAP_S). The weights are moved
 onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
 
 `--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
@@ -55,6 +57,10 @@ DTYPES = ("bfloat16", "float32")
 BACKENDS = experts.BACKENDS + ("auto",)
 FLOP_CAP = 1.0e12  # skip a variant whose real work exceeds this many FLOPs per call
 HF_CALL_CAP_S = 60.0
+# `auto`, (b)'s fastest formulation and (d) (when one call of it takes at most this) are timed once
+# more in alternation; auto's ratios to (b) and (d) come from that timing (this VM's speed drifts
+# by 10-40% over minutes, more than the margins those targets are judged by).
+PAIRED_HF_CALL_CAP_S = 2.0
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_layer.json")
 AB_RESULTS = os.path.join(os.path.dirname(RESULTS), "moe_layer_options_ab.json")
 AB_TOKENS = (1, 4, 16, 64, 128, 256)
@@ -73,6 +79,22 @@ def median_time(fn, *args, budget_s=6.0, max_reps=15):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), first
+
+
+def interleaved_medians(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
+    """Median seconds of each zero-argument call in `calls`, timed in rounds that call each once
+    (the order reversed every other round), so the machine's drift hits them alike."""
+    times = {name: [] for name in calls}
+    order, spent = list(calls), 0.0
+    for round_ in range(max_rounds):
+        if round_ >= min_rounds and spent >= budget_s:
+            break
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - t0)
+            spent += times[name][-1]
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def copy_bandwidth(nbytes=256 << 20):
@@ -166,29 +188,38 @@ def hf_block(cfg, params, family, torch_dtype):
     return block.to(torch_dtype).eval()
 
 
-def time_hf(block, x_np, torch_dtype, budget_s=6.0):
+def hf_call(block, x_np, torch_dtype):
+    """A zero-argument call of the HF block on x_np [T, H], returning its output [T, H] (fp32 numpy)."""
     import torch
 
     x = torch.from_numpy(x_np.astype(np.float32)).to(torch_dtype)[None]
-    with torch.inference_mode():
+
+    def call():
+        with torch.inference_mode():
+            return block(x)[0].float().numpy()
+    return call
+
+
+def time_hf(block, x_np, torch_dtype, budget_s=6.0):
+    call = hf_call(block, x_np, torch_dtype)
+    t0 = time.perf_counter()
+    out = call()
+    times = [time.perf_counter() - t0]
+    while len(times) < 3 and sum(times) < budget_s:
         t0 = time.perf_counter()
-        out = block(x)
-        first = time.perf_counter() - t0
-        times = [first]
-        while len(times) < 3 and sum(times) < budget_s:
-            t0 = time.perf_counter()
-            block(x)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), out[0].float().numpy()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
 
 
 def measure_hf(cfg, params, family, dtype_name, x, note):
-    """(d) seconds per call, its output, and how it was obtained."""
+    """(d) seconds per call, its output, how it was obtained, and a call of it for the paired
+    timing (None where it was fitted or is slower than PAIRED_HF_CALL_CAP_S)."""
     try:
         import torch
     except ImportError:
         note.append("(d) skipped: torch / transformers not installed (pip install '.[bench]')")
-        return None, None, "skipped"
+        return None, None, "skipped", None
     torch.set_num_threads(os.cpu_count() or 1)
     torch_dtype = torch.bfloat16 if dtype_name == "bfloat16" else torch.float32
     block = hf_block(cfg, params, family, torch_dtype)
@@ -197,11 +228,11 @@ def measure_hf(cfg, params, family, dtype_name, x, note):
     est = t_small * len(x_np) / 16
     if est <= HF_CALL_CAP_S:
         t, out = time_hf(block, x_np, torch_dtype)
-        return t, out, "measured"
+        return t, out, "measured", hf_call(block, x_np, torch_dtype) if t <= PAIRED_HF_CALL_CAP_S else None
     mid = min(256, len(x_np) // 2)
     t_mid, _ = time_hf(block, x_np[:mid], torch_dtype, budget_s=0.0)
     slope = (t_mid - t_small) / (mid - 16)
-    return t_small + slope * (len(x_np) - 16), None, f"fit(T=16,{mid})"
+    return t_small + slope * (len(x_np) - 16), None, f"fit(T=16,{mid})", None
 
 
 def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backends=None, with_hf=True):
@@ -221,6 +252,7 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     touched_bytes = touched * 3 * h * i * dtype.itemsize
     row["floor_s"] = touched_bytes / bandwidth  # STREAM-style copy rate (r+w)
     row["read_floor_s"] = touched_bytes / read_rate
+    compiled = {}
     work = {"reference": e * active_flops, "ragged_dot": e * active_flops, "capacity": e * 6 * t * h * i,
             "expert_loop": active_flops, "native_cpu": active_flops, "auto": active_flops, "pallas": active_flops}
     for backend in only_backends or BACKENDS:
@@ -232,7 +264,8 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
             continue
         # `auto` compiles as a server would: with the options moe.compiler_options picks for T
         options = moe.compiler_options(cfg, t, dtype=dtype) if backend == "auto" else {}
-        fn = jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b), compiler_options=options or None)
+        fn = compiled[backend] = jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b),
+                                         compiler_options=options or None)
         median, first = median_time(fn, params, x)
         err = float(jnp.max(jnp.abs(fn(params, x).astype(jnp.float32) - out_ref.astype(jnp.float32))))
         row["backends"][backend] = {"median_s": median, "first_call_s": first, "max_abs_diff_vs_expert_loop": err}
@@ -247,23 +280,42 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     # (b) is the fastest formulation, so it also tries the XLA:CPU options the layer may compile with
     option_sets = [("", None)] + ([(" no-ynn", opts)] if (opts := experts.small_rows_cpu_options())
                                   and jax.default_backend() == "cpu" else [])
-    roof = {name + tag: median_time(jax.jit(f, compiler_options=opts), rows, *w)[0]
-            for name, f in roofline_variants(dtype).items() for tag, opts in option_sets}
+    roof_fns = {name + tag: jax.jit(f, compiler_options=opts)
+                for name, f in roofline_variants(dtype).items() for tag, opts in option_sets}
+    roof = {name: median_time(fn, rows, *w)[0] for name, fn in roof_fns.items()}
     row["roofline_s"], row["roofline_variant"] = min((v, n) for n, v in roof.items())
-    row["hf_s"], hf_out, row["hf_how"] = (measure_hf(cfg, params, family, dtype_name, x, row["notes"])
-                                          if with_hf else (None, None, "not run (--no-hf)"))
+    row["hf_s"], hf_out, row["hf_how"], hf = (measure_hf(cfg, params, family, dtype_name, x, row["notes"])
+                                              if with_hf else (None, None, "not run (--no-hf)", None))
     if hf_out is not None:
         row["hf_max_abs_diff"] = float(np.max(np.abs(hf_out - np.asarray(out_ref.astype(jnp.float32)))))
+    if "auto" in compiled:  # the target ratios, timed in alternation (see PAIRED_HF_CALL_CAP_S)
+        calls = {"auto": lambda: jax.block_until_ready(compiled["auto"](params, x)),
+                 "roofline": lambda: jax.block_until_ready(roof_fns[row["roofline_variant"]](rows, *w))}
+        if hf is not None:
+            calls["hf"] = hf
+        row["paired_s"] = interleaved_medians(calls)
     return row
 
 
-def ratios(row, seconds):
-    """Ratios of a time to the baselines: >1 for (a), (d) means faster; (b) as a fraction of roofline."""
-    r = {"vs_dense": row.get("dense_s", float("nan")) / seconds,
-         "of_roofline": row["roofline_s"] / seconds, "x_floor": seconds / row["floor_s"],
-         "x_read_floor": seconds / row["read_floor_s"] if row.get("read_floor_s") else float("nan")}
-    r["vs_hf"] = row["hf_s"] / seconds if row.get("hf_s") else float("nan")
-    return r
+def seconds_of(row, name):
+    """A backend's time per call: for `auto`, its median in the paired (interleaved) timing when
+    there is one, else its own median."""
+    if name == "auto" and "paired_s" in row:
+        return row["paired_s"]["auto"]
+    return row["backends"][name]["median_s"]
+
+
+def ratios(row, name):
+    """Ratios of a backend's time to the baselines: >1 for (a), (d) means faster; (b) as a fraction
+    of roofline. For `auto`, (b) and (d) come from the paired timing where it has them."""
+    seconds = seconds_of(row, name)
+    paired = row.get("paired_s", {}) if name == "auto" else {}
+    hf_s = paired.get("hf", row.get("hf_s"))
+    return {"vs_dense": row.get("dense_s", float("nan")) / seconds,
+            "of_roofline": paired.get("roofline", row["roofline_s"]) / seconds,
+            "x_floor": seconds / row["floor_s"],
+            "x_read_floor": seconds / row["read_floor_s"] if row.get("read_floor_s") else float("nan"),
+            "vs_hf": hf_s / seconds if hf_s else float("nan")}
 
 
 def auto_label(row):
@@ -281,9 +333,9 @@ def print_table(rows):
         for name, m in row["backends"].items():
             if "skipped" in m:
                 continue
-            r = ratios(row, m["median_s"])
+            r, seconds = ratios(row, name), seconds_of(row, name)
             print(f"{row['E']:>3} {row['k']:>2} {row['T']:>5} {row['dtype']:>8} {name:>12} "
-                  f"{m['median_s'] * 1e3:>9.2f} {row['active_gflop'] / m['median_s']:>8.1f} "
+                  f"{seconds * 1e3:>9.2f} {row['active_gflop'] / seconds:>8.1f} "
                   f"{r['vs_dense']:>7.2f} {r['of_roofline']:>6.2f} {r['x_floor']:>7.2f} {r['x_read_floor']:>6.2f} "
                   f"{r['vs_hf']:>7.2f}")
         base = [f"(a) {row['dense_s'] * 1e3:.1f} ms" if "dense_s" in row else "(a) -",
@@ -292,6 +344,8 @@ def print_table(rows):
                 f"(c') {row['read_floor_s'] * 1e3:.2f} ms" if row.get("read_floor_s") else "(c') -",
                 f"(d) {row['hf_s'] * 1e3:.1f} ms [{row['hf_how']}]" if row.get("hf_s") else "(d) -"]
         print(f"{'':>24} baselines: " + ", ".join(base) + f"; auto -> {auto_label(row)}")
+        if "paired_s" in row:
+            print(f"{'':>24} paired: " + ", ".join(f"{name} {v * 1e3:.2f} ms" for name, v in row["paired_s"].items()))
 
 
 def markdown(rows):
@@ -302,12 +356,12 @@ def markdown(rows):
         auto = row["backends"].get("auto")
         if not auto or "skipped" in auto:
             continue
-        r = ratios(row, auto["median_s"])
+        r, seconds = ratios(row, "auto"), seconds_of(row, "auto")
         others = ", ".join(f"{n} {m['median_s'] * 1e3:.0f}" for n, m in row["backends"].items()
                            if n != "auto" and "skipped" not in m)
         hf = "" if row.get("hf_how") == "measured" else f" ({row.get('hf_how')})"
-        out.append(f"| {row['E']} | {row['k']} | {row['T']} | {row['dtype']} | {auto['median_s'] * 1e3:.1f} "
-                   f"({auto_label(row)}) | {row['active_gflop'] / auto['median_s']:.1f} | {r['vs_dense']:.2f} | "
+        out.append(f"| {row['E']} | {row['k']} | {row['T']} | {row['dtype']} | {seconds * 1e3:.1f} "
+                   f"({auto_label(row)}) | {row['active_gflop'] / seconds:.1f} | {r['vs_dense']:.2f} | "
                    f"{r['of_roofline']:.2f} | {r['x_floor']:.1f} | {r['x_read_floor']:.2f} | {r['vs_hf']:.2f}{hf} | {others} |")
     return "\n".join(out)
 
