@@ -75,8 +75,10 @@ def serve(argv: list[str]) -> int:
         return 1
     say(f"ready: {len(handle.engine.layers)} layers, buckets {list(handle.engine.buckets)}, "
         f"{time.perf_counter() - started:.1f}s after start")
-    if note := _native_kernel_note(handle.engine.info()["native_cpu_kernel"]):
-        say(note)
+    info = handle.engine.info()
+    for note in (_native_kernel_note(info["native_cpu_kernel"]), _huge_pages_note(info["huge_pages"])):
+        if note:
+            say(note)
     while not handle.wait(0.5):  # short waits keep the main thread responsive to signals
         pass
     say("drained, exiting")
@@ -93,6 +95,17 @@ def _native_kernel_note(status: dict | None) -> str | None:
         return None
     return (f"note: the native CPU expert kernel is unavailable ({status['reason']}); the experts run "
             "XLA's slower paths")
+
+
+def _huge_pages_note(report: dict | None) -> str | None:
+    """The line `serve` prints about the weights' pages (report: Engine.info()["huge_pages"]);
+    None without weights big enough for a huge page (the tiny preset) or off CPU."""
+    if not report or not report["eligible_bytes"]:
+        return None
+    mib = 1 << 20
+    line = (f"weights: {report['huge_bytes'] / mib:.0f} of {report['eligible_bytes'] / mib:.0f} MiB on huge "
+            f"pages ({report['seconds']:.2f}s)")
+    return line + (f"; {report['reason']}" if report["reason"] else "")
 
 
 def _print_progress(event) -> None:

@@ -2,15 +2,15 @@
 
 Decode-size batches stream every touched expert matrix from DRAM once per call, so their speed is
 the machine's read rate. XLA:CPU allocates with malloc, on 4 KiB pages (where THP is in "madvise"
-mode, the common default); on 2 MiB pages the same reads need 512x fewer TLB entries and the
-hardware prefetchers keep streaming across what were page boundaries. Measured on the 2-core dev VM
+mode, the common default); on 2 MiB pages the same reads need 512x fewer TLB entries and page
+walks. Measured on the 2-core dev VM
 (interleaved A/B in one process, weights cycled past L3): the native CPU kernel 1.00-1.09x at 1-4
 rows per expert, the T=16 layer 0.98-1.07x (BENCHMARKS.md). numpy does the same for its own large
 arrays; torch has THP_MEM_ALLOC_ENABLE.
 
 `advise_huge_pages(arrays)` marks the 2 MiB-aligned interior of every CPU buffer MADV_HUGEPAGE and
-asks the kernel to collapse it now (MADV_COLLAPSE, Linux 6.1+: ~1 s per GB on the dev VM, once at
-load) rather than leaving it to khugepaged's slow background scan. Neither call changes the data;
+asks the kernel to collapse it now (MADV_COLLAPSE, Linux 6.1+: 0.5-1.4 s per GB on the dev VM, once
+at load) rather than leaving it to khugepaged's slow background scan. Neither call changes the data;
 the buffers stay XLA's. Where it cannot apply (not Linux, THP "never", no MADV_COLLAPSE, GPU
 arrays) it does nothing and says why.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import errno
 import os
 import pathlib
 import re
@@ -79,26 +78,26 @@ def aligned_interior(address: int, nbytes: int) -> tuple[int, int] | None:
 def advise_huge_pages(arrays: Iterable) -> HugePageReport:
     """Back the CPU buffers of `arrays` (jax.Arrays) with huge pages where the system allows.
     Waits for the arrays first: MADV_COLLAPSE fails on pages XLA has not written yet."""
-    if not sys.platform.startswith("linux"):
-        return HugePageReport(reason=f"transparent huge pages are Linux-only (this is {sys.platform})")
-    setting = thp_setting()
-    if setting not in ("always", "madvise"):
-        return HugePageReport(reason=f"transparent huge pages are {setting or 'unavailable'} on this system")
     arrays = jax.block_until_ready(list(arrays))
     ranges = [r for a in cpu_buffer_ranges(arrays) if (r := aligned_interior(*a))]
+    eligible = _total(ranges)
     if not ranges:
         return HugePageReport(reason="no CPU buffer spans a whole 2 MiB page")
+    if not sys.platform.startswith("linux"):
+        return HugePageReport(eligible, reason=f"transparent huge pages are Linux-only (this is {sys.platform})")
+    setting = thp_setting()
+    if setting not in ("always", "madvise"):
+        return HugePageReport(eligible, reason=f"transparent huge pages are {setting or 'unavailable'} on this system")
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     collapse = kernel_version() >= (6, 1)
     start_time, collapse_errors = time.perf_counter(), 0
     for start, end in ranges:
         if madvise(start, end - start, MADV_HUGEPAGE) != 0:
-            return HugePageReport(reason=f"madvise(MADV_HUGEPAGE): {os.strerror(ctypes.get_errno())}")
+            return HugePageReport(eligible, reason=f"madvise(MADV_HUGEPAGE): {os.strerror(ctypes.get_errno())}")
         if collapse and madvise(start, end - start, MADV_COLLAPSE) != 0:
             collapse_errors += 1  # e.g. EAGAIN / ENOMEM: no free huge page; khugepaged may later
-    eligible = _total(ranges)
-    return HugePageReport(eligible_bytes=eligible, huge_bytes=min(eligible, huge_page_bytes(ranges)),
+    return HugePageReport(eligible, huge_bytes=min(eligible, huge_page_bytes(ranges)),
                           seconds=time.perf_counter() - start_time, collapse_errors=collapse_errors,
                           reason=None if collapse else "MADV_COLLAPSE needs Linux 6.1+: left to khugepaged")
 

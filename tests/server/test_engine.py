@@ -204,6 +204,19 @@ def test_serve_notes_a_missing_native_kernel():
     assert "unavailable (no C++ compiler found (set CXX))" in note
 
 
+def test_serve_notes_the_weights_pages():
+    from expertd.server import cli
+
+    assert cli._huge_pages_note(None) is None  # not a CPU engine, or --no-huge-pages
+    assert cli._huge_pages_note({"eligible_bytes": 0, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
+                                 "reason": "no CPU buffer spans a whole 2 MiB page"}) is None
+    assert cli._huge_pages_note({"eligible_bytes": 2 << 30, "huge_bytes": 1 << 30, "seconds": 1.25,
+                                 "collapse_errors": 3, "reason": None}) == "weights: 1024 of 2048 MiB on huge pages (1.25s)"
+    assert cli._huge_pages_note({"eligible_bytes": 1 << 30, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
+                                 "reason": "transparent huge pages are never on this system"}).endswith(
+        "0 of 1024 MiB on huge pages (0.00s); transparent huge pages are never on this system")
+
+
 def test_serve_progress_line_names_the_expert_backend_and_compiler_options(capsys):
     from expertd.server import cli
 

@@ -58,3 +58,11 @@ def test_engine_reports_its_weights_on_huge_pages():
     if CAN_COLLAPSE:
         assert info["huge_bytes"] == info["eligible_bytes"] and info["reason"] is None
     assert Engine([layer], buckets=(8,), dtype="float32", devices=1, huge_pages=False).info()["huge_pages"] is None
+
+
+def test_without_thp_nothing_is_advised_and_the_report_says_why(monkeypatch):
+    monkeypatch.setattr(host_memory, "thp_setting", lambda: "never")
+    w = jnp.ones((2, 1024, 1024), jnp.float32)  # 8 MiB: 3-4 whole huge pages
+    report = host_memory.advise_huge_pages([w])
+    assert report.eligible_bytes >= 6 * MIB and report.huge_bytes == 0
+    assert report.reason == "transparent huge pages are never on this system"
