@@ -7,7 +7,7 @@
   (c') read floor: the same bytes / measured read bandwidth (the fastest of XLA's sum and
                  matrix-vector product and numpy's BLAS one over 256 MiB). A layer only reads its
                  weights, so (c') is the floor this machine can reach; on the 2-core dev VM the read
-                 rate measured 0.80-0.85x the copy rate (r+w), so (c') is ~1.2x (c).
+                 rate measured 0.79-0.90x the copy rate (r+w), so (c') is 1.1-1.27x (c).
   (d) HF:        transformers' MixtralSparseMoeBlock (E=8) / Qwen3MoeSparseMoeBlock (E=64) on torch
                  CPU with the same weights (skipped with a note when torch is not installed)
 
