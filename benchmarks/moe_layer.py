@@ -368,7 +368,8 @@ def markdown(rows):
         hf = "" if row.get("hf_how") == "measured" else f" ({row.get('hf_how')})"
         out.append(f"| {row['E']} | {row['k']} | {row['T']} | {row['dtype']} | {seconds * 1e3:.1f} "
                    f"({auto_label(row)}) | {row['active_gflop'] / seconds:.1f} | {r['vs_dense']:.2f} | "
-                   f"{r['of_roofline']:.2f} | {r['x_floor']:.1f} | {r['x_read_floor']:.2f} | {r['vs_hf']:.2f}{hf} | {others} |")
+                   f"{r['of_roofline']:.2f} | {r['x_floor']:.1f} | {r['x_read_floor']:.2f} | {r['vs_hf']:.2f}{hf} | "
+                   f"{others} |")
     return "\n".join(out)
 
 

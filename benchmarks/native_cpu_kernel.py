@@ -8,8 +8,8 @@ fraction of this machine's read bandwidth the kernel streams its weights at (moe
 the ceiling for few rows per expert. Each call reads another copy of the weights, enough copies to
 pass 4x 32 MiB, so no shape runs out of the last-level cache. XLA is timed in a loop of its own
 after the kernel: interleaved, its bf16 einsum (which writes a widened fp32 copy of the weights)
-slowed the kernel call after it by up to 2x at 1-4 rows per expert. Reports median ms, GB/s of weights, GFLOP/s, and the ratios; writes
-benchmarks/results/native_cpu_kernel.json.
+slowed the kernel call after it by up to 2x at 1-4 rows per expert. Reports median ms, GB/s of
+weights, GFLOP/s, and the ratios; writes benchmarks/results/native_cpu_kernel.json.
 
 The weights are moved onto huge pages, as the engine places them (expertd.server.host_memory);
 `--pages-ab` also times the kernel on copies left on 4 KiB pages, interleaved ("2M/4k" > 1: huge
@@ -144,7 +144,8 @@ def main(argv=None):
     variant = variant_call(args.variant) if args.variant else None
     load_before = os.getloadavg()
     bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read {read_rate / 1e9:.1f} GB/s; jax {jax.__version__}; "
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read {read_rate / 1e9:.1f} GB/s; "
+          f"jax {jax.__version__}; "
           f"{'AVX2' if native_cpu.vectorized() else 'portable'} kernel")
     print(f"{'E':>3} {'K':>5} {'C':>5} {'rows':>4} {'dtype':>8} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>7} {'xla ms':>8} "
           f"{'vs xla':>6} {'x floor':>6} {'of read':>6}" + (f" {'var ms':>8} {'var/base':>6}" if variant else "")

@@ -102,10 +102,9 @@ def _huge_pages_note(report: dict | None) -> str | None:
     None without weights big enough for a huge page (the tiny preset) or off CPU."""
     if not report or not report["eligible_bytes"]:
         return None
-    mib = 1 << 20
-    line = (f"weights: {report['huge_bytes'] / mib:.0f} of {report['eligible_bytes'] / mib:.0f} MiB on huge "
-            f"pages ({report['seconds']:.2f}s)")
-    return line + (f"; {report['reason']}" if report["reason"] else "")
+    from expertd.server import host_memory
+
+    return "weights: " + host_memory.summary(report)
 
 
 def _print_progress(event) -> None:

@@ -60,7 +60,7 @@ class ModelConfig:
                                       parse=int, metavar="N")
     backend: str = _option("auto", "expert kernel backend passed to the engine (auto, reference, ragged_dot, capacity, pallas)")
     huge_pages: bool = _option(True, "on CPU, move the weights onto transparent huge pages at load (up to ~1.4 s per "
-                               "GB; decode-size batches measured 1.00-1.09x as fast)")
+                               "GB; decode-size batches measured a median 1.04x as fast)")
 
     def __post_init__(self):
         if self.preset is not None and self.checkpoint is not None:

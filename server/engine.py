@@ -266,8 +266,8 @@ class Engine:
 
     def info(self) -> dict:
         """Layers (index, source, full config), dtype, buckets, mesh, backend, compile counters, the
-        native CPU expert kernel's status (CPU only) and the XLA compiler options of forward steps
-        that have any (per shape group and bucket)."""
+        native CPU expert kernel's status and the weights' huge pages (CPU only), the XLA compiler
+        options of forward steps that have any and each forward bucket's expert backend."""
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
                         "params": {name: {"shape": list(np.shape(p)), "dtype": str(p.dtype),
@@ -302,11 +302,7 @@ class Engine:
         if self.devices[0].platform != "cpu":
             return None
         report = host_memory.advise_huge_pages(p for params in self._params.values() for p in params.values())
-        if report.reason:
-            log.info("weights stay on 4 KiB pages: %s", report.reason)
-        else:
-            log.info("weights on huge pages: %.0f of %.0f MiB in %.2f s", report.huge_bytes / 2**20,
-                     report.eligible_bytes / 2**20, report.seconds)
+        log.info("weights: %s", host_memory.summary(report.as_dict()))
         return report
 
     def _native_cpu_kernel(self) -> dict | None:

@@ -4,8 +4,9 @@ Decode-size batches stream every touched expert matrix from DRAM once per call, 
 the machine's read rate. XLA:CPU allocates with malloc, on 4 KiB pages (where THP is in "madvise"
 mode, the common default); on 2 MiB pages the same reads need 512x fewer TLB entries and page
 walks. Measured on the 2-core dev VM
-(interleaved A/B in one process, weights cycled past L3): the native CPU kernel 1.00-1.09x at 1-4
-rows per expert, the T=16 layer 0.98-1.07x (BENCHMARKS.md). numpy does the same for its own large
+(interleaved A/B in one process, weights cycled past L3): the native CPU kernel a median 1.04x at
+1-8 rows per expert (0.94-1.23x; 1.00x from 16 rows, compute-bound), the T=16 layer 0.98-1.07x
+(BENCHMARKS.md). numpy does the same for its own large
 arrays; torch has THP_MEM_ALLOC_ENABLE.
 
 `advise_huge_pages(arrays)` marks the 2 MiB-aligned interior of every CPU buffer MADV_HUGEPAGE and
@@ -47,6 +48,14 @@ class HugePageReport:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def summary(report: dict) -> str:
+    """One line for logs and `expertd serve`: "A of B MiB on huge pages (S s)[; why not all]"."""
+    mib = 1 << 20
+    line = (f"{report['huge_bytes'] / mib:.0f} of {report['eligible_bytes'] / mib:.0f} MiB on huge pages "
+            f"({report['seconds']:.2f}s)")
+    return line + (f"; {report['reason']}" if report["reason"] else "")
 
 
 def thp_setting() -> str | None:
