@@ -29,6 +29,12 @@ def test_cpu_buffer_ranges_cover_every_shard():
     a = jnp.zeros((256, 1024), jnp.float32)
     assert host_memory.cpu_buffer_ranges([a]) == [(a.unsafe_buffer_pointer(), a.nbytes)]
     assert host_memory.cpu_buffer_ranges([]) == []
+    mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4])  # conftest: 8 simulated CPU devices
+    split = jax.device_put(jnp.zeros((8, 1024), jnp.float32),
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep")))
+    ranges = host_memory.cpu_buffer_ranges([split])
+    assert sorted(ranges) == sorted((s.data.unsafe_buffer_pointer(), 2 * 1024 * 4) for s in split.addressable_shards)
+    assert len(set(ranges)) == 4
 
 
 @pytest.mark.skipif(not CAN_COLLAPSE, reason="needs THP (always / madvise) and Linux 6.1+ (MADV_COLLAPSE)")
