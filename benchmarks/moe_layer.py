@@ -22,7 +22,7 @@ kernel) runs at T=16 only; skipped entries say why. (d) in bf16 is very slow on 
 bf16 matmul units: when one call would exceed HF_CALL_CAP_S it is estimated by a linear fit of
 two smaller token counts and marked "fit". The `auto` column compiles with
 `moe.compiler_options(cfg, T, dtype=...)`, as the server does per bucket; where its calls are long
-(T=256 and up, PAIRED_MIN_CALL_S) its ratios to (b) and (d) (the issue's targets) come from one
+(PAIRED_MIN_CALL_S: T=4096 on the dev box) its ratios to (b) and (d) (the issue's targets) come from one
 more timing of auto, (b) and (d) in alternation ("paired"; (d) only where one call takes at most
 PAIRED_HF_CALL_CAP_S). The weights are moved
 onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.

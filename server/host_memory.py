@@ -12,8 +12,8 @@ arrays; torch has THP_MEM_ALLOC_ENABLE.
 `advise_huge_pages(arrays)` marks the 2 MiB-aligned interior of every CPU buffer MADV_HUGEPAGE and
 asks the kernel to collapse it now (MADV_COLLAPSE, Linux 6.1+: 0.5-1.4 s per GB on the dev VM, once
 at load) rather than leaving it to khugepaged's slow background scan. Neither call changes the data;
-the buffers stay XLA's. Where it cannot apply (not Linux, THP "never", no MADV_COLLAPSE, GPU
-arrays) it does nothing and says why.
+the buffers stay XLA's. Where it cannot apply (not Linux, THP "never", GPU arrays) it does
+nothing, and without MADV_COLLAPSE (Linux < 6.1) it only marks the ranges; the report says why.
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def test_small_buffers_are_left_alone_with_a_reason():
 
 
 def test_engine_reports_its_weights_on_huge_pages():
-    cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=512, intermediate_size=1024)  # 8 MiB per matrix set
+    cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=512, intermediate_size=1024)  # 8 MiB per expert matrix
     params = {name: np.asarray(v) for name, v in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
     info = Engine([layer], buckets=(8,), dtype="float32", devices=1).info()["huge_pages"]
