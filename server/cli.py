@@ -51,6 +51,10 @@ def serve(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.retain_freed_memory:  # before any JAX work: see host_allocator
+        from expertd.server import host_allocator
+
+        host_allocator.retain_freed_memory()
     if group.enabled:  # one process of a multi-host group (docs/deploy.md)
         return multihost.serve(config, group)
     say(f"loading {config.model.name} ({config.model.dtype})")
@@ -76,7 +80,8 @@ def serve(argv: list[str]) -> int:
     say(f"ready: {len(handle.engine.layers)} layers, buckets {list(handle.engine.buckets)}, "
         f"{time.perf_counter() - started:.1f}s after start")
     info = handle.engine.info()
-    for note in (_native_kernel_note(info["native_cpu_kernel"]), _huge_pages_note(info["huge_pages"])):
+    for note in (_native_kernel_note(info["native_cpu_kernel"]), _huge_pages_note(info["huge_pages"]),
+                 _host_allocator_note(info["host_allocator"])):
         if note:
             say(note)
     while not handle.wait(0.5):  # short waits keep the main thread responsive to signals
@@ -105,6 +110,15 @@ def _huge_pages_note(report: dict | None) -> str | None:
     from expertd.server import host_memory
 
     return "weights: " + host_memory.summary(report)
+
+
+def _host_allocator_note(state: dict | None) -> str | None:
+    """The line `serve` prints about host malloc (state: Engine.info()["host_allocator"]); None off CPU."""
+    if state is None:
+        return None
+    from expertd.server import host_allocator
+
+    return "host memory: " + host_allocator.summary(state)
 
 
 def _print_progress(event) -> None:

@@ -158,6 +158,9 @@ class ServerConfig:
                                             "JAX persistent compilation cache ('' disables it)", parse=_optional_str,
                                             metavar="DIR")
     reflection: bool = _option(True, "serve gRPC server reflection (grpcurl, ghz)")
+    retain_freed_memory: bool = _option(True, "keep freed host buffers for reuse (glibc malloc: one arena, no "
+                                        "mmap'd blocks), so XLA:CPU's large buffers are not page-faulted in on "
+                                        "every call; resident memory stays at its peak")
     aux_loss_coeff: float = _option(1e-2, "default load-balancing aux-loss coefficient of Route", parse=float)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)

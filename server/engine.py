@@ -8,7 +8,9 @@ What it does, in order:
    or `ep.shard_params` on a mesh); expert weights in the engine dtype, router weight and expert
    bias in fp32. Seeded preset weights are generated straight into their device layout. On CPU
    devices their buffers are then moved onto transparent huge pages (`expertd.server.host_memory`,
-   `huge_pages=False` skips it); `info()["huge_pages"]` reports how many bytes made it.
+   `huge_pages=False` skips it); `info()["huge_pages"]` reports how many bytes made it, and
+   `info()["host_allocator"]` whether this process keeps freed host buffers for reuse
+   (`expertd.server.host_allocator`, applied by `expertd serve` before JAX starts).
 3. Steps (`expertd.server.steps`): three pure functions of (params, tokens padded to a bucket, number of valid tokens):
    forward (gate matmul, router, dispatch, experts, combine, shared experts), route from hidden
    states (router logits = x @ router_weight in fp32) and route from given logits [T, E]. Layers
@@ -61,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import experts, moe
-from expertd.server import host_memory, steps
+from expertd.server import host_allocator, host_memory, steps
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement, pick_devices, split_over_ep
 
@@ -286,6 +288,7 @@ class Engine:
             "compile_cache_dir": None if self.compile_cache_dir is None else str(self.compile_cache_dir),
             "native_cpu_kernel": self._native_cpu_kernel(),
             "huge_pages": None if self.huge_pages is None else self.huge_pages.as_dict(),
+            "host_allocator": host_allocator.state().as_dict() if self.devices[0].platform == "cpu" else None,
             "forward_compiler_options": [
                 {"layers": list(layers), "bucket": bucket, "options": options}
                 for key, layers in self._shape_groups().items() for bucket in self.buckets

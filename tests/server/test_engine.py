@@ -217,6 +217,16 @@ def test_serve_notes_the_weights_pages():
         "0 of 1024 MiB on huge pages (0.00s); transparent huge pages are never on this system")
 
 
+def test_serve_notes_the_host_allocator():
+    from expertd.server import cli
+
+    assert cli._host_allocator_note(None) is None  # not a CPU engine
+    assert cli._host_allocator_note({"applied": True, "reason": None}).startswith(
+        "host memory: freed buffers kept for reuse")
+    assert cli._host_allocator_note({"applied": False, "reason": "not glibc on Linux"}) == (
+        "host memory: freed buffers returned to the system (not glibc on Linux)")
+
+
 def test_serve_progress_line_names_the_expert_backend_and_compiler_options(capsys):
     from expertd.server import cli
 

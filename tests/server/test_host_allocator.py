@@ -1,0 +1,119 @@
+"""host_allocator: glibc keeps freed host buffers, so XLA:CPU's large outputs stop page-faulting.
+
+Each case runs a fresh Python process (the settings must precede JAX's threads, and they would
+change this test process for the rest of the suite) that calls one jitted op with a 64 MiB output
+repeatedly and counts its page faults per call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from expertd.server import host_allocator
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings (Linux)")
+
+PROBE = """
+import json, resource, sys
+from expertd.server import host_allocator
+when = sys.argv[1]
+if when == "first":
+    host_allocator.retain_freed_memory()
+import jax, jax.numpy as jnp
+y = jnp.ones((16 << 20,), jnp.float32)  # 64 MiB: above glibc's largest mmap threshold (32 MiB)
+if when == "late":
+    host_allocator.retain_freed_memory()
+bump = jax.jit(lambda v: v + 1.0)
+faults, rss = [], []
+for _ in range(CALLS):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    out = bump(y)
+    out.block_until_ready()
+    del out
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    rss.append(int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize())
+print(json.dumps({"state": host_allocator.state().as_dict(), "faults": faults, "rss": rss}))
+"""
+# One device, as `expertd serve` on one CPU: its heap took 8-20 calls to settle (frees are
+# asynchronous and small blocks split freed big ones, so the first outputs land on new pages).
+CALLS = 32
+OUTPUT_PAGES_4K = (64 << 20) // 4096
+OUTPUT_PAGES_2M = (64 << 20) // (2 << 20)  # a system with THP "always" faults 2 MiB at a time
+
+
+def probe(when: str) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    env.pop("LD_PRELOAD", None)
+    done = subprocess.run([sys.executable, "-c", PROBE.replace("CALLS", str(CALLS)), when], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_retained_buffers_are_reused_without_page_faults():
+    result = probe("first")
+    assert result["state"] == {"applied": True, "reason": None}
+    # once the heap has settled it holds the freed outputs, and each new one reuses them as they are
+    assert max(result["faults"][-4:]) < OUTPUT_PAGES_2M, result["faults"]
+    # what it keeps is bounded: resident memory stops growing
+    assert result["rss"][-1] - result["rss"][-8] < (8 << 20), result["rss"]
+
+
+def test_by_default_every_call_faults_its_output_in():
+    result = probe("never")
+    assert result["state"]["applied"] is False and "not requested" in result["state"]["reason"]
+    assert min(result["faults"][-4:]) >= OUTPUT_PAGES_2M, result["faults"]
+    if host_thp_mode() != "always":
+        assert min(result["faults"][-4:]) >= OUTPUT_PAGES_4K, result["faults"]
+
+
+def test_after_jax_started_it_changes_nothing_and_says_why():
+    result = probe("late")
+    assert result["state"]["applied"] is False
+    assert "own malloc arenas" in result["state"]["reason"] and "before JAX's first computation" in result["state"]["reason"]
+    assert min(result["faults"][-4:]) >= OUTPUT_PAGES_2M, result["faults"]
+
+
+def test_malloc_arenas_counts_this_process_threads_arenas():
+    libc = host_allocator._glibc()
+    if libc is None:
+        pytest.skip("not glibc")
+    assert host_allocator.malloc_arenas(libc) >= 1
+    # this pytest process has run JAX: its threads have arenas, so the settings are refused here
+    import jax.numpy as jnp
+
+    jnp.ones(3).block_until_ready()
+    assert host_allocator.malloc_arenas(libc) > 1
+    assert host_allocator.state().applied is False
+
+
+def test_summary_lines():
+    assert host_allocator.summary({"applied": True, "reason": None}).startswith("freed buffers kept for reuse")
+    assert host_allocator.summary({"applied": False, "reason": "not glibc on Linux"}) == (
+        "freed buffers returned to the system (not glibc on Linux)")
+
+
+def test_engine_info_reports_the_process_state():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from expertd.kernels import moe
+    from expertd.server.engine import Engine
+    from expertd.server.model import LoadedLayer
+
+    cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=32, intermediate_size=64)
+    params = {name: np.asarray(v) for name, v in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
+    engine = Engine([LoadedLayer(index=0, cfg=cfg, params=params, source="test")], buckets=(8,), dtype="float32",
+                    devices=1)
+    assert engine.info()["host_allocator"] == host_allocator.state().as_dict()
+    assert engine.info()["host_allocator"]["applied"] is False  # this test process never asked
+
+
+def host_thp_mode() -> str | None:
+    from expertd.server import host_memory
+
+    return host_memory.thp_setting()
