@@ -26,6 +26,8 @@ two smaller token counts and marked "fit". The `auto` column compiles with
 more timing of auto, (b) and (d) in alternation ("paired"; (d) only where one call takes at most
 PAIRED_HF_CALL_CAP_S). The weights are moved
 onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
+The process keeps freed host buffers for reuse as `expertd serve` does (expertd.server.host_allocator:
+no page faults on the large buffers of T=4096; torch's (d), in the same process, gains it too).
 
 `--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
 with the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
@@ -50,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import experts, moe
-from expertd.server import host_memory
+from expertd.server import host_allocator, host_memory
 
 SHAPES = ((8, 2, 1024, 2048, "mixtral"), (64, 8, 1024, 512, "qwen3_moe"))
 TOKENS = (16, 256, 4096)
@@ -448,6 +450,7 @@ def main(argv=None):
         with open(args.markdown) as f:
             print(markdown(json.load(f)["rows"]))
         return
+    host_allocator.retain_freed_memory()  # as `expertd serve` does, before JAX's first computation
     load_before = os.getloadavg()
     if args.options_ab:
         name, bandwidth, read_rate, rows = "moe_layer_options_ab", None, None, run_options_ab(args)
@@ -464,15 +467,21 @@ def main(argv=None):
             sys.stdout.flush()
         print()
         print_table(rows)
-    result = dict(benchmark=name, date=datetime.date.today().isoformat(), machine=platform.platform(),
+    write_results(out, name, rows, xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
+                  copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate)
+
+
+def write_results(path, benchmark, rows, **fields):
+    """Write a benchmark's JSON: `rows` and `fields` with the date, machine, software, the load
+    average now and this process's host_allocator state (the other benchmarks use it too)."""
+    result = dict(benchmark=benchmark, date=datetime.date.today().isoformat(), machine=platform.platform(),
                   cpu_count=os.cpu_count(), jax=jax.__version__, jaxlib=jax.lib.__version__,
-                  xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
-                  load_average_after=os.getloadavg(), device=jax.default_backend(),
-                  copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate, rows=rows)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
+                  device=jax.default_backend(), load_average_after=os.getloadavg(),
+                  host_allocator=host_allocator.state().as_dict(), **fields, rows=rows)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,8 @@ variant is faster. Run under `flock /tmp/expertd-bench.lock` when other jobs sha
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import native_cpu
-from expertd.server import host_memory
+from expertd.server import host_allocator, host_memory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import copy_bandwidth, read_bandwidth  # noqa: E402
+from moe_layer import copy_bandwidth, read_bandwidth, write_results  # noqa: E402
 
 # Projections of the two moe_layer.py shapes: Mixtral-style E=8 [1024, 2048] (gate / up) and
 # [2048, 1024] (down); Qwen3-MoE-style E=64 [1024, 512] and [512, 1024].
@@ -138,6 +135,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
+    host_allocator.retain_freed_memory()  # as `expertd serve` does, before JAX's first computation
     if not native_cpu.available():  # e.g. no C++ compiler: nothing to time (`make bench` goes on)
         print(f"skipped: native CPU kernel unavailable: {native_cpu.unavailable_reason()}")
         return
@@ -158,14 +156,9 @@ def main(argv=None):
             for m in args.rows:
                 rows.append(run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant, args.reps, args.pages_ab))
                 print_row(rows[-1])
-    result = dict(benchmark="native_cpu_kernel", date=datetime.date.today().isoformat(), machine=platform.platform(),
-                  cpu_count=os.cpu_count(), jax=jax.__version__, variant=str(args.variant or ""),
-                  load_average_before=load_before, load_average_after=os.getloadavg(),
-                  copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate, rows=rows)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, "native_cpu_kernel", rows, variant=str(args.variant or ""),
+                  load_average_before=load_before, copy_bandwidth_bytes_per_s=bandwidth,
+                  read_bandwidth_bytes_per_s=read_rate)
 
 
 if __name__ == "__main__":
