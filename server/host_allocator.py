@@ -43,7 +43,7 @@ OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 class AllocatorState:
     """`applied`: the settings in SETTINGS are in force; else `reason` says why not."""
     applied: bool = False
-    reason: str | None = "not requested (expertd.server.host_allocator.retain_freed_memory was not called)"
+    reason: str | None = "not requested: --no-retain-freed-memory, or retain_freed_memory() was never called"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,7 +61,7 @@ def summary(state_dict: dict) -> str:
     """One line for logs and `expertd serve`."""
     if state_dict["applied"]:
         return "freed buffers kept for reuse (glibc malloc: one arena, no mmap'd blocks, no trimming)"
-    return f"freed buffers returned to the system ({state_dict['reason']})"
+    return f"large freed buffers go back to the system ({state_dict['reason']})"
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -77,7 +77,7 @@ def malloc_arenas(libc: ctypes.CDLL) -> int:
     libc.open_memstream.restype = ctypes.c_void_p
     stream = ctypes.c_void_p(libc.open_memstream(ctypes.byref(buffer), ctypes.byref(size)))
     if not stream:
-        raise OSError(ctypes.get_errno(), "open_memstream failed")
+        raise OSError("open_memstream failed")
     try:
         libc.malloc_info(0, stream)
     finally:

@@ -224,7 +224,7 @@ def test_serve_notes_the_host_allocator():
     assert cli._host_allocator_note({"applied": True, "reason": None}).startswith(
         "host memory: freed buffers kept for reuse")
     assert cli._host_allocator_note({"applied": False, "reason": "not glibc on Linux"}) == (
-        "host memory: freed buffers returned to the system (not glibc on Linux)")
+        "host memory: large freed buffers go back to the system (not glibc on Linux)")
 
 
 def test_serve_progress_line_names_the_expert_backend_and_compiler_options(capsys):

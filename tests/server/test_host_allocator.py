@@ -90,10 +90,22 @@ def test_malloc_arenas_counts_this_process_threads_arenas():
     assert host_allocator.state().applied is False
 
 
+def test_other_mallocs_and_other_libcs_are_left_alone(monkeypatch):
+    """Refused before any mallopt call, so safe to run in this process (its state is restored)."""
+    monkeypatch.setattr(host_allocator, "_state", host_allocator.AllocatorState())
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    state = host_allocator.retain_freed_memory()
+    assert not state.applied and state.reason.startswith("another malloc is preloaded (LD_PRELOAD=")
+    monkeypatch.delenv("LD_PRELOAD")
+    monkeypatch.setattr(host_allocator, "_glibc", lambda: None)
+    assert host_allocator.retain_freed_memory().reason == "not glibc on Linux"
+    assert host_allocator.state().reason == "not glibc on Linux"
+
+
 def test_summary_lines():
     assert host_allocator.summary({"applied": True, "reason": None}).startswith("freed buffers kept for reuse")
     assert host_allocator.summary({"applied": False, "reason": "not glibc on Linux"}) == (
-        "freed buffers returned to the system (not glibc on Linux)")
+        "large freed buffers go back to the system (not glibc on Linux)")
 
 
 def test_engine_info_reports_the_process_state():
