@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native k
 
 # (group sizes, K, C): C = 17 / 50 / 40 have scalar column tails, K = 5 / 40 / 44 a k remainder past
 # the 16-row steps (44: past the 8-row steps of experts with up to 4 rows), 2064 columns a second
-# column block, one expert of 5 or more rows several row blocks.
+# column block, one expert of 5 or more rows several row blocks. [3, 7] x 48 columns: 3-row blocks
+# (32-column chunks in bf16) with a 16-column tail chunk.
 # Experts of 32 rows or more take the packed path: 45 / 41 / 130 rows end in partial 6-row panels,
 # 130 spans two 120-row L2 blocks, K = 300 / 520 end in a partial 256-deep k block, and the last
 # case mixes both paths (and an empty expert) in one call.
@@ -29,6 +30,7 @@ CASES = [
     ([1, 2, 3, 9], 64, 96),
     ([0, 0, 7, 0], 48, 32),
     ([2, 1, 4], 44, 48),
+    ([3, 7], 40, 48),
     ([4, 4], 1024, 2048),
     ([1, 0, 6, 2, 0, 0, 1, 13], 128, 2064),
     ([45], 300, 40),
