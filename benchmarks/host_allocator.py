@@ -3,10 +3,10 @@ buffers reused as they are, against the same calls with their pages given back f
 
 glibc's default (big blocks mmap'd per call, munmap'd when freed) cannot be switched back on in a
 process that took host_allocator's settings, and two processes an hour apart differ by more than
-the effect on this VM. So both sides run in one process, interleaved: "retained" is the process as
-`expertd serve` runs it; "faulting" first calls malloc_trim(0) (untimed), which hands every free
-page back to the kernel as the default munmap does, so the call faults its buffers in again, as it
-does by default. Each side reports its median time and its page faults per call (ru_minflt).
+the effect on this VM. So both sides run in one process, interleaved: "retained" is the process
+as `expertd serve --retain-freed-memory` runs it; "faulting" first calls malloc_trim(0) (untimed),
+which hands every free page back to the kernel as the default munmap does, so the call faults its
+buffers in again, as it does by default. Each side reports its median time and its page faults per call (ru_minflt).
 
 Shapes: the layer (`moe.moe_layer`, backend "auto", compiled with `moe.compiler_options` as the
 server does) at (E, k, H, I) in {(8, 2, 1024, 2048), (64, 8, 1024, 512)}, T in {1024, 4096}, bf16

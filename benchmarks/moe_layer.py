@@ -26,8 +26,9 @@ two smaller token counts and marked "fit". The `auto` column compiles with
 more timing of auto, (b) and (d) in alternation ("paired"; (d) only where one call takes at most
 PAIRED_HF_CALL_CAP_S). The weights are moved
 onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
-The process keeps freed host buffers for reuse as `expertd serve` does (expertd.server.host_allocator:
-no page faults on the large buffers of T=4096; torch's (d), in the same process, gains it too).
+The process keeps freed host buffers for reuse as `expertd serve --retain-freed-memory` does
+(expertd.server.host_allocator: no page faults on the large buffers of T=4096; torch's (d), in the
+same process, gains it too).
 
 `--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
 with the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
@@ -450,7 +451,7 @@ def main(argv=None):
         with open(args.markdown) as f:
             print(markdown(json.load(f)["rows"]))
         return
-    host_allocator.retain_freed_memory()  # as `expertd serve` does, before JAX's first computation
+    host_allocator.retain_freed_memory()  # as `serve --retain-freed-memory`, before JAX's first computation
     load_before = os.getloadavg()
     if args.options_ab:
         name, bandwidth, read_rate, rows = "moe_layer_options_ab", None, None, run_options_ab(args)

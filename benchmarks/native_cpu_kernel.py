@@ -135,7 +135,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
-    host_allocator.retain_freed_memory()  # as `expertd serve` does, before JAX's first computation
+    host_allocator.retain_freed_memory()  # as `serve --retain-freed-memory`, before JAX's first computation
     if not native_cpu.available():  # e.g. no C++ compiler: nothing to time (`make bench` goes on)
         print(f"skipped: native CPU kernel unavailable: {native_cpu.unavailable_reason()}")
         return

@@ -163,7 +163,7 @@ def test_sigterm_drains_accepted_requests_and_exits_zero(tmp_path_factory):
     command = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", "--preset", "tiny", "--num-layers", "1", "--dtype", "float32",
                "--num-devices", "1", "--bucket-sizes", ",".join(map(str, SLOW_BUCKETS)),
-               "--max-queue-delay-ms", "1500", "--drain-grace-s", "20",
+               "--max-queue-delay-ms", "1500", "--drain-grace-s", "20", "--retain-freed-memory",
                "--compile-cache-dir", str(cache_dir(tmp_path_factory))]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -175,7 +175,7 @@ def test_sigterm_drains_accepted_requests_and_exits_zero(tmp_path_factory):
                 break
         output = "".join(lines)
         assert "ready:" in output, output
-        # serve applied host_allocator before JAX started (Linux/glibc; elsewhere the line says why not)
+        # --retain-freed-memory applied before JAX started (Linux/glibc; elsewhere the line says why not)
         if sys.platform.startswith("linux"):
             assert "host memory: freed buffers kept for reuse" in output, output
         port = int(re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", output).group(1))
