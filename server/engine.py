@@ -10,7 +10,7 @@ What it does, in order:
    devices their buffers are then moved onto transparent huge pages (`expertd.server.host_memory`,
    `huge_pages=False` skips it); `info()["huge_pages"]` reports how many bytes made it, and
    `info()["host_allocator"]` whether this process keeps freed host buffers for reuse
-   (`expertd.server.host_allocator`, applied by `expertd serve` before JAX starts).
+   (`expertd.server.host_allocator`, applied by `expertd serve --retain-freed-memory` before JAX starts).
 3. Steps (`expertd.server.steps`): three pure functions of (params, tokens padded to a bucket, number of valid tokens):
    forward (gate matmul, router, dispatch, experts, combine, shared experts), route from hidden
    states (router logits = x @ router_weight in fp32) and route from given logits [T, E]. Layers
