@@ -268,8 +268,9 @@ class Engine:
 
     def info(self) -> dict:
         """Layers (index, source, full config), dtype, buckets, mesh, backend, compile counters, the
-        native CPU expert kernel's status and the weights' huge pages (CPU only), the XLA compiler
-        options of forward steps that have any and each forward bucket's expert backend."""
+        native CPU expert kernel's status, the weights' huge pages and the process's host_allocator
+        state (CPU only), the XLA compiler options of forward steps that have any and each forward
+        bucket's expert backend."""
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
                         "params": {name: {"shape": list(np.shape(p)), "dtype": str(p.dtype),
