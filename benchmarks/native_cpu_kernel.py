@@ -54,8 +54,8 @@ def variant_call(source: pathlib.Path):
     if cxx is None:
         sys.exit("no C++ compiler for --variant")
     target = pathlib.Path(tempfile.mkdtemp(prefix="expertd-variant-")) / "variant.so"
-    native_cpu._build(cxx, target, source=source)
-    native_cpu._register(target, "expertd_grouped_matmul_variant")
+    native_cpu._build(cxx, target, sources=(source,))
+    native_cpu._register(target, {"expertd_grouped_matmul_variant": "ExpertdGroupedMatmul"})
 
     def call(x, group_sizes, w):
         out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)

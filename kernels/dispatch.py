@@ -26,6 +26,10 @@ E experts, N buffer rows):
       accumulated in fp32; unrouted copies contribute nothing (masked with `where`, so NaN in
       unused rows never leaks). Without weights the copies are summed.
 
+  layout(topk_ids [T, k], num_experts, *, align_size=0, valid=None) -> Permutation
+      permute without the gather (native_cpu.layout computes the same in C++, and
+      native_cpu.combine the same as unpermute with out_dtype float32).
+
   buffer_rows(T, k, E, align_size) -> int: the static N above.
 
 `permute_reference` / `unpermute_reference` are plain-jnp versions written for clarity (one-hot
@@ -65,19 +69,37 @@ def buffer_rows(num_tokens: int, topk: int, num_experts: int, align_size: int = 
     return (padded // align_size) * align_size
 
 
-def _check_args(x, topk_ids, num_experts, align_size, valid):
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, H], got shape {x.shape}")
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids must be [T, k] with T={x.shape[0]}, got shape {topk_ids.shape}")
+def check_layout_args(topk_ids, num_experts, align_size, valid) -> tuple[int, int]:
+    """Validate `layout`'s arguments (native_cpu.layout shares this); returns (T, k)."""
+    if topk_ids.ndim != 2:
+        raise ValueError(f"topk_ids must be [T, k], got shape {topk_ids.shape}")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise ValueError(f"topk_ids must be an integer array, got {topk_ids.dtype}")
     if int(num_experts) < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if int(align_size) < 0:
         raise ValueError(f"align_size must be >= 0, got {align_size}")
-    if valid is not None and getattr(valid, "shape", None) != (x.shape[0],):
-        raise ValueError(f"valid must be a bool [T] mask with T={x.shape[0]}, got {getattr(valid, 'shape', valid)}")
+    if valid is not None and getattr(valid, "shape", None) != (topk_ids.shape[0],):
+        raise ValueError(f"valid must be a bool [T] mask with T={topk_ids.shape[0]}, got {getattr(valid, 'shape', valid)}")
+    return topk_ids.shape
+
+
+def _check_args(x, topk_ids, num_experts, align_size, valid):
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, H], got shape {x.shape}")
+    if topk_ids.ndim == 2 and topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must be [T, k] with T={x.shape[0]}, got shape {topk_ids.shape}")
+    check_layout_args(topk_ids, num_experts, align_size, valid)
+
+
+def check_unpermute_args(rows, perm: "Permutation", topk_weights) -> tuple[int, int]:
+    """Validate `unpermute`'s arguments (native_cpu.combine shares this); returns (T, k)."""
+    t, k = perm.dest.shape
+    if rows.ndim != 2 or rows.shape[0] != perm.token_of_row.shape[0]:
+        raise ValueError(f"rows must be [N, H] with N={perm.token_of_row.shape[0]}, got {rows.shape}")
+    if topk_weights is not None and topk_weights.shape != (t, k):
+        raise ValueError(f"topk_weights must be [T, k] = {(t, k)}, got {topk_weights.shape}")
+    return t, k
 
 
 def _aligned(counts, align_size: int):
@@ -90,7 +112,7 @@ def _exclusive_cumsum(v):
     return jnp.cumsum(v) - v
 
 
-def _flat_experts(topk_ids, num_experts, valid):
+def flat_experts(topk_ids, num_experts, valid):
     """Flat (t*k + j) expert ids with unrouted copies set to E (sorts after every real expert)."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(t * k).astype(jnp.int32)
@@ -122,26 +144,27 @@ def _layout(flat_sorted, order, counts, num_tokens, topk, num_experts, align_siz
     return perm
 
 
-def permute(x, topk_ids, num_experts: int, *, align_size: int = 0, valid=None):
-    """Expert-major permutation of `x [T, H]` by `topk_ids int32 [T, k]`; see module docstring."""
-    _check_args(x, topk_ids, num_experts, align_size, valid)
-    t, k = topk_ids.shape
-    flat = _flat_experts(topk_ids, num_experts, valid)
+def layout(topk_ids, num_experts: int, *, align_size: int = 0, valid=None) -> Permutation:
+    """The Permutation of `topk_ids int32 [T, k]` alone (permute without the gather)."""
+    t, k = check_layout_args(topk_ids, num_experts, align_size, valid)
+    flat = flat_experts(topk_ids, num_experts, valid)
     # One stable sort by expert keeps the (t, j) order, i.e. ascending tokens inside each expert.
     flat_sorted, order = lax.sort((flat, jnp.arange(t * k, dtype=jnp.int32)), num_keys=1, is_stable=True)
     counts = jnp.bincount(flat, length=num_experts + 1)[:num_experts]
-    perm = _layout(flat_sorted, order, counts, t, k, num_experts, align_size,
+    return _layout(flat_sorted, order, counts, t, k, num_experts, align_size,
                    buffer_rows(t, k, num_experts, align_size))
+
+
+def permute(x, topk_ids, num_experts: int, *, align_size: int = 0, valid=None):
+    """Expert-major permutation of `x [T, H]` by `topk_ids int32 [T, k]`; see module docstring."""
+    _check_args(x, topk_ids, num_experts, align_size, valid)
+    perm = layout(topk_ids, num_experts, align_size=align_size, valid=valid)
     return x.at[perm.token_of_row].get(mode="fill", fill_value=0), perm
 
 
 def unpermute(rows, perm: Permutation, topk_weights=None, *, out_dtype=None):
     """Weighted fp32 combine of expert-major `rows [N, H]` back to `[T, H]`; see module docstring."""
-    t, k = perm.dest.shape
-    if rows.ndim != 2 or rows.shape[0] != perm.token_of_row.shape[0]:
-        raise ValueError(f"rows must be [N, H] with N={perm.token_of_row.shape[0]}, got {rows.shape}")
-    if topk_weights is not None and topk_weights.shape != (t, k):
-        raise ValueError(f"topk_weights must be [T, k] = {(t, k)}, got {topk_weights.shape}")
+    t, k = check_unpermute_args(rows, perm, topk_weights)
     out_dtype = rows.dtype if out_dtype is None else out_dtype
     routed = perm.dest < rows.shape[0]  # [T, k]
     picked = rows.at[perm.dest].get(mode="fill", fill_value=0).astype(jnp.float32)  # [T, k, H]
@@ -162,7 +185,7 @@ def permute_reference(x, topk_ids, num_experts: int, *, align_size: int = 0, val
     _check_args(x, topk_ids, num_experts, align_size, valid)
     t, k = topk_ids.shape
     num_rows = buffer_rows(t, k, num_experts, align_size)
-    flat = _flat_experts(topk_ids, num_experts, valid)
+    flat = flat_experts(topk_ids, num_experts, valid)
     onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32)  # [T*k, E]; unrouted rows are 0
     counts = onehot.sum(axis=0)
     sizes = _aligned(counts, align_size)

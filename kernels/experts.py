@@ -275,19 +275,24 @@ def grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, *, activation
     return jnp.where(valid[:, None], out[:n], 0).astype(xs.dtype)
 
 
-def grouped_ffn_native_cpu(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu"):
+def grouped_ffn_native_cpu(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", source=None):
     """Grouped FFN through the C++ grouped matmul (`native_cpu.grouped_matmul`), one call per
     projection, fp32 accumulation; `h` is rounded to xs.dtype before the down projection as in the
-    other backends. The kernel never reads rows past sum(group_sizes) nor experts without rows."""
+    other backends. The kernel never reads rows past sum(group_sizes) nor experts without rows, and
+    writes zeros there, so no mask is needed.
+
+    With `source int32 [N]` (a Permutation's token_of_row), `xs` is the `[T, H]` token rows and the
+    gate / up projections gather their rows by it inside the kernel (moe_layer's CPU path: the
+    permuted `[N, H]` copy of x is never written); the result is `[N, H]` either way."""
     from expertd.kernels import native_cpu
 
     check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
     act = activation_fn(activation)
-    _, valid = row_experts(group_sizes, xs.shape[0])
-    x32 = jnp.where(valid[:, None], xs, 0).astype(jnp.float32)
-    h = act(native_cpu.grouped_matmul(x32, group_sizes, w_gate)) * native_cpu.grouped_matmul(x32, group_sizes, w_up)
+    x32 = xs.astype(jnp.float32)
+    h = (act(native_cpu.grouped_matmul(x32, group_sizes, w_gate, source=source))
+         * native_cpu.grouped_matmul(x32, group_sizes, w_up, source=source))
     y = native_cpu.grouped_matmul(h.astype(xs.dtype).astype(jnp.float32), group_sizes, w_down)
-    return jnp.where(valid[:, None], y, 0).astype(xs.dtype)
+    return y.astype(xs.dtype)
 
 
 def expected_touched_fraction(num_rows: int, num_experts: int) -> float:

@@ -331,10 +331,16 @@ def moe_layer(params: dict, x, cfg: MoEConfig, *, backend: str = "auto", valid_t
     t = x.shape[0]
     valid = valid_mask(valid_tokens, t)
     ids, weights = route(params, x, cfg, valid)
-    rows, perm = dispatch.permute(x, jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
-    ys = experts.grouped_ffn(rows, perm.group_sizes, params["w_gate"], params["w_up"], params["w_down"],
-                             activation=cfg.activation, backend=backend, capacity=t)
-    out = dispatch.unpermute(ys, perm, weights, out_dtype=jnp.float32)
+    if backend == "auto":
+        backend = experts.choose_backend(t * cfg.topk, cfg.num_experts, cfg.hidden_size,
+                                         cfg.intermediate_size, params["w_gate"].dtype)
+    if backend == "native_cpu":
+        out, perm = _routed_experts_native_cpu(params, x, ids, weights, valid, cfg)
+    else:
+        rows, perm = dispatch.permute(x, jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
+        ys = experts.grouped_ffn(rows, perm.group_sizes, params["w_gate"], params["w_up"], params["w_down"],
+                                 activation=cfg.activation, backend=backend, capacity=t)
+        out = dispatch.unpermute(ys, perm, weights, out_dtype=jnp.float32)
     if cfg.has_shared:
         out = out + shared_experts(params, x, cfg)
     if valid is not None:
@@ -343,3 +349,16 @@ def moe_layer(params: dict, x, cfg: MoEConfig, *, backend: str = "auto", valid_t
     if not return_routing:
         return out
     return out, {"topk_ids": ids, "topk_weights": weights, "tokens_per_expert": perm.tokens_per_expert}
+
+
+def _routed_experts_native_cpu(params: dict, x, ids, weights, valid, cfg: MoEConfig):
+    """(the routed experts' fp32 `[T, H]` output, its Permutation) through the C++ CPU passes: the layout as a
+    counting sort, gate / up reading token rows by index (no permuted copy of x), the combine
+    reading each expert row once. The same values as the generic path (dispatch.permute,
+    experts.grouped_ffn "native_cpu", dispatch.unpermute), which the tests check."""
+    from expertd.kernels import native_cpu
+
+    perm = native_cpu.layout(jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
+    ys = experts.grouped_ffn_native_cpu(x, perm.group_sizes, params["w_gate"], params["w_up"], params["w_down"],
+                                        activation=cfg.activation, source=perm.token_of_row)
+    return native_cpu.combine(ys, perm, weights), perm

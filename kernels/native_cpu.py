@@ -35,13 +35,25 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+from expertd.kernels import dispatch
 from expertd.kernels.experts import row_experts
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("native") / "grouped_matmul_cpu.cc"
+NATIVE_DIR = pathlib.Path(__file__).with_name("native")
+SOURCE = NATIVE_DIR / "grouped_matmul_cpu.cc"
+# One library: the grouped matmul and the dispatch passes (layout, combine), and their headers.
+SOURCES = (SOURCE, NATIVE_DIR / "dispatch_cpu.cc")
+HEADERS = (NATIVE_DIR / "parallel.h", NATIVE_DIR / "simd.h")
 TARGET = "expertd_grouped_matmul"
-CXXFLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "-shared", "-fPIC")
+# XLA FFI targets registered from the library: name -> exported handler symbol.
+TARGETS = {TARGET: "ExpertdGroupedMatmul",
+           "expertd_grouped_matmul_gathered": "ExpertdGroupedMatmulGathered",
+           "expertd_dispatch_layout": "ExpertdDispatchLayout",
+           "expertd_combine": "ExpertdCombine"}
+# -ffp-contract=off: the combine rounds its products and sums separately, as XLA's does (the matmul
+# asks for its FMAs explicitly).
+CXXFLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
 BUILD_TIMEOUT_S = 300
 
 
@@ -58,19 +70,21 @@ def library_path() -> pathlib.Path:
     """Where the built library lives: keyed by the source, jaxlib's version (its FFI headers) and
     the flags, not the compiler, so a cache filled at image build time loads without one."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), " ".join(CXXFLAGS).encode()):
+    for path in SOURCES + HEADERS:
+        key.update(path.read_bytes())
+    for part in (jaxlib.__version__.encode(), " ".join(CXXFLAGS).encode()):
         key.update(part)
     return cache_dir() / f"grouped_matmul_cpu-{key.hexdigest()[:16]}.so"
 
 
-def _build(cxx: str, target: pathlib.Path, source: pathlib.Path = SOURCE) -> None:
-    """Compile `source` into `target` atomically (concurrent processes may build at once);
-    benchmarks/native_cpu_kernel.py builds variants of SOURCE with it."""
+def _build(cxx: str, target: pathlib.Path, sources: tuple[pathlib.Path, ...] = SOURCES) -> None:
+    """Compile `sources` into `target` atomically (concurrent processes may build at once);
+    benchmarks/native_cpu_kernel.py builds variants of SOURCE alone with it."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+        cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", f"-I{NATIVE_DIR}", *map(str, sources), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
@@ -80,11 +94,12 @@ def _build(cxx: str, target: pathlib.Path, source: pathlib.Path = SOURCE) -> Non
             os.unlink(tmp)
 
 
-def _register(path: pathlib.Path, target: str) -> ctypes.CDLL:
-    """Load a built library and register its kernel with XLA:CPU under `target` (benchmarks/
-    native_cpu_kernel.py registers variants of SOURCE under other names)."""
+def _register(path: pathlib.Path, targets: dict[str, str]) -> ctypes.CDLL:
+    """Load a built library and register its handlers with XLA:CPU, `{target name: symbol}`
+    (benchmarks/native_cpu_kernel.py registers a variant of the matmul under another name)."""
     lib = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.ExpertdGroupedMatmul), platform="cpu")
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
 
 
@@ -109,7 +124,7 @@ def _load_once() -> tuple[ctypes.CDLL | None, str]:
                 return None, "no C++ compiler found (set CXX)"
             log.info("building %s with %s into %s", SOURCE.name, cxx, path)
             _build(cxx, path)
-        lib = _register(path, TARGET)
+        lib = _register(path, TARGETS)
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
         log.warning("native CPU kernel unavailable: %s", err)
         return None, str(err)
@@ -132,17 +147,57 @@ def vectorized() -> bool:
     return lib is not None and bool(lib.expertd_grouped_matmul_has_avx2())
 
 
-def grouped_matmul(x, group_sizes, w):
-    """`x f32 [N, K]`, `group_sizes int [E]`, `w bf16|f32 [E, K, C]` -> `f32 [N, C]` (see module doc)."""
+def _require_library():
     if not available():
         raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
+
+
+def grouped_matmul(x, group_sizes, w, *, source=None):
+    """`x f32 [N, K]`, `group_sizes int [E]`, `w bf16|f32 [E, K, C]` -> `f32 [N, C]` (see module doc).
+
+    With `source int [N]`, x is `[T, K]` token rows and output row r reads `x[source[r]]` (a
+    source outside [0, T), e.g. a permutation's pad row T, reads zeros): `dispatch.permute`'s
+    gather done inside the kernel, without writing the permuted `[N, K]` copy of x."""
+    _require_library()
     if x.ndim != 2 or w.ndim != 3 or group_sizes.shape != (w.shape[0],) or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [N, K], group_sizes [E], w [E, K, C]; got x {x.shape}, "
                          f"group_sizes {group_sizes.shape}, w {w.shape}")
     if w.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"w must be float32 or bfloat16, got {w.dtype}")
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), group_sizes.astype(jnp.int32), w)
+    if source is not None and (source.ndim != 1 or not jnp.issubdtype(source.dtype, jnp.integer)):
+        raise ValueError(f"source must be an integer [N] row index, got {source.dtype} {source.shape}")
+    rows = x.shape[0] if source is None else source.shape[0]
+    out = jax.ShapeDtypeStruct((rows, w.shape[2]), jnp.float32)
+    x, group_sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
+    if source is None:
+        return jax.ffi.ffi_call(TARGET, out)(x, group_sizes, w)
+    return jax.ffi.ffi_call("expertd_grouped_matmul_gathered", out)(x, source.astype(jnp.int32), group_sizes, w)
+
+
+def layout(topk_ids, num_experts: int, *, align_size: int = 0, valid=None) -> dispatch.Permutation:
+    """`dispatch.layout` in one pass of C++ (a counting sort instead of XLA's stable sort); the
+    same Permutation, field for field."""
+    _require_library()
+    t, k = dispatch.check_layout_args(topk_ids, num_experts, align_size, valid)
+    flat = dispatch.flat_experts(topk_ids, num_experts, valid)
+    n = dispatch.buffer_rows(t, k, num_experts, align_size)
+    s32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    dest, token_of_row, sizes, offsets, counts = jax.ffi.ffi_call(
+        "expertd_dispatch_layout", (s32(t * k), s32(n), s32(num_experts), s32(num_experts), s32(num_experts)))(
+        flat, topk=k, align_size=int(align_size))
+    return dispatch.Permutation(dest.reshape(t, k), token_of_row, sizes, offsets, counts)
+
+
+def combine(rows, perm: dispatch.Permutation, topk_weights=None):
+    """`dispatch.unpermute(rows, perm, topk_weights, out_dtype=float32)` in C++: `rows f32|bf16
+    [N, H]` -> `f32 [T, H]`, reading each routed row once instead of materialising `[T, k, H]`."""
+    _require_library()
+    t, k = dispatch.check_unpermute_args(rows, perm, topk_weights)
+    if rows.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"rows must be float32 or bfloat16, got {rows.dtype}")
+    weights = jnp.ones((t, k), jnp.float32) if topk_weights is None else topk_weights.astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((t, rows.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call("expertd_combine", out)(rows, perm.dest.astype(jnp.int32), weights)
 
 
 def grouped_matmul_reference(x, group_sizes, w):

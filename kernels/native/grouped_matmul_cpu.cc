@@ -3,15 +3,18 @@
 //   y[r, :] = x[r, :] @ w[e(r)]   for the rows r of expert e (expert-major, group_sizes[e] rows each)
 //   x f32 [N, K], group_sizes s32 [E], w bf16 or f32 [E, K, C]  ->  y f32 [N, C]
 //   rows past sum(group_sizes) -> 0; experts without rows are never read.
+// ExpertdGroupedMatmulGathered reads its rows from token rows instead (the permutation's gather
+// done in place, so the layer never writes the [N, K] permuted copy of x):
+//   y[r, :] = x[source[r], :] @ w[e(r)]   x f32 [T, K], source s32 [N]; a source outside [0, T)
+//   (a pad row) reads as zeros.
 //
 // Why it exists: XLA:CPU's small-M dots copy each expert's weight slice (and widen bf16 weights to
 // fp32) into fresh buffers before multiplying, so a decode batch moves ~3-5x the weight bytes; and
 // its per-expert GEMMs ran 119-131 GFLOP/s of this dev box's 195 (expert_loop at T=4096) where the
 // packed path here does 133-169 at 256 rows per expert.
 //
-// Work split: items of (expert, block of output columns) are claimed from an atomic counter by the
-// calling thread and by helper tasks on XLA's intra-op thread pool; the caller only waits for items
-// already claimed, so it cannot deadlock on a busy pool.
+// Work split: items of (expert, block of output columns), shared by the calling thread and helper
+// tasks on XLA's intra-op thread pool (expertd::ParallelFor, parallel.h).
 //
 // Two paths per item, by its rows (kPackedMinRows):
 // - Streaming (few rows: memory-bound). The expert's weights are read once, in place, in their row
@@ -24,18 +27,19 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using expertd::HasAvx2;
+using expertd::Load;
+using expertd::Load8;
 
 namespace {
 
@@ -49,38 +53,19 @@ constexpr int kRowsPerStep = 16;         // weight rows streamed at once; accumu
 constexpr int kRowsPerStepOneBlock = 8;
 constexpr int64_t kRowBlock = 4;
 
-inline float Bf16ToFloat(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-inline float Load(const float* w, int64_t i) { return w[i]; }
-inline float Load(const uint16_t* w, int64_t i) { return Bf16ToFloat(w[i]); }
-
 // Portable path: any CPU, and the column tail past the last full 16-column chunk.
+// `x` is a table of row pointers (each K floats) throughout: row r of an item is x[r].
 template <typename W>
-void BlockScalar(const float* x, int64_t rows, int64_t k_dim, const W* w, int64_t c_dim,
+void BlockScalar(const float* const* x, int64_t rows, int64_t k_dim, const W* w, int64_t c_dim,
                  int64_t c0, int64_t c1, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] = 0.0f;
     for (int64_t k = 0; k < k_dim; ++k) {
-      const float xv = x[r * k_dim + k];
+      const float xv = x[r][k];
       const W* wk = w + k * c_dim;
       for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] += xv * Load(wk, c);
     }
   }
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* w) {
-  return _mm256_loadu_ps(w);
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* w) {
-  // bf16 is the top half of an fp32: zero-extend to 32 bits and shift into place.
-  __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
 // The weights of the next step (its weight rows x the item's columns), prefetched a slice per
@@ -108,7 +93,7 @@ inline void PrefetchNextStep(const NextStep& next, int64_t begin, int64_t size) 
 // y[r, c + j] += sum_{k in [k0, k0+kk)} x[r, k] * w[k, c + j] for kRows rows and the 8 * kVecs
 // columns j at c; the kRows x kVecs accumulators (independent FMA chains) stay in registers.
 template <int kRows, int kVecs, int kk, typename W>
-__attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float* x, int64_t k_dim,
+__attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float* const* x,
                                                                       const W* w, int64_t c_dim,
                                                                       int64_t k0, int64_t c,
                                                                       float* y) {
@@ -119,7 +104,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float
   for (int k = 0; k < kk; ++k) {
     const W* wk = w + (k0 + k) * c_dim + c;
     __m256 xv[kRows];
-    for (int r = 0; r < kRows; ++r) xv[r] = _mm256_broadcast_ss(x + r * k_dim + k0 + k);
+    for (int r = 0; r < kRows; ++r) xv[r] = _mm256_broadcast_ss(x[r] + k0 + k);
     for (int v = 0; v < kVecs; ++v) {
       const __m256 wv = Load8(wk + 8 * v);
       for (int r = 0; r < kRows; ++r) acc[r][v] = _mm256_fmadd_ps(xv[r], wv, acc[r][v]);
@@ -133,18 +118,18 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float
 // Columns [c0, c1) (a multiple of 16 wide) in chunks of 8 * kVecs, then of 16 for what is left;
 // with `next`, each chunk also prefetches its share of the next step.
 template <int kRows, int kVecs, int kk, typename W>
-__attribute__((target("avx2,fma"))) void Columns(const float* x, int64_t k_dim, const W* w,
+__attribute__((target("avx2,fma"))) void Columns(const float* const* x, const W* w,
                                                  int64_t c_dim, int64_t k0, int64_t c0,
                                                  int64_t c1, float* y, const NextStep* next) {
   constexpr int64_t kShare = kk * 8 * kVecs * sizeof(W), kTailShare = kk * 16 * sizeof(W);
   int64_t c = c0, fetched = 0;
   for (; c + 8 * kVecs <= c1; c += 8 * kVecs, fetched += kShare) {
     if (next) PrefetchNextStep(*next, fetched, kShare);
-    Chunk<kRows, kVecs, kk>(x, k_dim, w, c_dim, k0, c, y);
+    Chunk<kRows, kVecs, kk>(x, w, c_dim, k0, c, y);
   }
   for (; c < c1; c += 16, fetched += kTailShare) {
     if (next) PrefetchNextStep(*next, fetched, kTailShare);
-    Chunk<kRows, 2, kk>(x, k_dim, w, c_dim, k0, c, y);
+    Chunk<kRows, 2, kk>(x, w, c_dim, k0, c, y);
   }
 }
 
@@ -153,7 +138,7 @@ __attribute__((target("avx2,fma"))) void Columns(const float* x, int64_t k_dim, 
 // (12 accumulators instead of 6: median 1.11x at 3 rows, 1.09x at 7, two interleaved runs); for
 // fp32 they measured 0.93-1.05x at 1-2 rows and 0.87-1.11x at 3, so fp32 keeps 16 columns.
 template <int kk, typename W>
-__attribute__((target("avx2,fma"))) void RowBlocks(const float* x, int64_t rows, int64_t k_dim,
+__attribute__((target("avx2,fma"))) void RowBlocks(const float* const* x, int64_t rows, int64_t k_dim,
                                                    const W* w, int64_t c_dim, int64_t k0,
                                                    int64_t c0, int64_t c1, float* y) {
   constexpr bool kBf16 = sizeof(W) == 2;
@@ -163,14 +148,14 @@ __attribute__((target("avx2,fma"))) void RowBlocks(const float* x, int64_t rows,
                      (c1 - c0) * static_cast<int64_t>(sizeof(W))};
   const bool prefetch = kk > 1 && next_step.rows > 0 && (kBf16 || rows >= kRowBlock);
   for (int64_t r = 0; r < rows; r += kRowBlock) {
-    const float* xr = x + r * k_dim;
+    const float* const* xr = x + r;
     float* yr = y + r * c_dim;
     const NextStep* next = prefetch && r == 0 ? &next_step : nullptr;  // later blocks hit L1/L2
     switch (std::min<int64_t>(kRowBlock, rows - r)) {
-      case 4: Columns<4, 2, kk>(xr, k_dim, w, c_dim, k0, c0, c1, yr, next); break;
-      case 3: Columns<3, kBf16 ? 4 : 2, kk>(xr, k_dim, w, c_dim, k0, c0, c1, yr, next); break;
-      case 2: Columns<2, kBf16 ? 4 : 2, kk>(xr, k_dim, w, c_dim, k0, c0, c1, yr, next); break;
-      default: Columns<1, kBf16 ? 8 : 2, kk>(xr, k_dim, w, c_dim, k0, c0, c1, yr, next); break;
+      case 4: Columns<4, 2, kk>(xr, w, c_dim, k0, c0, c1, yr, next); break;
+      case 3: Columns<3, kBf16 ? 4 : 2, kk>(xr, w, c_dim, k0, c0, c1, yr, next); break;
+      case 2: Columns<2, kBf16 ? 4 : 2, kk>(xr, w, c_dim, k0, c0, c1, yr, next); break;
+      default: Columns<1, kBf16 ? 8 : 2, kk>(xr, w, c_dim, k0, c0, c1, yr, next); break;
     }
   }
 }
@@ -239,19 +224,22 @@ __attribute__((target("avx2,fma"))) void PackWeights(const W* w, int64_t c_dim, 
   }
 }
 
-void PackRows(const float* x, int64_t rows, int64_t k_dim, int64_t k0, int64_t kc, float* packed) {
+void PackRows(const float* const* x, int64_t rows, int64_t k0, int64_t kc, float* packed) {
   for (int64_t r0 = 0; r0 < rows; r0 += kPanelRows, packed += kc * kPanelRows) {
     for (int r = 0; r < kPanelRows; ++r) {
-      const float* xr = x + (r0 + r) * k_dim + k0;
-      const bool valid = r0 + r < rows;
-      for (int64_t k = 0; k < kc; ++k) packed[k * kPanelRows + r] = valid ? xr[k] : 0.0f;
+      if (r0 + r >= rows) {
+        for (int64_t k = 0; k < kc; ++k) packed[k * kPanelRows + r] = 0.0f;
+        continue;
+      }
+      const float* xr = x[r0 + r] + k0;
+      for (int64_t k = 0; k < kc; ++k) packed[k * kPanelRows + r] = xr[k];
     }
   }
 }
 
 // Columns [c0, c1) (a multiple of 16 wide) of y = x @ w for `rows` rows.
 template <typename W>
-__attribute__((target("avx2,fma"))) void BlockPacked(const float* x, int64_t rows, int64_t k_dim,
+__attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int64_t rows, int64_t k_dim,
                                                      const W* w, int64_t c_dim, int64_t c0,
                                                      int64_t c1, float* y) {
   // Per thread, reused across calls: at most kPackK x kBlockColumns + kPackK x kPackRowsL2 floats
@@ -272,7 +260,7 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* x, int64_t row
     PackWeights(w, c_dim, k0, kc, c0, panels, packed_w);
     for (int64_t i0 = 0; i0 < rows; i0 += kPackRowsL2) {
       const int64_t i1 = std::min(rows, i0 + kPackRowsL2);
-      PackRows(x + i0 * k_dim, i1 - i0, k_dim, k0, kc, packed_x);
+      PackRows(x + i0, i1 - i0, k0, kc, packed_x);
       for (int64_t p = 0; p < panels; ++p) {
         const float* b = packed_w + p * kc * kPanelCols;
         for (int64_t r0 = i0; r0 < i1; r0 += kPanelRows) {
@@ -294,7 +282,7 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* x, int64_t row
 
 // All of k for the streaming path: steps of kk weight rows, then single rows for the remainder.
 template <int kk, typename W>
-__attribute__((target("avx2,fma"))) void Steps(const float* x, int64_t rows, int64_t k_dim,
+__attribute__((target("avx2,fma"))) void Steps(const float* const* x, int64_t rows, int64_t k_dim,
                                                const W* w, int64_t c_dim, int64_t c0, int64_t c1,
                                                float* y) {
   int64_t k0 = 0;
@@ -303,7 +291,7 @@ __attribute__((target("avx2,fma"))) void Steps(const float* x, int64_t rows, int
 }
 
 template <typename W>
-__attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, int64_t rows, int64_t k_dim,
+__attribute__((target("avx2,fma"))) void BlockAvx2(const float* const* x, int64_t rows, int64_t k_dim,
                                                    const W* w, int64_t c_dim, int64_t c0,
                                                    int64_t c1, float* y) {
   const int64_t c_vec = c0 + (c1 - c0) / 16 * 16;
@@ -315,53 +303,28 @@ __attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, int64_t rows,
   Steps<kRowsPerStep>(x, rows, k_dim, w, c_dim, c0, c_vec, y);
 }
 
-// EXPERTD_NATIVE_CPU_PORTABLE=1 forces the portable loop (how the tests exercise it on AVX2 CPUs).
-bool HasAvx2() {
-  static const bool has = std::getenv("EXPERTD_NATIVE_CPU_PORTABLE") == nullptr &&
-                          __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-
 struct Item {
   int64_t row0, rows, expert, c0, c1;
 };
 
-// Shared by the caller and the helper tasks; helpers may start after the caller has returned, so
-// they hold it by shared_ptr and only touch the buffers through items they claimed.
-struct Work {
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  int64_t done = 0;
-  std::mutex mu;
-  std::condition_variable all_done;
+// Where the rows of x come from: row r of the output reads x[source[r]] (gathered) or x[r].
+struct RowSource {
+  const float* x;
+  int64_t x_rows;         // rows of x; a source outside [0, x_rows) reads as zeros
+  int64_t k_dim;
+  const int32_t* source;  // [N], or nullptr: row r is x[r]
+  const float* zeros;     // k_dim zeros
+
+  const float* Row(int64_t r) const {
+    const int64_t s = source ? source[r] : r;
+    return s >= 0 && s < x_rows ? x + s * k_dim : zeros;
+  }
 };
 
 template <typename W>
-void RunItems(const std::shared_ptr<Work>& work, const float* x, int64_t k_dim, const W* w,
-              int64_t c_dim, float* y) {
-  const int64_t total = static_cast<int64_t>(work->items.size());
-  int64_t finished = 0;
-  for (int64_t i; (i = work->next.fetch_add(1)) < total; ++finished) {
-    const Item& it = work->items[i];
-    const float* xe = x + it.row0 * k_dim;
-    const W* we = w + it.expert * k_dim * c_dim;
-    float* ye = y + it.row0 * c_dim;
-    if (HasAvx2()) {
-      BlockAvx2(xe, it.rows, k_dim, we, c_dim, it.c0, it.c1, ye);
-    } else {
-      BlockScalar(xe, it.rows, k_dim, we, c_dim, it.c0, it.c1, ye);
-    }
-  }
-  if (finished == 0) return;
-  std::lock_guard<std::mutex> lock(work->mu);
-  work->done += finished;
-  if (work->done == total) work->all_done.notify_all();
-}
-
-template <typename W>
-void GroupedMatmul(ffi::ThreadPool& pool, const float* x, int64_t n, int64_t k_dim,
-                   const int32_t* group_sizes, int64_t e_dim, const W* w, int64_t c_dim,
-                   float* y) {
+void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
+                   const int32_t* group_sizes, int64_t e_dim, const W* w, int64_t c_dim, float* y) {
+  const int64_t k_dim = rows_in.k_dim;
   // Rows of each expert (clamped to the buffer), then items: narrower column blocks when there
   // would be fewer than two per thread (one or two experts in use).
   std::vector<int64_t> rows_of(e_dim, 0);
@@ -371,52 +334,82 @@ void GroupedMatmul(ffi::ThreadPool& pool, const float* x, int64_t n, int64_t k_d
     row += rows_of[e];
     used += rows_of[e] > 0;
   }
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t threads = expertd::PoolThreads(pool);
   int64_t block = kBlockColumns;
   while (block > kMinBlockColumns && used * ((c_dim + block - 1) / block) < 2 * threads) block /= 2;
-  auto work = std::make_shared<Work>();
+  std::vector<Item> items;
   row = 0;
   for (int64_t e = 0; e < e_dim; row += rows_of[e], ++e) {
     for (int64_t c0 = 0; rows_of[e] > 0 && c0 < c_dim; c0 += block) {
-      work->items.push_back({row, rows_of[e], e, c0, std::min(c_dim, c0 + block)});
+      items.push_back({row, rows_of[e], e, c0, std::min(c_dim, c0 + block)});
     }
   }
   std::fill(y + row * c_dim, y + n * c_dim, 0.0f);  // rows no expert owns
-  const int64_t total = static_cast<int64_t>(work->items.size());
-  if (total == 0) return;
-  const int64_t helpers = std::min(threads, total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([work, x, k_dim, w, c_dim, y] { RunItems(work, x, k_dim, w, c_dim, y); });
+  expertd::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& it = items[i];
+    std::vector<const float*> x(it.rows);
+    for (int64_t r = 0; r < it.rows; ++r) x[r] = rows_in.Row(it.row0 + r);
+    const W* we = w + it.expert * k_dim * c_dim;
+    float* ye = y + it.row0 * c_dim;
+    if (HasAvx2()) {
+      BlockAvx2(x.data(), it.rows, k_dim, we, c_dim, it.c0, it.c1, ye);
+    } else {
+      BlockScalar(x.data(), it.rows, k_dim, we, c_dim, it.c0, it.c1, ye);
+    }
+  });
+}
+
+ffi::Error Run(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
+               ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, float* y) {
+  const int64_t e_dim = w.dimensions()[0], c_dim = w.dimensions()[2];
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.typed_data<float>(), c_dim, y);
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.reinterpret_data<uint16_t>(),
+                    c_dim, y);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
   }
-  RunItems(work, x, k_dim, w, c_dim, y);
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->all_done.wait(lock, [&] { return work->done == total; });
+}
+
+// Shapes shared by both entry points: x [M, K], group_sizes [E], w [E, K, C], y [N, C].
+ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w,
+                       ffi::ResultBuffer<ffi::F32>& y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || group_sizes.dimensions().size() != 1 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("expected x [N, K], group_sizes [E], w [E, K, C], y [N, C]");
+  }
+  if (wd[1] != xd[1] || group_sizes.dimensions()[0] != wd[0] || yd[1] != wd[2]) {
+    return ffi::Error::InvalidArgument("shapes disagree: x [N, K], group_sizes [E], w [E, K, C]");
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer w,
                              ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || group_sizes.dimensions().size() != 1 ||
-      yd.size() != 2) {
-    return ffi::Error::InvalidArgument("expected x [N, K], group_sizes [E], w [E, K, C], y [N, C]");
+  if (auto err = CheckShapes(x, group_sizes, w, y); err.failure()) return err;
+  const int64_t n = x.dimensions()[0], k_dim = x.dimensions()[1];
+  if (y->dimensions()[0] != n) return ffi::Error::InvalidArgument("y must have the rows of x");
+  std::vector<float> zeros(k_dim, 0.0f);
+  return Run(pool, RowSource{x.typed_data(), n, k_dim, nullptr, zeros.data()}, n, group_sizes, w,
+             y->typed_data());
+}
+
+ffi::Error GroupedMatmulGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                     ffi::Buffer<ffi::S32> source, ffi::Buffer<ffi::S32> group_sizes,
+                                     ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  if (auto err = CheckShapes(x, group_sizes, w, y); err.failure()) return err;
+  const int64_t n = y->dimensions()[0], k_dim = x.dimensions()[1];
+  if (source.dimensions().size() != 1 || source.dimensions()[0] != n) {
+    return ffi::Error::InvalidArgument("source must be [N], one x row index per output row");
   }
-  const int64_t n = xd[0], k_dim = xd[1], e_dim = wd[0], c_dim = wd[2];
-  if (wd[1] != k_dim || group_sizes.dimensions()[0] != e_dim || yd[0] != n || yd[1] != c_dim) {
-    return ffi::Error::InvalidArgument("shapes disagree: x [N, K], group_sizes [E], w [E, K, C]");
-  }
-  switch (w.element_type()) {
-    case ffi::DataType::F32:
-      GroupedMatmul(pool, x.typed_data(), n, k_dim, group_sizes.typed_data(), e_dim,
-                    w.typed_data<float>(), c_dim, y->typed_data());
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      GroupedMatmul(pool, x.typed_data(), n, k_dim, group_sizes.typed_data(), e_dim,
-                    w.reinterpret_data<uint16_t>(), c_dim, y->typed_data());
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
-  }
+  std::vector<float> zeros(k_dim, 0.0f);
+  return Run(pool, RowSource{x.typed_data(), x.dimensions()[0], k_dim, source.typed_data(), zeros.data()},
+             n, group_sizes, w, y->typed_data());
 }
 
 }  // namespace
@@ -425,6 +418,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmul, GroupedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulGathered, GroupedMatmulGatheredImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

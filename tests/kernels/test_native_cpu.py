@@ -131,11 +131,11 @@ def test_without_a_compiler_auto_falls_back_and_explicit_use_says_why(tmp_path):
 
 
 def test_portable_loop_matches_the_reference(tmp_path):
-    """The scalar path of CPUs without AVX2 (forced by EXPERTD_NATIVE_CPU_PORTABLE), column tails
-    and k remainders included."""
+    """The scalar paths of CPUs without AVX2 (forced by EXPERTD_NATIVE_CPU_PORTABLE): the matmul
+    (column tails and k remainders included) and the combine."""
     code = """
         import json, jax.numpy as jnp, numpy as np
-        from expertd.kernels import native_cpu
+        from expertd.kernels import dispatch, native_cpu
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.standard_normal((9, 40)), jnp.float32)
         gs = jnp.asarray([3, 0, 4], jnp.int32)
@@ -144,6 +144,11 @@ def test_portable_loop_matches_the_reference(tmp_path):
             w = jnp.asarray(rng.standard_normal((3, 40, 50)), dtype)
             got = np.asarray(native_cpu.grouped_matmul(x, gs, w))
             want = np.asarray(native_cpu.grouped_matmul_reference(x, gs, w))
+            err.append(float(np.max(np.abs(got - want))))
+            perm = dispatch.layout(jnp.asarray(rng.integers(0, 3, (9, 1)), jnp.int32), 3)
+            rows, weights = x.astype(dtype), jnp.asarray(rng.random((9, 1)), jnp.float32)
+            got = np.asarray(native_cpu.combine(rows, perm, weights))
+            want = np.asarray(dispatch.unpermute(rows, perm, weights, out_dtype=jnp.float32))
             err.append(float(np.max(np.abs(got - want))))
         print(json.dumps({"vectorized": native_cpu.vectorized(), "err": err}))
     """
