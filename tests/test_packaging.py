@@ -38,3 +38,8 @@ def test_regular_wheel_has_only_expertd_packages(tmp_path):
     for pkg in ("kernels", "server", "client"):
         assert f"expertd/{pkg}/__init__.py" in names
     assert "expertd/__init__.py" not in names
+    # The native CPU kernels compile on first use from their sources and headers.
+    native = sorted(p.name for p in (ROOT / "kernels" / "native").iterdir() if p.suffix in (".cc", ".h"))
+    assert {"grouped_matmul_cpu.cc", "dispatch_cpu.cc", "parallel.h", "simd.h"} <= set(native)
+    for name in native:
+        assert f"expertd/kernels/native/{name}" in names, name
