@@ -24,7 +24,10 @@ two smaller token counts and marked "fit". The `auto` column compiles with
 `moe.compiler_options(cfg, T, dtype=...)`, as the server does per bucket; where its calls are long
 (PAIRED_MIN_CALL_S: T=4096 on the dev box) its ratios to (b) and (d) (the issue's targets) come from one
 more timing of auto, (b) and (d) in alternation ("paired"; (d) only where one call takes at most
-PAIRED_HF_CALL_CAP_S). The weights are moved
+PAIRED_HF_CALL_CAP_S). Shorter `auto` calls (T=16, T=256) are timed once more in alternation with
+the copy and read probes instead (bursts of back-to-back layer calls between the probes), and
+their (c) and (c') ratios (T=16's target) use the bandwidth measured in those rounds ("paired
+floors"; the start-of-run measurement drifted 26-41 GB/s between runs on the dev VM). The weights are moved
 onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
 The process keeps freed host buffers for reuse as `expertd serve --retain-freed-memory` does
 (expertd.server.host_allocator: no page faults on the large buffers of T=4096; torch's (d), in the
@@ -92,6 +95,11 @@ def median_time(fn, *args, budget_s=6.0, max_reps=15):
 def interleaved_medians(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
     """Median seconds of each zero-argument call in `calls`, timed in rounds that call each once
     (the order reversed every other round), so the machine's drift hits them alike."""
+    return {name: statistics.median(t) for name, t in interleaved_times(calls, budget_s, min_rounds, max_rounds).items()}
+
+
+def interleaved_times(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
+    """Every call's seconds per round (see interleaved_medians)."""
     times = {name: [] for name in calls}
     order, spent = list(calls), 0.0
     for round_ in range(max_rounds):
@@ -102,39 +110,76 @@ def interleaved_medians(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
             calls[name]()
             times[name].append(time.perf_counter() - t0)
             spent += times[name][-1]
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
-def copy_bandwidth(nbytes=256 << 20):
-    """Bytes moved per second (read + written) by the fastest of a numpy and an XLA copy."""
+PROBE_BYTES = 256 << 20
+
+
+def copy_probes(nbytes=PROBE_BYTES):
+    """Zero-argument calls that each copy `nbytes` (read nbytes + write nbytes): numpy's copy and
+    an XLA in-place add (donated: no fresh output pages)."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    np.copyto(dst, src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    bump = jax.jit(lambda a: a + 1.0, donate_argnums=0)  # donated: no fresh output pages
-    x = bump(x).block_until_ready()
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x = bump(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
+    state = [jnp.ones(nbytes // 4, jnp.float32)]
+    bump = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+
+    def xla_copy():
+        state[0] = bump(state[0]).block_until_ready()
+    return {"numpy copy": lambda: np.copyto(dst, src), "xla copy": xla_copy}
 
 
-def read_bandwidth(nbytes=256 << 20):
-    """Bytes read per second by the fastest of XLA's sum, XLA's and numpy's (BLAS) fp32
-    matrix-vector product over `nbytes`: the rate a weight-streaming layer can at best reach."""
+def read_probes(nbytes=PROBE_BYTES, blas=True):
+    """Zero-argument calls that each read `nbytes`: XLA's sum, XLA's and (with `blas`) numpy's
+    BLAS fp32 matrix-vector products."""
     rows = nbytes // 4 // 4096
     host = np.ones((rows, 4096), np.float32)
     ones = np.ones(4096, np.float32)
     device = jnp.ones((rows, 4096), jnp.float32)
     host_memory.advise_huge_pages([device])  # like the weights (numpy's large arrays have them already)
-    probes = (lambda: host @ ones, jax.jit(jnp.sum), jax.jit(lambda a: a @ jnp.ones(4096, jnp.float32)))
-    best = float("inf")
-    for probe, args in zip(probes, ((), (device,), (device,))):
-        jax.block_until_ready(probe(*args))
-        best = min(best, min(_timed(lambda: jax.block_until_ready(probe(*args))) for _ in range(7)))
-    return host.nbytes / best
+    xla_sum, xla_matvec = jax.jit(jnp.sum), jax.jit(lambda a: a @ jnp.ones(4096, jnp.float32))
+    probes = {"xla sum": lambda: xla_sum(device).block_until_ready(),
+              "xla matvec": lambda: xla_matvec(device).block_until_ready()}
+    return {"numpy matvec": lambda: host @ ones, **probes} if blas else probes
+
+
+def _fastest(probes, reps):
+    for probe in probes.values():
+        probe()  # compile, fault the pages in
+    return min(_timed(probe) for probe in probes.values() for _ in range(reps))
+
+
+def copy_bandwidth(nbytes=PROBE_BYTES):
+    """Bytes moved per second (read + written) by the fastest of a numpy and an XLA copy."""
+    return 2 * nbytes / _fastest(copy_probes(nbytes), reps=5)
+
+
+def read_bandwidth(nbytes=PROBE_BYTES):
+    """Bytes read per second by the fastest of XLA's sum, XLA's and numpy's (BLAS) fp32
+    matrix-vector product over `nbytes`: the rate a weight-streaming layer can at best reach."""
+    return nbytes / _fastest(read_probes(nbytes), reps=7)
+
+
+def paired_floors(layer_call, touched_bytes, rounds=9, burst=5):
+    """The layer call timed in rounds with the copy and read probes (for short calls: T=16's target
+    is a ratio to (c), and this VM's bandwidth drifts by up to 1.6x between minutes). Each round
+    times a burst of back-to-back layer calls, as a server runs them (the first call after a probe
+    ran ~1.2-1.3x slower, so it is not counted), then each probe once. Returns the layer's median
+    and (c) / (c') from the probes' fastest calls in those same rounds."""
+    copies, reads = copy_probes(), read_probes(blas=False)  # BLAS's threads spin on after a call
+    probes = {**copies, **reads}
+    for probe in probes.values():
+        probe()
+    layer, probe_s = [], {name: [] for name in probes}
+    for _ in range(rounds):
+        layer_call()
+        layer += [_timed(layer_call) for _ in range(burst)]
+        for name, probe in probes.items():
+            probe_s[name].append(_timed(probe))
+    copy_rate = 2 * PROBE_BYTES / min(min(probe_s[n]) for n in copies)
+    read_rate = PROBE_BYTES / min(min(probe_s[n]) for n in reads)
+    return {"auto": statistics.median(layer), "copy_bytes_per_s": copy_rate, "read_bytes_per_s": read_rate,
+            "floor_s": touched_bytes / copy_rate, "read_floor_s": touched_bytes / read_rate}
 
 
 def _timed(fn):
@@ -258,6 +303,7 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     touched = int(np.sum(np.asarray(routing["tokens_per_expert"]) > 0))
     row["touched_experts"] = touched
     touched_bytes = touched * 3 * h * i * dtype.itemsize
+    row["touched_bytes"] = touched_bytes
     row["floor_s"] = touched_bytes / bandwidth  # STREAM-style copy rate (r+w)
     row["read_floor_s"] = touched_bytes / read_rate
     compiled = {}
@@ -303,27 +349,34 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
         if hf is not None:
             calls["hf"] = hf
         row["paired_s"] = interleaved_medians(calls)
+    elif "auto" in compiled:  # short calls: the floors measured in alternation with them
+        row["paired_floor"] = paired_floors(lambda: jax.block_until_ready(compiled["auto"](params, x)),
+                                            touched_bytes)
     return row
 
 
 def seconds_of(row, name):
     """A backend's time per call: for `auto`, its median in the paired (interleaved) timing when
     there is one, else its own median."""
-    if name == "auto" and "paired_s" in row:
-        return row["paired_s"]["auto"]
+    if name == "auto":
+        for paired in ("paired_s", "paired_floor"):
+            if paired in row:
+                return row[paired]["auto"]
     return row["backends"][name]["median_s"]
 
 
 def ratios(row, name):
     """Ratios of a backend's time to the baselines: >1 for (a), (d) means faster; (b) as a fraction
-    of roofline. For `auto`, (b) and (d) come from the paired timing where it has them."""
+    of roofline. For `auto`, (b) and (d) come from the paired timing where it has them, (c) and (c')
+    from the floors measured in alternation with it (short calls) where it has those."""
     seconds = seconds_of(row, name)
     paired = row.get("paired_s", {}) if name == "auto" else {}
+    floors = row.get("paired_floor", row) if name == "auto" else row
     hf_s = paired.get("hf", row.get("hf_s"))
     return {"vs_dense": row.get("dense_s", float("nan")) / seconds,
             "of_roofline": paired.get("roofline", row["roofline_s"]) / seconds,
-            "x_floor": seconds / row["floor_s"],
-            "x_read_floor": seconds / row["read_floor_s"] if row.get("read_floor_s") else float("nan"),
+            "x_floor": seconds / floors["floor_s"],
+            "x_read_floor": seconds / floors["read_floor_s"] if floors.get("read_floor_s") else float("nan"),
             "vs_hf": hf_s / seconds if hf_s else float("nan")}
 
 
@@ -355,6 +408,11 @@ def print_table(rows):
         print(f"{'':>24} baselines: " + ", ".join(base) + f"; auto -> {auto_label(row)}")
         if "paired_s" in row:
             print(f"{'':>24} paired: " + ", ".join(f"{name} {v * 1e3:.2f} ms" for name, v in row["paired_s"].items()))
+        if "paired_floor" in row:
+            f = row["paired_floor"]
+            print(f"{'':>24} paired floors: auto {f['auto'] * 1e3:.2f} ms, (c) {f['floor_s'] * 1e3:.2f} ms "
+                  f"(copy {f['copy_bytes_per_s'] / 1e9:.1f} GB/s), (c') {f['read_floor_s'] * 1e3:.2f} ms "
+                  f"(read {f['read_bytes_per_s'] / 1e9:.1f} GB/s)")
 
 
 def markdown(rows):

@@ -17,7 +17,9 @@ Public API (T tokens, H hidden, I expert intermediate, Is shared intermediate, E
       valid_tokens: None, an int n (rows >= n are padding) or a bool [T] mask. Padding rows are not
       routed, not counted and come back as zeros.
       backend: an expert backend of `expertd.kernels.experts` ("auto", "reference", "ragged_dot",
-      "capacity", "expert_loop", "native_cpu", "pallas").
+      "capacity", "expert_loop", "native_cpu", "pallas"). With "native_cpu" (auto's CPU choice)
+      the dispatch runs in C++ too (native_cpu.layout / combine, the gate and up projections
+      reading token rows by index); the other backends use dispatch.permute / unpermute.
   compiler_options(cfg, T, *, dtype, backend="auto") -> dict for `jax.jit(..., compiler_options=...)`
       of the program calling moe_layer on T tokens with expert weights of `dtype` (XLA:CPU options
       measured faster for few rows per expert; empty where the defaults are fastest; see

@@ -6,9 +6,16 @@ sum(group_sizes) are 0. Experts with few rows (under 32) have their weights read
 with bf16 widened in registers (XLA:CPU copies and widens each expert's slice first); experts with
 more rows run a BLIS-style packed GEMM (fp32 weight panels, a 6 x 16 register micro-kernel); the
 layer ran faster with it than with any XLA:CPU backend at every benchmarked batch size (BENCHMARKS.md).
-`grouped_matmul_reference` is its plain-jnp twin.
+`grouped_matmul_reference` is its plain-jnp twin. `grouped_matmul(x, gs, w, source=rows)` reads
+output row r from `x[rows[r]]` (token rows, no permuted copy of x).
 
-The shared library is compiled with the system C++ compiler (`$CXX`, else c++ / g++ / clang++)
+The dispatch passes of the CPU layer (native/dispatch_cpu.cc), with the contracts of their jnp
+twins in dispatch.py, which the tests compare them with:
+  layout(topk_ids [T, k], E, *, align_size=0, valid=None) -> dispatch.Permutation (counting sort)
+  combine(rows f32|bf16 [N, H], perm, topk_weights=None) -> f32 [T, H]  (= dispatch.unpermute
+      with out_dtype float32; each routed row read once)
+
+The shared library (SOURCES, one .so) is compiled with the system C++ compiler (`$CXX`, else c++ / g++ / clang++)
 against the XLA FFI headers jaxlib ships, into `$EXPERTD_CACHE_DIR` (default `~/.cache/expertd`),
 keyed by a hash of the source, jaxlib's version and the flags; later processes load it from there
 (`python -m expertd.kernels.native_cpu` builds it ahead of time, e.g. in an image). Where there is no
