@@ -69,8 +69,9 @@ def test_open_loop_poisson_rate(capsys, server, target):
     assert report["mode"] == "rate" and report["model"] == "moe-layer-0" and step["rate"] == 40.0
     check_consistent(step)
     # Poisson arrivals can put 3 requests in flight on a slow (loaded) machine: the 2-request
-    # queue then refuses one. The client's and the server's counts still agree exactly.
-    assert step["sent"] == 15 and set(step["errors"]) <= {"RESOURCE_EXHAUSTED"} and step["ok"] >= 10
+    # queue then refuses one, and under a CI neighbour's compile several did (6 of 15 once), so
+    # only refusals may fail. The client's and the server's counts still agree exactly.
+    assert step["sent"] == 15 and set(step["errors"]) <= {"RESOURCE_EXHAUSTED"} and step["ok"] >= 1
     assert model_infer_ok_count(server) - before == step["ok"]
 
 def test_overload_counts_resource_exhausted_and_ends_on_time(capsys, target):
