@@ -160,7 +160,7 @@ class ServerConfig:
     reflection: bool = _option(True, "serve gRPC server reflection (grpcurl, ghz)")
     retain_freed_memory: bool = _option(False, "on CPU, keep freed host buffers for reuse (glibc malloc: one arena, "
                                         "no mmap'd blocks): buckets of 1024+ tokens stop page-faulting their "
-                                        "buffers every step (1.02-1.17x at 4096), but single-token requests "
+                                        "buffers every step (1.01-1.17x at 4096), but single-token requests "
                                         "measured ~1.8x the latency and resident memory stays at its peak")
     aux_loss_coeff: float = _option(1e-2, "default load-balancing aux-loss coefficient of Route", parse=float)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
