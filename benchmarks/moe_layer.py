@@ -95,7 +95,8 @@ def median_time(fn, *args, budget_s=6.0, max_reps=15):
 def interleaved_medians(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
     """Median seconds of each zero-argument call in `calls`, timed in rounds that call each once
     (the order reversed every other round), so the machine's drift hits them alike."""
-    return {name: statistics.median(t) for name, t in interleaved_times(calls, budget_s, min_rounds, max_rounds).items()}
+    times = interleaved_times(calls, budget_s, min_rounds, max_rounds)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def interleaved_times(calls, budget_s=8.0, min_rounds=5, max_rounds=15):

@@ -80,7 +80,8 @@ def check_layout_args(topk_ids, num_experts, align_size, valid) -> tuple[int, in
     if int(align_size) < 0:
         raise ValueError(f"align_size must be >= 0, got {align_size}")
     if valid is not None and getattr(valid, "shape", None) != (topk_ids.shape[0],):
-        raise ValueError(f"valid must be a bool [T] mask with T={topk_ids.shape[0]}, got {getattr(valid, 'shape', valid)}")
+        raise ValueError(f"valid must be a bool [T] mask with T={topk_ids.shape[0]}, "
+                         f"got {getattr(valid, 'shape', valid)}")
     return topk_ids.shape
 
 

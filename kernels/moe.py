@@ -354,10 +354,10 @@ def moe_layer(params: dict, x, cfg: MoEConfig, *, backend: str = "auto", valid_t
 
 
 def _routed_experts_native_cpu(params: dict, x, ids, weights, valid, cfg: MoEConfig):
-    """(the routed experts' fp32 `[T, H]` output, its Permutation) through the C++ CPU passes: the layout as a
-    counting sort, gate / up reading token rows by index (no permuted copy of x), the combine
-    reading each expert row once. The same values as the generic path (dispatch.permute,
-    experts.grouped_ffn "native_cpu", dispatch.unpermute), which the tests check."""
+    """(the routed experts' fp32 `[T, H]` output, its Permutation) through the C++ CPU passes: the
+    layout as a counting sort, gate / up reading token rows by index (no permuted copy of x), the
+    combine reading each expert row once. Each pass equals its jnp twin in the generic path
+    (tests/kernels/test_native_dispatch.py) and the layer matches the oracle (test_moe.py)."""
     from expertd.kernels import native_cpu
 
     perm = native_cpu.layout(jnp.maximum(ids, 0), cfg.num_experts, valid=valid)

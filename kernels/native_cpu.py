@@ -15,13 +15,14 @@ twins in dispatch.py, which the tests compare them with:
   combine(rows f32|bf16 [N, H], perm, topk_weights=None) -> f32 [T, H]  (= dispatch.unpermute
       with out_dtype float32; each routed row read once)
 
-The shared library (SOURCES, one .so) is compiled with the system C++ compiler (`$CXX`, else c++ / g++ / clang++)
-against the XLA FFI headers jaxlib ships, into `$EXPERTD_CACHE_DIR` (default `~/.cache/expertd`),
-keyed by a hash of the source, jaxlib's version and the flags; later processes load it from there
-(`python -m expertd.kernels.native_cpu` builds it ahead of time, e.g. in an image). Where there is no
-compiler or the build fails, `available()` is False with the reason in `unavailable_reason()`, and
-`experts.choose_backend` keeps to XLA's paths. The custom call exists for the CPU platform only,
-on x86-64 (AVX2 + FMA, with a portable scalar loop for older x86 CPUs).
+The shared library (SOURCES, one .so) is compiled with the system C++ compiler (`$CXX`, else
+c++ / g++ / clang++) against the XLA FFI headers jaxlib ships, into `$EXPERTD_CACHE_DIR` (default
+`~/.cache/expertd`), keyed by a hash of the sources and headers, jaxlib's version and the flags;
+later processes load it from there (`python -m expertd.kernels.native_cpu` builds it ahead of
+time, e.g. in an image). Where there is no compiler or the build fails, `available()` is False
+with the reason in `unavailable_reason()`, and `experts.choose_backend` keeps to XLA's paths. The
+custom calls exist for the CPU platform only, on x86-64 (AVX2 + FMA, with portable scalar loops for
+older x86 CPUs).
 """
 
 from __future__ import annotations
