@@ -95,12 +95,6 @@ def median_time(fn, *args, budget_s=6.0, max_reps=15):
 def interleaved_medians(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
     """Median seconds of each zero-argument call in `calls`, timed in rounds that call each once
     (the order reversed every other round), so the machine's drift hits them alike."""
-    times = interleaved_times(calls, budget_s, min_rounds, max_rounds)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def interleaved_times(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
-    """Every call's seconds per round (see interleaved_medians)."""
     times = {name: [] for name in calls}
     order, spent = list(calls), 0.0
     for round_ in range(max_rounds):
@@ -111,7 +105,7 @@ def interleaved_times(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
             calls[name]()
             times[name].append(time.perf_counter() - t0)
             spent += times[name][-1]
-    return times
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 PROBE_BYTES = 256 << 20

@@ -6,8 +6,8 @@ above its mmap threshold (32 MiB at most) with a fresh mmap and gives it back wi
 freed, and a thread's own arena holds no block over 64 MiB, so every call of a large layer has the
 kernel fault its big buffers in again, 4 KiB at a time, zero-filled. On the 2-core dev VM a
 T=4096 layer took 41-66 thousand page faults per call (E=8 bf16, E=64 fp32) and ran 1.02-1.17x
-slower for them (29-42 thousand and 1.01-1.11x once the layer's dispatch ran in C++), and an XLA elementwise op with a 128 MiB output 4.7x (62 against 13 ms;
-BENCHMARKS.md).
+slower for them (29-42 thousand and 1.01-1.11x once the layer's dispatch ran in C++), and an XLA
+elementwise op with a 128 MiB output 4.7x (62 against 13 ms; BENCHMARKS.md).
 
 `retain_freed_memory()` sets glibc's malloc to one arena (M_ARENA_MAX=1), no mmap'd blocks
 (M_MMAP_MAX=0) and no trimming of the heap's top (M_TRIM_THRESHOLD at its int maximum, 2 GiB): every

@@ -359,9 +359,12 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
   });
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
+// Both entry points: output row r of y [n, C] reads x [M, K] row source[r] (or row r without a source).
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* source, int64_t n,
                ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, float* y) {
-  const int64_t e_dim = w.dimensions()[0], c_dim = w.dimensions()[2];
+  const int64_t e_dim = w.dimensions()[0], c_dim = w.dimensions()[2], k_dim = x.dimensions()[1];
+  std::vector<float> zeros(k_dim, 0.0f);
+  const RowSource rows_in{x.typed_data(), x.dimensions()[0], k_dim, source, zeros.data()};
   switch (w.element_type()) {
     case ffi::DataType::F32:
       GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.typed_data<float>(), c_dim, y);
@@ -392,24 +395,20 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer w,
                              ffi::ResultBuffer<ffi::F32> y) {
   if (auto err = CheckShapes(x, group_sizes, w, y); err.failure()) return err;
-  const int64_t n = x.dimensions()[0], k_dim = x.dimensions()[1];
+  const int64_t n = x.dimensions()[0];
   if (y->dimensions()[0] != n) return ffi::Error::InvalidArgument("y must have the rows of x");
-  std::vector<float> zeros(k_dim, 0.0f);
-  return Run(pool, RowSource{x.typed_data(), n, k_dim, nullptr, zeros.data()}, n, group_sizes, w,
-             y->typed_data());
+  return Run(pool, x, nullptr, n, group_sizes, w, y->typed_data());
 }
 
 ffi::Error GroupedMatmulGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                      ffi::Buffer<ffi::S32> source, ffi::Buffer<ffi::S32> group_sizes,
                                      ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   if (auto err = CheckShapes(x, group_sizes, w, y); err.failure()) return err;
-  const int64_t n = y->dimensions()[0], k_dim = x.dimensions()[1];
+  const int64_t n = y->dimensions()[0];
   if (source.dimensions().size() != 1 || source.dimensions()[0] != n) {
     return ffi::Error::InvalidArgument("source must be [N], one x row index per output row");
   }
-  std::vector<float> zeros(k_dim, 0.0f);
-  return Run(pool, RowSource{x.typed_data(), x.dimensions()[0], k_dim, source.typed_data(), zeros.data()},
-             n, group_sizes, w, y->typed_data());
+  return Run(pool, x, source.typed_data(), n, group_sizes, w, y->typed_data());
 }
 
 }  // namespace
