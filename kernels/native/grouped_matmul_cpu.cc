@@ -192,6 +192,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const
     }
     acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   }
+  // Unrolled 4x: the loop's own add / compare / branch otherwise cost ~8% (interleaved A/B at 64 /
+  // 256 / 1024 rows per expert, both shapes and dtypes: 1.01-1.21x, median 1.08; 2x and 8x the same).
+#pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k, a += kPanelRows, b += kPanelCols) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     for (int r = 0; r < kRows; ++r) {
