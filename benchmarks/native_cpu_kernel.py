@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import native_cpu
+from expertd.kernels import native_cpu, panels
 from expertd.server import host_allocator, host_memory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -77,18 +77,21 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     weights_4k = weight_copies(w0, dtype) if pages_ab else None  # made first: fresh 4 KiB mappings
     weights = weight_copies(w0, dtype)
     host_memory.advise_huge_pages(weights)  # as the engine places them
-    fns = {"native": jax.jit(native_cpu.grouped_matmul),
+    weight_panels = [panels.to_panels(w) for w in weights]  # the layout the engine serves on CPU
+    host_memory.advise_huge_pages(jax.tree.leaves(weight_panels))
+    fns = {"native": jax.jit(native_cpu.grouped_matmul), "panels": jax.jit(native_cpu.grouped_matmul),
            "xla": jax.jit(lambda v, g, w: jnp.einsum("emk,ekc->emc", v.reshape(e, m, k), w.astype(jnp.float32),
                                                      precision=jax.lax.Precision.DEFAULT).reshape(e * m, c))}
     if variant is not None:
         fns["variant"] = variant
     weights_of = {name: weights for name in fns}
+    weights_of["panels"] = weight_panels
     if pages_ab:  # the same kernel on copies left on 4 KiB pages
         fns["native_4k"] = fns["native"]
         weights_of["native_4k"] = weights_4k
     want = np.asarray(fns["xla"](x, group_sizes, w0))
     for name, fn in fns.items():  # compile, and check they compute the same product
-        got = np.asarray(fn(x, group_sizes, w0))
+        got = np.asarray(fn(x, group_sizes, panels.to_panels(w0) if name == "panels" else w0))
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
     times = {name: [] for name in fns}
     for group in ([name for name in fns if name != "xla"], ["xla"]):  # the A/B interleaved, then XLA
@@ -103,6 +106,7 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
                gflop=2 * e * m * k * c / 1e9, floor_s=w0.nbytes / bandwidth, read_floor_s=w0.nbytes / read_rate,
                **{f"{name}_s": s for name, s in med.items()})
     row["vs_xla"] = med["xla"] / med["native"]
+    row["panels_vs_row_major"] = med["native"] / med["panels"]
     row["x_floor"] = med["native"] / row["floor_s"]
     row["of_read_rate"] = row["read_floor_s"] / med["native"]
     if variant is not None:
@@ -120,7 +124,8 @@ def print_row(r):
     extra += f" {r['native_4k_s'] * 1e3:>8.2f} {r['huge_vs_4k']:>6.2f}" if "native_4k_s" in r else ""
     print(f"{r['E']:>3} {r['K']:>5} {r['C']:>5} {r['rows_per_expert']:>4} {r['dtype']:>8} {s * 1e3:>8.2f} "
           f"{r['weight_bytes'] / s / 1e9:>6.1f} {r['gflop'] / s:>7.1f} {r['xla_s'] * 1e3:>8.2f} {r['vs_xla']:>6.2f} "
-          f"{r['x_floor']:>6.2f} {r['of_read_rate']:>6.2f}{extra}")
+          f"{r['x_floor']:>6.2f} {r['of_read_rate']:>6.2f} {r['panels_s'] * 1e3:>8.2f} {r['panels_vs_row_major']:>6.2f}"
+          f"{extra}")
     sys.stdout.flush()
 
 
@@ -146,7 +151,7 @@ def main(argv=None):
           f"jax {jax.__version__}; "
           f"{'AVX2' if native_cpu.vectorized() else 'portable'} kernel")
     print(f"{'E':>3} {'K':>5} {'C':>5} {'rows':>4} {'dtype':>8} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>7} {'xla ms':>8} "
-          f"{'vs xla':>6} {'x floor':>6} {'of read':>6}" + (f" {'var ms':>8} {'var/base':>6}" if variant else "")
+          f"{'vs xla':>6} {'x floor':>6} {'of read':>6} {'pan ms':>8} {'pan/rm':>6}" + (f" {'var ms':>8} {'var/base':>6}" if variant else "")
           + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else ""))
     rows = []
     for e, k, c in SHAPES:

@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from expertd.kernels import panels
+
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 BACKENDS = ("reference", "ragged_dot", "capacity", "expert_loop", "native_cpu", "pallas")
 
@@ -412,6 +414,8 @@ def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", bac
     if backend == "auto":
         e, h, i = w_gate.shape
         backend = choose_backend(xs.shape[0], e, h, i, w_gate.dtype)
+    if backend != "native_cpu":  # only the native kernel reads panel-major weights in place
+        w_gate, w_up, w_down = (panels.dense(w) for w in (w_gate, w_up, w_down))
     if backend == "reference":
         return grouped_ffn_reference(xs, group_sizes, w_gate, w_up, w_down, activation=activation)
     if backend == "ragged_dot":

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from expertd.kernels import dispatch
+from expertd.kernels import dispatch, panels
 from expertd.kernels.experts import row_experts
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ TARGET = "expertd_grouped_matmul"
 # XLA FFI targets registered from the library: name -> exported handler symbol.
 TARGETS = {TARGET: "ExpertdGroupedMatmul",
            "expertd_grouped_matmul_gathered": "ExpertdGroupedMatmulGathered",
+           "expertd_grouped_matmul_panels": "ExpertdGroupedMatmulPanels",
+           "expertd_grouped_matmul_panels_gathered": "ExpertdGroupedMatmulPanelsGathered",
            "expertd_dispatch_layout": "ExpertdDispatchLayout",
            "expertd_combine": "ExpertdCombine"}
 # -ffp-contract=off: the combine rounds its products and sums separately, as XLA's does (the matmul
@@ -163,6 +165,8 @@ def _require_library():
 def grouped_matmul(x, group_sizes, w, *, source=None):
     """`x f32 [N, K]`, `group_sizes int [E]`, `w bf16|f32 [E, K, C]` -> `f32 [N, C]` (see module doc).
 
+    `w` may also be a `panels.PanelWeights` of those weights (panel-major, made once at load): the
+    same result bit for bit, read faster (BENCHMARKS.md "Panel-major expert weights").
     With `source int [N]`, x is `[T, K]` token rows and output row r reads `x[source[r]]` (a
     source outside [0, T), e.g. a permutation's pad row T, reads zeros): `dispatch.permute`'s
     gather done inside the kernel, without writing the permuted `[N, K]` copy of x."""
@@ -177,9 +181,10 @@ def grouped_matmul(x, group_sizes, w, *, source=None):
     rows = x.shape[0] if source is None else source.shape[0]
     out = jax.ShapeDtypeStruct((rows, w.shape[2]), jnp.float32)
     x, group_sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
+    target, w = (TARGET + "_panels", w.panels) if panels.is_panels(w) else (TARGET, w)
     if source is None:
-        return jax.ffi.ffi_call(TARGET, out)(x, group_sizes, w)
-    return jax.ffi.ffi_call("expertd_grouped_matmul_gathered", out)(x, source.astype(jnp.int32), group_sizes, w)
+        return jax.ffi.ffi_call(target, out)(x, group_sizes, w)
+    return jax.ffi.ffi_call(target + "_gathered", out)(x, source.astype(jnp.int32), group_sizes, w)
 
 
 def layout(topk_ids, num_experts: int, *, align_size: int = 0, valid=None) -> dispatch.Permutation:
@@ -211,6 +216,7 @@ def combine(rows, perm: dispatch.Permutation, topk_weights=None):
 def grouped_matmul_reference(x, group_sizes, w):
     """Plain jnp: every row times its expert's matrix (fp32), rows past sum(group_sizes) -> 0."""
     expert, valid = row_experts(group_sizes, x.shape[0])
+    w = panels.dense(w)
     wr = w[jnp.minimum(expert, w.shape[0] - 1)].astype(jnp.float32)  # [N, K, C]
     y = jnp.einsum("nk,nkc->nc", x.astype(jnp.float32), wr, precision=jax.lax.Precision.HIGHEST)
     return jnp.where(valid[:, None], y, 0.0)

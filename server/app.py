@@ -263,7 +263,7 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
     engine = Engine(layers, buckets=config.batching.bucket_sizes, dtype=config.model.dtype,
                     devices=config.model.num_devices, backend=config.model.backend, compile_cache_dir=cache,
-                    huge_pages=config.model.huge_pages)
+                    huge_pages=config.model.huge_pages, panel_weights=config.model.panel_weights)
     if wrap_engine is not None:
         engine = wrap_engine(engine)
     handle = ServerHandle(config, engine, registry or CollectorRegistry(), progress)

@@ -61,6 +61,8 @@ class ModelConfig:
     backend: str = _option("auto", "expert kernel backend passed to the engine (auto, reference, ragged_dot, capacity, pallas)")
     huge_pages: bool = _option(True, "on CPU, move the weights onto transparent huge pages at load (up to ~1.4 s per "
                                "GB; decode-size batches measured a median 1.04x as fast)")
+    panel_weights: bool = _option(True, "on CPU with the native kernel, relay the expert weights out panel-major at load "
+                                  "(same results; the expert matmuls ran a median 1.1-1.2x as fast, BENCHMARKS.md)")
 
     def __post_init__(self):
         if self.preset is not None and self.checkpoint is not None:

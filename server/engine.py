@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import experts, moe
+from expertd.kernels import experts, moe, panels
 from expertd.server import host_allocator, host_memory, steps
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement, pick_devices, split_over_ep
@@ -144,7 +144,8 @@ class Engine:
     """
 
     def __init__(self, layers: Sequence[LoadedLayer], *, buckets: Sequence[int], dtype="bfloat16",
-                 devices=None, backend: str = "auto", compile_cache_dir=None, huge_pages: bool = True):
+                 devices=None, backend: str = "auto", compile_cache_dir=None, huge_pages: bool = True,
+                 panel_weights: bool = True):
         if not layers:
             raise ValueError("layers: the engine needs at least one layer")
         self.layers = {}
@@ -180,6 +181,9 @@ class Engine:
         self.warm = False
         self._params = {index: self.placement.place_layer(layer, self.dtype)
                         for index, layer in self.layers.items()}
+        self.weight_layout = "panels" if panel_weights and self._native_cpu_runs_every_forward() else "row_major"
+        if self.weight_layout == "panels":  # once, at load: the layout the native CPU kernel reads fastest
+            self._params = {index: panels.panel_params(params) for index, params in self._params.items()}
         # From here on the layers carry their placed device arrays: the host copies (a real model's
         # whole weights, for a checkpoint) are released once the caller drops its own references.
         self.layers = {index: dataclasses.replace(layer, params=self._params[index])
@@ -283,6 +287,7 @@ class Engine:
                      "devices": [str(d) for d in self.devices],
                      "expert_parallel": self._ep is not None},
             "backend": self.backend,
+            "weight_layout": self.weight_layout,
             "warm": self.warm,
             "compilations": self.compilations,
             "compile_seconds": self.compile_seconds,
@@ -305,9 +310,17 @@ class Engine:
         """Weights on CPU devices onto huge pages (None on other platforms)."""
         if self.devices[0].platform != "cpu":
             return None
-        report = host_memory.advise_huge_pages(p for params in self._params.values() for p in params.values())
+        report = host_memory.advise_huge_pages(jax.tree.leaves(list(self._params.values())))
         log.info("weights: %s", host_memory.summary(report.as_dict()))
         return report
+
+    def _native_cpu_runs_every_forward(self) -> bool:
+        """Whether every forward step runs its experts through the native CPU kernel (one CPU
+        process, no expert parallelism, backend auto or native_cpu, the kernel built): then the
+        expert weights are made panel-major at load (expertd.kernels.panels)."""
+        if self.devices[0].platform != "cpu" or self._ep is not None or jax.process_count() > 1:
+            return False
+        return self.backend in ("auto", "native_cpu") and experts.native_cpu_available()
 
     def _native_cpu_kernel(self) -> dict | None:
         """On CPU, whether the C++ expert kernel (`auto`'s choice there) is usable and,

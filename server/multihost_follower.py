@@ -34,7 +34,7 @@ class FollowerServer:
         cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
         self.engine = Engine(load_layers(config), buckets=config.batching.bucket_sizes, dtype=config.model.dtype,
                              backend=config.model.backend, compile_cache_dir=cache,
-                             huge_pages=config.model.huge_pages)
+                             huge_pages=config.model.huge_pages, panel_weights=config.model.panel_weights)
         self.metrics = Metrics(CollectorRegistry(), token_buckets=self.engine.buckets)
         import jax
 

@@ -3,6 +3,11 @@
 //   y[r, :] = x[r, :] @ w[e(r)]   for the rows r of expert e (expert-major, group_sizes[e] rows each)
 //   x f32 [N, K], group_sizes s32 [E], w bf16 or f32 [E, K, C]  ->  y f32 [N, C]
 //   rows past sum(group_sizes) -> 0; experts without rows are never read.
+// The *Panels entry points take the weights panel-major instead (native_cpu.to_panels, done once
+// at load): w [E, P, K, 16], P = ceil(C / 16), column c of expert e at w[e, c / 16, :, c % 16]
+// (columns past C zero). Same results bit for bit; each 16-column panel is one contiguous stream,
+// so the packed path reads it in place instead of repacking every call, and the streaming path
+// runs one sequential stream per panel.
 // ExpertdGroupedMatmulGathered reads its rows from token rows instead (the permutation's gather
 // done in place, so the layer never writes the [N, K] permuted copy of x):
 //   y[r, :] = x[source[r], :] @ w[e(r)]   x f32 [T, K], source s32 [N]; a source outside [0, T)
@@ -30,6 +35,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -53,17 +59,34 @@ constexpr int kRowsPerStep = 16;         // weight rows streamed at once; accumu
 constexpr int kRowsPerStepOneBlock = 8;
 constexpr int64_t kRowBlock = 4;
 
+constexpr int kPanelCols = 16;  // columns of a weight panel (panel-major layout, packed path)
+
+// One expert's weights [K, C] as they lie in memory: row-major (the checkpoint's layout) or
+// panel-major ([P, K, 16], see the top of the file).
+template <typename W>
+struct ExpertWeights {
+  const W* w;  // the expert's first weight
+  int64_t k_dim, c_dim;
+  bool panels;
+
+  float At(int64_t k, int64_t c) const {
+    return panels ? Load(w, (c / kPanelCols * k_dim + k) * kPanelCols + c % kPanelCols) : Load(w, k * c_dim + c);
+  }
+  // Panel p's rows [k0, k0 + kc) (16 weights each, contiguous): panel-major only.
+  const W* Panel(int64_t p, int64_t k0) const { return w + (p * k_dim + k0) * kPanelCols; }
+};
+
 // Portable path: any CPU, and the column tail past the last full 16-column chunk.
 // `x` is a table of row pointers (each K floats) throughout: row r of an item is x[r].
 template <typename W>
-void BlockScalar(const float* const* x, int64_t rows, int64_t k_dim, const W* w, int64_t c_dim,
-                 int64_t c0, int64_t c1, float* y) {
+void BlockScalar(const float* const* x, int64_t rows, const ExpertWeights<W>& w, int64_t c0, int64_t c1,
+                 float* y) {
+  const int64_t c_dim = w.c_dim;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] = 0.0f;
-    for (int64_t k = 0; k < k_dim; ++k) {
+    for (int64_t k = 0; k < w.k_dim; ++k) {
       const float xv = x[r][k];
-      const W* wk = w + k * c_dim;
-      for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] += xv * Load(wk, c);
+      for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] += xv * w.At(k, c);
     }
   }
 }
@@ -74,12 +97,26 @@ void BlockScalar(const float* const* x, int64_t rows, int64_t k_dim, const W* w,
 // widening leaves too few loads in flight: bf16 0.99-1.51x at 1-4 rows per expert, fp32 0.93-1.29x
 // at 4-16 (interleaved A/B, weights cycled past L3). fp32 with 1-3 rows already streams at the read
 // rate; the extra instructions cost it up to 14%, so it is off below 4 rows.
+// Its bytes are `rows` segments of `span` bytes, `row_bytes` apart: row-major weights, its weight
+// rows over the item's columns; panel-major, each of the item's panels over its weight rows.
 struct NextStep {
-  const char* first;  // the next step's first weight row, at the item's first column
-  int64_t rows;       // weight rows it has (0: this is the last step)
-  int64_t row_bytes;  // c_dim * sizeof(W): from one weight row to the next
-  int64_t span;       // the item's columns in bytes
+  const char* first;  // the next step's first segment
+  int64_t rows;       // segments (0: this is the last step)
+  int64_t row_bytes;  // from one segment to the next
+  int64_t span;       // bytes of a segment
 };
+
+// The next step (weight rows [k0, k0 + kk) of the item's columns [c0, c1)) of `w`.
+template <typename W>
+NextStep NextStepOf(const ExpertWeights<W>& w, int64_t k0, int64_t kk, int64_t c0, int64_t c1) {
+  const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(kk, w.k_dim - k0)), size = sizeof(W);
+  if (rows == 0) return {nullptr, 0, 0, 0};
+  if (w.panels) {
+    return {reinterpret_cast<const char*>(w.Panel(c0 / kPanelCols, k0)), (c1 - c0) / kPanelCols,
+            w.k_dim * kPanelCols * size, rows * kPanelCols * size};
+  }
+  return {reinterpret_cast<const char*>(w.w + k0 * w.c_dim + c0), rows, w.c_dim * size, (c1 - c0) * size};
+}
 
 // Prefetch bytes [begin, begin + size) of the next step, counted row by row over its span.
 inline void PrefetchNextStep(const NextStep& next, int64_t begin, int64_t size) {
@@ -92,21 +129,23 @@ inline void PrefetchNextStep(const NextStep& next, int64_t begin, int64_t size) 
 
 // y[r, c + j] += sum_{k in [k0, k0+kk)} x[r, k] * w[k, c + j] for kRows rows and the 8 * kVecs
 // columns j at c; the kRows x kVecs accumulators (independent FMA chains) stay in registers.
-template <int kRows, int kVecs, int kk, typename W>
+// kPanels: w is panel-major (vector v of a weight row lies in panel c / 16 + v / 2).
+template <int kRows, int kVecs, int kk, bool kPanels, typename W>
 __attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float* const* x,
-                                                                      const W* w, int64_t c_dim,
+                                                                      const ExpertWeights<W>& w,
                                                                       int64_t k0, int64_t c,
                                                                       float* y) {
+  const int64_t c_dim = w.c_dim;
   __m256 acc[kRows][kVecs];
   for (int r = 0; r < kRows; ++r) {
     for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm256_loadu_ps(y + r * c_dim + c + 8 * v);
   }
   for (int k = 0; k < kk; ++k) {
-    const W* wk = w + (k0 + k) * c_dim + c;
     __m256 xv[kRows];
     for (int r = 0; r < kRows; ++r) xv[r] = _mm256_broadcast_ss(x[r] + k0 + k);
     for (int v = 0; v < kVecs; ++v) {
-      const __m256 wv = Load8(wk + 8 * v);
+      const __m256 wv = kPanels ? Load8(w.Panel(c / kPanelCols + v / 2, k0 + k) + 8 * (v % 2))
+                                : Load8(w.w + (k0 + k) * c_dim + c + 8 * v);
       for (int r = 0; r < kRows; ++r) acc[r][v] = _mm256_fmadd_ps(xv[r], wv, acc[r][v]);
     }
   }
@@ -117,19 +156,19 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float
 
 // Columns [c0, c1) (a multiple of 16 wide) in chunks of 8 * kVecs, then of 16 for what is left;
 // with `next`, each chunk also prefetches its share of the next step.
-template <int kRows, int kVecs, int kk, typename W>
-__attribute__((target("avx2,fma"))) void Columns(const float* const* x, const W* w,
-                                                 int64_t c_dim, int64_t k0, int64_t c0,
-                                                 int64_t c1, float* y, const NextStep* next) {
+template <int kRows, int kVecs, int kk, bool kPanels, typename W>
+__attribute__((target("avx2,fma"))) void Columns(const float* const* x, const ExpertWeights<W>& w,
+                                                 int64_t k0, int64_t c0, int64_t c1, float* y,
+                                                 const NextStep* next) {
   constexpr int64_t kShare = kk * 8 * kVecs * sizeof(W), kTailShare = kk * 16 * sizeof(W);
   int64_t c = c0, fetched = 0;
   for (; c + 8 * kVecs <= c1; c += 8 * kVecs, fetched += kShare) {
     if (next) PrefetchNextStep(*next, fetched, kShare);
-    Chunk<kRows, kVecs, kk>(x, w, c_dim, k0, c, y);
+    Chunk<kRows, kVecs, kk, kPanels>(x, w, k0, c, y);
   }
   for (; c < c1; c += 16, fetched += kTailShare) {
     if (next) PrefetchNextStep(*next, fetched, kTailShare);
-    Chunk<kRows, 2, kk>(x, w, c_dim, k0, c, y);
+    Chunk<kRows, 2, kk, kPanels>(x, w, k0, c, y);
   }
 }
 
@@ -137,25 +176,134 @@ __attribute__((target("avx2,fma"))) void Columns(const float* const* x, const W*
 // wider chunks (8 accumulators as for 4 rows: 1.25-1.43x there) and its 3-row blocks 32 columns
 // (12 accumulators instead of 6: median 1.11x at 3 rows, 1.09x at 7, two interleaved runs); for
 // fp32 they measured 0.93-1.05x at 1-2 rows and 0.87-1.11x at 3, so fp32 keeps 16 columns.
-template <int kk, typename W>
-__attribute__((target("avx2,fma"))) void RowBlocks(const float* const* x, int64_t rows, int64_t k_dim,
-                                                   const W* w, int64_t c_dim, int64_t k0,
+template <int kk, bool kPanels, typename W>
+__attribute__((target("avx2,fma"))) void RowBlocks(const float* const* x, int64_t rows,
+                                                   const ExpertWeights<W>& w, int64_t k0,
                                                    int64_t c0, int64_t c1, float* y) {
   constexpr bool kBf16 = sizeof(W) == 2;
-  NextStep next_step{reinterpret_cast<const char*>(w + (k0 + kk) * c_dim + c0),
-                     std::max<int64_t>(0, std::min<int64_t>(kk, k_dim - k0 - kk)),
-                     c_dim * static_cast<int64_t>(sizeof(W)),
-                     (c1 - c0) * static_cast<int64_t>(sizeof(W))};
+  const NextStep next_step = NextStepOf(w, k0 + kk, kk, c0, c1);
   const bool prefetch = kk > 1 && next_step.rows > 0 && (kBf16 || rows >= kRowBlock);
   for (int64_t r = 0; r < rows; r += kRowBlock) {
     const float* const* xr = x + r;
-    float* yr = y + r * c_dim;
+    float* yr = y + r * w.c_dim;
     const NextStep* next = prefetch && r == 0 ? &next_step : nullptr;  // later blocks hit L1/L2
     switch (std::min<int64_t>(kRowBlock, rows - r)) {
-      case 4: Columns<4, 2, kk>(xr, w, c_dim, k0, c0, c1, yr, next); break;
-      case 3: Columns<3, kBf16 ? 4 : 2, kk>(xr, w, c_dim, k0, c0, c1, yr, next); break;
-      case 2: Columns<2, kBf16 ? 4 : 2, kk>(xr, w, c_dim, k0, c0, c1, yr, next); break;
-      default: Columns<1, kBf16 ? 8 : 2, kk>(xr, w, c_dim, k0, c0, c1, yr, next); break;
+      case 4: Columns<4, 2, kk, kPanels>(xr, w, k0, c0, c1, yr, next); break;
+      case 3: Columns<3, kBf16 ? 4 : 2, kk, kPanels>(xr, w, k0, c0, c1, yr, next); break;
+      case 2: Columns<2, kBf16 ? 4 : 2, kk, kPanels>(xr, w, k0, c0, c1, yr, next); break;
+      default: Columns<1, kBf16 ? 8 : 2, kk, kPanels>(xr, w, k0, c0, c1, yr, next); break;
+    }
+  }
+}
+
+// Streaming over panel-major weights: kPanels adjacent panels (each a contiguous K x 16 stream)
+// for kRows rows over weight rows [k0, k1), the kRows x 2 * kPanels accumulators in registers
+// throughout; they start from zero, or with `accumulate` from y. Fewer rows take more panels at
+// once, to keep 8-12 independent FMA chains. A software prefetch runs kPanelPrefetchBytes ahead in
+// each stream (without it one stream per core left fp32 up to 1.6x slower). Summation in k order,
+// as the row-major path's (the results are equal bit for bit).
+// acc[r][2g + v] += x[r][k] * panel g's weight row k (columns 8v..8v+7).
+template <int kRows, int kPanels, typename W>
+__attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const float* const* x,
+                                                                         const W* const* panel, int64_t k,
+                                                                         __m256 (&acc)[kRows][2 * kPanels]) {
+  __m256 xv[kRows];
+  for (int r = 0; r < kRows; ++r) xv[r] = _mm256_broadcast_ss(x[r] + k);
+  for (int g = 0; g < kPanels; ++g) {
+    const W* wk = panel[g] + k * kPanelCols;
+    for (int v = 0; v < 2; ++v) {
+      const __m256 wv = Load8(wk + 8 * v);
+      for (int r = 0; r < kRows; ++r) acc[r][2 * g + v] = _mm256_fmadd_ps(xv[r], wv, acc[r][2 * g + v]);
+    }
+  }
+}
+
+constexpr int64_t kPanelPrefetchBytes = 1024;
+template <int kRows, int kPanels, typename W>
+__attribute__((target("avx2,fma"))) void PanelStream(const float* const* x, const ExpertWeights<W>& w,
+                                                     int64_t p, int64_t k0, int64_t k1, bool accumulate,
+                                                     float* y) {
+  __m256 acc[kRows][2 * kPanels];
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < 2 * kPanels; ++v) {
+      acc[r][v] = accumulate ? _mm256_loadu_ps(y + r * w.c_dim + p * kPanelCols + 8 * v) : _mm256_setzero_ps();
+    }
+  }
+  const W* panel[kPanels];
+  for (int g = 0; g < kPanels; ++g) panel[g] = w.Panel(p + g, 0);
+  constexpr int64_t kLine = 64 / (kPanelCols * sizeof(W));  // weight rows per cache line (1 or 2)
+  constexpr int64_t kUnroll = 4;
+  int64_t k = k0;
+  for (; k + kUnroll <= k1; k += kUnroll) {  // k0 is a multiple of kLine: one prefetch per line
+    for (int g = 0; g < kPanels; ++g) {
+      for (int64_t l = 0; l < kUnroll; l += kLine) {
+        _mm_prefetch(reinterpret_cast<const char*>(panel[g] + (k + l) * kPanelCols) + kPanelPrefetchBytes, _MM_HINT_T0);
+      }
+    }
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < kUnroll; ++u) PanelRow<kRows, kPanels>(x, panel, k + u, acc);
+  }
+  for (; k < k1; ++k) PanelRow<kRows, kPanels>(x, panel, k, acc);
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < 2 * kPanels; ++v) _mm256_storeu_ps(y + r * w.c_dim + p * kPanelCols + 8 * v, acc[r][v]);
+  }
+}
+
+// Panels [p, p + n) (n <= kPanels) of one block of kRows rows over all of K.
+template <int kRows, int kPanels, typename W>
+__attribute__((target("avx2,fma"))) void PanelGroup(const float* const* x, const ExpertWeights<W>& w,
+                                                    int64_t p, int64_t n, float* y) {
+  if constexpr (kPanels > 1) {
+    if (n < kPanels) return PanelGroup<kRows, kPanels - 1>(x, w, p, n, y);
+  }
+  PanelStream<kRows, kPanels>(x, w, p, 0, w.k_dim, false, y);
+}
+
+// k rows per step when an item has several row blocks: the step's slice of a panel (8-16 KB) and
+// of the x rows stay in L1 across the blocks (over all of K, the x rows were re-read from L2 for
+// every panel: 0.54-0.94x the row-major path at 8-16 rows).
+constexpr int64_t kPanelStepK = 256;
+
+// Full panels [c0, c1) / 16 of an item (the streaming path, panel-major weights). One row block:
+// each panel group over all of K. More: steps of kPanelStepK weight rows, each panel of the step
+// for every row block in turn.
+template <typename W>
+__attribute__((target("avx2,fma"))) void StreamPanels(const float* const* x, int64_t rows,
+                                                      const ExpertWeights<W>& w, int64_t c0,
+                                                      int64_t c1, float* y) {
+  const int64_t p0 = c0 / kPanelCols, p1 = c1 / kPanelCols;
+  if (rows <= kRowBlock) {
+    constexpr int kGroup = 4;  // panels at once: 1 / 2 / 4 of them for 4 / 2-3 / 1 rows
+    for (int64_t p = p0; p < p1; p += kGroup) {
+      const int64_t n = std::min<int64_t>(kGroup, p1 - p);
+      switch (rows) {
+        case 4:
+          for (int64_t q = 0; q < n; ++q) PanelGroup<4, 1>(x, w, p + q, 1, y);
+          break;
+        case 3:
+          for (int64_t q = 0; q < n; q += 2) PanelGroup<3, 2>(x, w, p + q, n - q, y);
+          break;
+        case 2:
+          for (int64_t q = 0; q < n; q += 2) PanelGroup<2, 2>(x, w, p + q, n - q, y);
+          break;
+        default: PanelGroup<1, kGroup>(x, w, p, n, y); break;
+      }
+    }
+    return;
+  }
+  for (int64_t k0 = 0; k0 < w.k_dim; k0 += kPanelStepK) {
+    const int64_t k1 = std::min(w.k_dim, k0 + kPanelStepK);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t r = 0; r < rows; r += kRowBlock) {
+        const float* const* xr = x + r;
+        float* yr = y + r * w.c_dim;
+        switch (std::min<int64_t>(kRowBlock, rows - r)) {
+          case 4: PanelStream<4, 1>(xr, w, p, k0, k1, k0 > 0, yr); break;
+          case 3: PanelStream<3, 1>(xr, w, p, k0, k1, k0 > 0, yr); break;
+          case 2: PanelStream<2, 1>(xr, w, p, k0, k1, k0 > 0, yr); break;
+          default: PanelStream<1, 1>(xr, w, p, k0, k1, k0 > 0, yr); break;
+        }
+      }
     }
   }
 }
@@ -167,7 +315,6 @@ __attribute__((target("avx2,fma"))) void RowBlocks(const float* const* x, int64_
 // contiguous) runs over the pairs, each weight panel (kPackK x 16 fp32 = 16 KB) staying in L1
 // across up to kPackRowsL2 rows (their x panels, 120 KB, in L2).
 constexpr int kPanelRows = 6;
-constexpr int kPanelCols = 16;
 constexpr int64_t kPackK = 256;
 constexpr int64_t kPackRowsL2 = 120;  // a multiple of kPanelRows
 // Interleaved A/B against the streaming path (weights cycled past L3): 0.64-0.83x at 6-8 rows,
@@ -213,12 +360,21 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const
   }
 }
 
+// The item's `panels` panels from column c0 over weight rows [k0, k0 + kc), widened to fp32 into
+// `packed` ([panel][k][16]).
 template <typename W>
-__attribute__((target("avx2,fma"))) void PackWeights(const W* w, int64_t c_dim, int64_t k0,
-                                                     int64_t kc, int64_t c0, int64_t panels,
-                                                     float* packed) {
+__attribute__((target("avx2,fma"))) void PackWeights(const ExpertWeights<W>& w, int64_t k0, int64_t kc,
+                                                     int64_t c0, int64_t panels, float* packed) {
+  if (w.panels) {  // each panel's rows are contiguous already: a sequential copy
+    for (int64_t p = 0; p < panels; ++p, packed += kc * kPanelCols) {
+      const W* panel = w.Panel(c0 / kPanelCols + p, k0);
+      for (int64_t i = 0; i < kc * kPanelCols; i += 8) _mm256_storeu_ps(packed + i, Load8(panel + i));
+    }
+    return;
+  }
+  const int64_t c_dim = w.c_dim;
   for (int64_t k = 0; k < kc; ++k) {
-    const W* row = w + (k0 + k) * c_dim + c0;
+    const W* row = w.w + (k0 + k) * c_dim + c0;
     float* out = packed + k * kPanelCols;
     for (int64_t p = 0; p < panels; ++p, row += kPanelCols, out += kc * kPanelCols) {
       _mm256_storeu_ps(out, Load8(row));
@@ -240,32 +396,52 @@ void PackRows(const float* const* x, int64_t rows, int64_t k0, int64_t kc, float
   }
 }
 
+// The fp32 panel p (of the item's, from column c0) over weight rows [k0, k0 + kc): packed for the
+// whole k block beforehand (`packed_block`: row-major weights, and panel-major ones for items of
+// more than one row chunk, which reuse it); else panel-major fp32 read in place, bf16 widened into
+// `packed` (16 KB, stays in L1 for the panel's micro-tiles).
+template <typename W>
+__attribute__((target("avx2,fma"))) const float* PackedPanel(const ExpertWeights<W>& w, bool packed_block,
+                                                             int64_t c0, int64_t p, int64_t k0,
+                                                             int64_t kc, float* packed) {
+  if (packed_block) return packed + p * kc * kPanelCols;
+  const W* panel = w.Panel(c0 / kPanelCols + p, k0);
+  if constexpr (std::is_same_v<W, float>) {
+    return panel;
+  } else {
+    for (int64_t i = 0; i < kc * kPanelCols; i += 8) _mm256_storeu_ps(packed + i, Load8(panel + i));
+    return packed;
+  }
+}
+
 // Columns [c0, c1) (a multiple of 16 wide) of y = x @ w for `rows` rows.
 template <typename W>
-__attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int64_t rows, int64_t k_dim,
-                                                     const W* w, int64_t c_dim, int64_t c0,
+__attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int64_t rows,
+                                                     const ExpertWeights<W>& w, int64_t c0,
                                                      int64_t c1, float* y) {
   // Per thread, reused across calls: at most kPackK x kBlockColumns + kPackK x kPackRowsL2 floats
   // (2 MB + 120 KB), however many rows an expert gets.
   thread_local std::vector<float> packed_w_buffer, packed_x_buffer;
+  const int64_t k_dim = w.k_dim, c_dim = w.c_dim;
   if (k_dim == 0) {  // the k loop below would never write y
     for (int64_t r = 0; r < rows; ++r) std::fill(y + r * c_dim + c0, y + r * c_dim + c1, 0.0f);
     return;
   }
   const int64_t panels = (c1 - c0) / kPanelCols;
-  packed_w_buffer.resize(kPackK * (c1 - c0));
+  const bool packed_block = !w.panels || rows > kPackRowsL2;
+  packed_w_buffer.resize(kPackK * (packed_block ? c1 - c0 : kPanelCols));
   packed_x_buffer.resize(kPackK * kPackRowsL2);
   float* const packed_w = packed_w_buffer.data();
   float* const packed_x = packed_x_buffer.data();
   for (int64_t k0 = 0; k0 < k_dim; k0 += kPackK) {
     const int64_t kc = std::min(kPackK, k_dim - k0);
     const bool accumulate = k0 > 0;
-    PackWeights(w, c_dim, k0, kc, c0, panels, packed_w);
+    if (packed_block) PackWeights(w, k0, kc, c0, panels, packed_w);
     for (int64_t i0 = 0; i0 < rows; i0 += kPackRowsL2) {
       const int64_t i1 = std::min(rows, i0 + kPackRowsL2);
       PackRows(x + i0, i1 - i0, k0, kc, packed_x);
       for (int64_t p = 0; p < panels; ++p) {
-        const float* b = packed_w + p * kc * kPanelCols;
+        const float* b = PackedPanel(w, packed_block, c0, p, k0, kc, packed_w);
         for (int64_t r0 = i0; r0 < i1; r0 += kPanelRows) {
           const float* a = packed_x + (r0 - i0) * kc;
           float* yt = y + r0 * c_dim + c0 + p * kPanelCols;
@@ -284,26 +460,35 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int6
 }
 
 // All of k for the streaming path: steps of kk weight rows, then single rows for the remainder.
-template <int kk, typename W>
-__attribute__((target("avx2,fma"))) void Steps(const float* const* x, int64_t rows, int64_t k_dim,
-                                               const W* w, int64_t c_dim, int64_t c0, int64_t c1,
+template <int kk, bool kPanels, typename W>
+__attribute__((target("avx2,fma"))) void Steps(const float* const* x, int64_t rows,
+                                               const ExpertWeights<W>& w, int64_t c0, int64_t c1,
                                                float* y) {
   int64_t k0 = 0;
-  for (; k0 + kk <= k_dim; k0 += kk) RowBlocks<kk>(x, rows, k_dim, w, c_dim, k0, c0, c1, y);
-  for (; k0 < k_dim; ++k0) RowBlocks<1>(x, rows, k_dim, w, c_dim, k0, c0, c1, y);
+  for (; k0 + kk <= w.k_dim; k0 += kk) RowBlocks<kk, kPanels>(x, rows, w, k0, c0, c1, y);
+  for (; k0 < w.k_dim; ++k0) RowBlocks<1, kPanels>(x, rows, w, k0, c0, c1, y);
+}
+
+// The streaming path over all of k: steps of kk weight rows (fewer for items of one row block).
+template <bool kPanels, typename W>
+__attribute__((target("avx2,fma"))) void Stream(const float* const* x, int64_t rows,
+                                                const ExpertWeights<W>& w, int64_t c0, int64_t c1,
+                                                float* y) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(y + r * w.c_dim + c0, y + r * w.c_dim + c1, 0.0f);
+  if (rows <= kRowBlock) return Steps<kRowsPerStepOneBlock, kPanels>(x, rows, w, c0, c1, y);
+  Steps<kRowsPerStep, kPanels>(x, rows, w, c0, c1, y);
 }
 
 template <typename W>
-__attribute__((target("avx2,fma"))) void BlockAvx2(const float* const* x, int64_t rows, int64_t k_dim,
-                                                   const W* w, int64_t c_dim, int64_t c0,
-                                                   int64_t c1, float* y) {
+__attribute__((target("avx2,fma"))) void BlockAvx2(const float* const* x, int64_t rows,
+                                                   const ExpertWeights<W>& w, int64_t c0, int64_t c1,
+                                                   float* y) {
   const int64_t c_vec = c0 + (c1 - c0) / 16 * 16;
-  if (c_vec < c1) BlockScalar(x, rows, k_dim, w, c_dim, c_vec, c1, y);
+  if (c_vec < c1) BlockScalar(x, rows, w, c_vec, c1, y);
   if (c_vec == c0) return;
-  if (rows >= kPackedMinRows) return BlockPacked(x, rows, k_dim, w, c_dim, c0, c_vec, y);
-  for (int64_t r = 0; r < rows; ++r) std::fill(y + r * c_dim + c0, y + r * c_dim + c_vec, 0.0f);
-  if (rows <= kRowBlock) return Steps<kRowsPerStepOneBlock>(x, rows, k_dim, w, c_dim, c0, c_vec, y);
-  Steps<kRowsPerStep>(x, rows, k_dim, w, c_dim, c0, c_vec, y);
+  if (rows >= kPackedMinRows) return BlockPacked(x, rows, w, c0, c_vec, y);
+  if (w.panels) return StreamPanels(x, rows, w, c0, c_vec, y);
+  Stream<false>(x, rows, w, c0, c_vec, y);
 }
 
 struct Item {
@@ -324,9 +509,11 @@ struct RowSource {
   }
 };
 
+// `w` holds E experts of k_dim x c_dim weights, row-major or (`panels`) panel-major.
 template <typename W>
 void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
-                   const int32_t* group_sizes, int64_t e_dim, const W* w, int64_t c_dim, float* y) {
+                   const int32_t* group_sizes, int64_t e_dim, const W* w, int64_t c_dim, bool panels,
+                   float* y) {
   const int64_t k_dim = rows_in.k_dim;
   // Rows of each expert (clamped to the buffer), then items: narrower column blocks when there
   // would be fewer than two per thread (one or two experts in use).
@@ -352,85 +539,98 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     const Item& it = items[i];
     std::vector<const float*> x(it.rows);
     for (int64_t r = 0; r < it.rows; ++r) x[r] = rows_in.Row(it.row0 + r);
-    const W* we = w + it.expert * k_dim * c_dim;
+    const int64_t expert_size = k_dim * (panels ? (c_dim + kPanelCols - 1) / kPanelCols * kPanelCols : c_dim);
+    const ExpertWeights<W> we{w + it.expert * expert_size, k_dim, c_dim, panels};
     float* ye = y + it.row0 * c_dim;
     if (HasAvx2()) {
-      BlockAvx2(x.data(), it.rows, k_dim, we, c_dim, it.c0, it.c1, ye);
+      BlockAvx2(x.data(), it.rows, we, it.c0, it.c1, ye);
     } else {
-      BlockScalar(x.data(), it.rows, k_dim, we, c_dim, it.c0, it.c1, ye);
+      BlockScalar(x.data(), it.rows, we, it.c0, it.c1, ye);
     }
   });
 }
 
-// Both entry points: output row r of y [n, C] reads x [M, K] row source[r] (or row r without a source).
+// Every entry point: output row r of y [n, C] reads x [M, K] row source[r] (or row r without a
+// source); w is [E, K, C], or with `panels` [E, P, K, 16].
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* source, int64_t n,
-               ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, float* y) {
-  const int64_t e_dim = w.dimensions()[0], c_dim = w.dimensions()[2], k_dim = x.dimensions()[1];
+               ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, bool panels, float* y, int64_t c_dim) {
+  const int64_t e_dim = w.dimensions()[0], k_dim = x.dimensions()[1];
   std::vector<float> zeros(k_dim, 0.0f);
   const RowSource rows_in{x.typed_data(), x.dimensions()[0], k_dim, source, zeros.data()};
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.typed_data<float>(), c_dim, y);
+      GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.typed_data<float>(), c_dim, panels, y);
       return ffi::Error::Success();
     case ffi::DataType::BF16:
       GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.reinterpret_data<uint16_t>(),
-                    c_dim, y);
+                    c_dim, panels, y);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
   }
 }
 
-// Shapes shared by both entry points: x [M, K], group_sizes [E], w [E, K, C], y [N, C].
+// Shapes shared by every entry point: x [M, K], group_sizes [E], y [N, C], and w [E, K, C] or
+// (`panels`) [E, ceil(C / 16), K, 16].
 ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w,
-                       ffi::ResultBuffer<ffi::F32>& y) {
+                       bool panels, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || group_sizes.dimensions().size() != 1 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("expected x [N, K], group_sizes [E], w [E, K, C], y [N, C]");
+  if (xd.size() != 2 || wd.size() != (panels ? 4u : 3u) || group_sizes.dimensions().size() != 1 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument(panels ? "expected x [N, K], group_sizes [E], w [E, P, K, 16], y [N, C]"
+                                              : "expected x [N, K], group_sizes [E], w [E, K, C], y [N, C]");
   }
-  if (wd[1] != xd[1] || group_sizes.dimensions()[0] != wd[0] || yd[1] != wd[2]) {
-    return ffi::Error::InvalidArgument("shapes disagree: x [N, K], group_sizes [E], w [E, K, C]");
+  const bool fits = panels ? wd[2] == xd[1] && wd[3] == kPanelCols && wd[1] == (yd[1] + kPanelCols - 1) / kPanelCols
+                           : wd[1] == xd[1] && yd[1] == wd[2];
+  if (!fits || group_sizes.dimensions()[0] != wd[0]) {
+    return ffi::Error::InvalidArgument(panels ? "shapes disagree: x [N, K], group_sizes [E], w [E, ceil(C/16), K, 16]"
+                                              : "shapes disagree: x [N, K], group_sizes [E], w [E, K, C]");
   }
   return ffi::Error::Success();
 }
 
+template <bool kPanels>
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer w,
                              ffi::ResultBuffer<ffi::F32> y) {
-  if (auto err = CheckShapes(x, group_sizes, w, y); err.failure()) return err;
+  if (auto err = CheckShapes(x, group_sizes, w, kPanels, y); err.failure()) return err;
   const int64_t n = x.dimensions()[0];
   if (y->dimensions()[0] != n) return ffi::Error::InvalidArgument("y must have the rows of x");
-  return Run(pool, x, nullptr, n, group_sizes, w, y->typed_data());
+  return Run(pool, x, nullptr, n, group_sizes, w, kPanels, y->typed_data(), y->dimensions()[1]);
 }
 
+template <bool kPanels>
 ffi::Error GroupedMatmulGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                      ffi::Buffer<ffi::S32> source, ffi::Buffer<ffi::S32> group_sizes,
                                      ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
-  if (auto err = CheckShapes(x, group_sizes, w, y); err.failure()) return err;
+  if (auto err = CheckShapes(x, group_sizes, w, kPanels, y); err.failure()) return err;
   const int64_t n = y->dimensions()[0];
   if (source.dimensions().size() != 1 || source.dimensions()[0] != n) {
     return ffi::Error::InvalidArgument("source must be [N], one x row index per output row");
   }
-  return Run(pool, x, source.typed_data(), n, group_sizes, w, y->typed_data());
+  return Run(pool, x, source.typed_data(), n, group_sizes, w, kPanels, y->typed_data(), y->dimensions()[1]);
+}
+
+auto Binding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>();  // pool, x
+}
+
+auto PlainBinding() {
+  return Binding().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>();
+}
+
+auto GatheredBinding() {
+  return Binding()
+      .Arg<ffi::Buffer<ffi::S32>>()  // source
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::Buffer<ffi::F32>>();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmul, GroupedMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulGathered, GroupedMatmulGatheredImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmul, GroupedMatmulImpl<false>, PlainBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulGathered, GroupedMatmulGatheredImpl<false>, GatheredBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanels, GroupedMatmulImpl<true>, PlainBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanelsGathered, GroupedMatmulGatheredImpl<true>, GatheredBinding());
 
 extern "C" int expertd_grouped_matmul_has_avx2() { return HasAvx2() ? 1 : 0; }

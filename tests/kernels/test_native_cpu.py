@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertd.kernels import experts, native_cpu
+from expertd.kernels import experts, native_cpu, panels
 
 pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native kernel: {native_cpu.unavailable_reason()}")
 
@@ -23,7 +23,10 @@ pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native k
 # (32-column chunks in bf16) with a 16-column tail chunk.
 # Experts of 32 rows or more take the packed path: 45 / 41 / 130 rows end in partial 6-row panels,
 # 130 spans two 120-row L2 blocks, K = 300 / 520 end in a partial 256-deep k block, and the last
-# case mixes both paths (and an empty expert) in one call.
+# case mixes both paths (and an empty expert) in one call. Panel-major weights (compared bit for bit
+# with row-major in every case): [2, 1, 3, 4] x 80 columns streams 1-4 rows over 5 panels (groups of
+# 4 / 2 and their remainders), [9, 17] several row blocks in 256-deep k steps, K = 301 a remainder
+# past the unrolled k loop; 130 rows pack the panels per k block, 41 / 45 read them in place.
 CASES = [
     ([3], 5, 17),
     ([2, 0, 5], 40, 50),
@@ -35,6 +38,8 @@ CASES = [
     ([1, 0, 6, 2, 0, 0, 1, 13], 128, 2064),
     ([45], 300, 40),
     ([0, 130, 41, 3], 520, 64),
+    ([2, 1, 3, 4], 301, 80),
+    ([9, 17], 301, 64),
 ]
 
 
@@ -67,6 +72,7 @@ def test_matches_reference_and_float64(sizes, k, c, dtype):
     want = np.asarray(native_cpu.grouped_matmul_reference(jnp.where(jnp.isnan(x), 0, x), gs, jnp.where(jnp.isnan(w), 0, w)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
     np.testing.assert_allclose(got[:used], loop_oracle(x[:used], sizes, w)[:used], rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    np.testing.assert_array_equal(np.asarray(jax.jit(native_cpu.grouped_matmul)(x, gs, panels.to_panels(w))), got)
 
 
 def test_no_rows_gives_zeros_and_argument_errors_name_the_field():
@@ -76,6 +82,22 @@ def test_no_rows_gives_zeros_and_argument_errors_name_the_field():
         native_cpu.grouped_matmul(x, jnp.zeros(3, jnp.int32), w)
     with pytest.raises(ValueError, match="w must be float32 or bfloat16"):
         native_cpu.grouped_matmul(x, jnp.zeros(2, jnp.int32), w.astype(jnp.float16))
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+def test_panel_weights_with_gathered_rows_equal_row_major(dtype):
+    """Reading token rows by index (pad rows outside [0, T) as zeros) over panel-major weights: the
+    row-major result bit for bit, on the streaming and packed paths, with a column tail."""
+    rng = np.random.default_rng(7)
+    sizes = [3, 0, 40, 9]
+    x = jnp.asarray(rng.standard_normal((20, 72)), jnp.float32)
+    source = jnp.asarray(rng.integers(-1, 22, sum(sizes) + 2), jnp.int32)
+    w = jnp.asarray(rng.standard_normal((4, 72, 56)), dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    call = jax.jit(lambda x, w, s: native_cpu.grouped_matmul(x, gs, w, source=s))
+    want = np.asarray(call(x, w, source))
+    np.testing.assert_array_equal(np.asarray(call(x, panels.to_panels(w), source)), want)
+    assert np.abs(want[sum(sizes):]).max() == 0
 
 
 def test_cpu_auto_picks_native_at_every_batch_size():
@@ -132,10 +154,10 @@ def test_without_a_compiler_auto_falls_back_and_explicit_use_says_why(tmp_path):
 
 def test_portable_loop_matches_the_reference(tmp_path):
     """The scalar paths of CPUs without AVX2 (forced by EXPERTD_NATIVE_CPU_PORTABLE): the matmul
-    (column tails and k remainders included) and the combine."""
+    (column tails and k remainders included; row-major and panel-major weights) and the combine."""
     code = """
         import json, jax.numpy as jnp, numpy as np
-        from expertd.kernels import dispatch, native_cpu
+        from expertd.kernels import dispatch, native_cpu, panels
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.standard_normal((9, 40)), jnp.float32)
         gs = jnp.asarray([3, 0, 4], jnp.int32)
@@ -145,6 +167,8 @@ def test_portable_loop_matches_the_reference(tmp_path):
             got = np.asarray(native_cpu.grouped_matmul(x, gs, w))
             want = np.asarray(native_cpu.grouped_matmul_reference(x, gs, w))
             err.append(float(np.max(np.abs(got - want))))
+            on_panels = np.asarray(native_cpu.grouped_matmul(x, gs, panels.to_panels(w)))
+            err.append(float(np.max(np.abs(on_panels - got))))  # the same loop, bit for bit
             perm = dispatch.layout(jnp.asarray(rng.integers(0, 3, (9, 1)), jnp.int32), 3)
             rows, weights = x.astype(dtype), jnp.asarray(rng.random((9, 1)), jnp.float32)
             got = np.asarray(native_cpu.combine(rows, perm, weights))
@@ -154,7 +178,7 @@ def test_portable_loop_matches_the_reference(tmp_path):
     """
     got = _fresh_process(code, EXPERTD_NATIVE_CPU_PORTABLE="1")
     assert got["vectorized"] is False
-    assert max(got["err"]) < 1e-4
+    assert max(got["err"]) < 1e-4 and got["err"][1::3] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("rows", (3, 40))  # streaming and packed paths

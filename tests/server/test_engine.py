@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertd.kernels import experts, moe, router
+from expertd.kernels import experts, moe, panels, router
 from expertd.server.engine import CompileEvent, Engine, UnknownLayerError, enable_compile_cache
 from expertd.server import steps
 from expertd.server.model import LoadedLayer, load_preset
@@ -136,8 +136,9 @@ def test_forward_equals_moe_layer_bf16(tiny):
     del host_layer
     gc.collect()
     assert host_w_up() is None  # the engine keeps the device copy only
-    assert isinstance(engine.layers[1].params["w_up"], jax.Array)
-    assert engine.layers[1].params["w_up"].dtype == jnp.bfloat16
+    w_up = engine.layers[1].params["w_up"]  # made panel-major at load (CPU, native kernel)
+    assert isinstance(w_up, panels.PanelWeights) and isinstance(w_up.panels, jax.Array)
+    assert w_up.dtype == jnp.bfloat16 and w_up.shape == tiny[1].params["w_up"].shape
     x = _tokens(7, seed=5, dtype=jnp.bfloat16)
     result = engine.forward(1, x)
     expected = moe_layer(_device_params(tiny[1], jnp.bfloat16), jnp.asarray(x), cfg=tiny[1].cfg)
@@ -166,8 +167,28 @@ def test_buckets_and_info(warm_engine):
                                                      "split_over_ep": False}
     assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
     assert info["native_cpu_kernel"] == {"available": True, "reason": None}  # the dev box and CI have g++
+    assert info["weight_layout"] == "panels"
     assert info["forward_expert_backends"] == [  # the two layers' routers differ: one compiled step each
         {"layers": [layer], "bucket": b, "backend": "native_cpu"} for layer in (0, 1) for b in (8, 32)]
+
+
+def test_panel_weights_serve_the_same_outputs_as_row_major(tiny):
+    """The panel-major layout (the default on CPU) changes how the weights lie, not what comes out:
+    forward and route equal an engine that keeps the checkpoint's row-major layout, bit for bit,
+    at few rows per expert (streaming path) and many (packed path)."""
+    both = {layout: Engine(tiny, buckets=(8, 512), dtype="bfloat16", devices=1, panel_weights=layout == "panels")
+            for layout in ("panels", "row_major")}
+    assert {layout: engine.info()["weight_layout"] for layout, engine in both.items()} == {
+        "panels": "panels", "row_major": "row_major"}
+    assert isinstance(both["row_major"].layers[0].params["w_gate"], jax.Array)
+    for layer in (0, 1):
+        for n in (3, 100, 150, 500):
+            x = _tokens(n, seed=n + layer, dtype=jnp.bfloat16)
+            got, want = (both[layout].forward(layer, x) for layout in ("panels", "row_major"))
+            np.testing.assert_array_equal(got.output, want.output)
+            np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
+        np.testing.assert_array_equal(both["panels"].route(layer, hidden=x).topk_ids,
+                                      both["row_major"].route(layer, hidden=x).topk_ids)
 
 
 def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypatch):
@@ -179,6 +200,7 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
     params = {name: np.asarray(value) for name, value in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
     engine = Engine([layer], buckets=(8, 128), dtype="float32", devices=1)
+    assert engine.info()["weight_layout"] == "row_major"  # no native kernel: the XLA backends' layout
     events = []
     engine.add_compile_listener(events.append)
     assert engine.info()["forward_compiler_options"] == [

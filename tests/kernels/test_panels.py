@@ -1,0 +1,54 @@
+"""Panel-major expert weights (kernels/panels.py): an exact relayout that goes through jit as the
+array it stands for, and the MoE layer computes the same output from it on every backend."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from expertd.kernels import moe, native_cpu, panels
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+@pytest.mark.parametrize("shape", ((1, 3, 16), (2, 5, 40), (3, 64, 7)))
+def test_relayout_is_exact_and_keeps_the_logical_shape(shape, dtype):
+    w = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+    pw = panels.to_panels(w)
+    e, k, c = shape
+    assert pw.shape == shape and pw.dtype == dtype and pw.ndim == 3
+    assert pw.panels.shape == (e, -(-c // 16), k, 16)
+    np.testing.assert_array_equal(np.asarray(pw.panels)[:, c // 16, :, c % 16:] if c % 16 else 0, 0)  # zero padding
+    np.testing.assert_array_equal(np.asarray(panels.dense(pw)), np.asarray(w))
+    # A pytree: through jit and back, as an argument and as a result.
+    out = jax.jit(lambda p: panels.to_panels(panels.dense(p) * 2))(pw)
+    assert isinstance(out, panels.PanelWeights) and out.shape == shape
+    np.testing.assert_array_equal(np.asarray(panels.dense(out)), np.asarray(w) * 2)
+    assert panels.to_panels(pw) is pw and panels.dense(w) is w
+
+
+def test_relayout_names_what_it_expected():
+    with pytest.raises(ValueError, match=r"expert weights must be \[E, K, C\]"):
+        panels.to_panels(jnp.ones((4, 4)))
+
+
+@pytest.mark.skipif(not native_cpu.available(), reason="no native kernel")
+@pytest.mark.parametrize("family,dtype", [("mixtral", jnp.float32), ("deepseek_v3", jnp.bfloat16)])
+def test_moe_layer_on_panel_params_equals_row_major(family, dtype):
+    """`panel_params` (what the engine serves on CPU): the native path bit for bit, another backend
+    through `dense` within its own tolerance; the router and shared experts are left as they are."""
+    hf = dict(model_type="mixtral", hidden_size=48, intermediate_size=40, num_local_experts=4, num_experts_per_tok=2)
+    if family == "deepseek_v3":
+        hf = dict(model_type="deepseek_v3", hidden_size=48, moe_intermediate_size=40, n_routed_experts=8,
+                  num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                  norm_topk_prob=True)
+    cfg = moe.MoEConfig.from_hf_config(hf)
+    params = moe.init_params(cfg, jax.random.key(1), dtype)
+    on_panels = panels.panel_params(params)
+    assert {n for n, p in on_panels.items() if isinstance(p, panels.PanelWeights)} == set(panels.EXPERT_WEIGHTS)
+    assert all(on_panels[n] is params[n] for n in params if n not in panels.EXPERT_WEIGHTS)
+    layer = jax.jit(moe.moe_layer, static_argnames=("cfg", "backend"))
+    for t in (5, 90):  # few rows per expert (streaming) and many (packed)
+        x = jax.random.normal(jax.random.key(t), (t, 48), jnp.float32).astype(dtype)
+        want = np.asarray(layer(params, x, cfg=cfg, backend="native_cpu"), np.float32)
+        np.testing.assert_array_equal(np.asarray(layer(on_panels, x, cfg=cfg, backend="native_cpu"), np.float32), want)
+        np.testing.assert_array_equal(np.asarray(layer(on_panels, x, cfg=cfg, backend="capacity"), np.float32),
+                                      np.asarray(layer(params, x, cfg=cfg, backend="capacity"), np.float32))
