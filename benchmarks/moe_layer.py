@@ -29,6 +29,9 @@ the copy and read probes instead (bursts of back-to-back layer calls between the
 their (c) and (c') ratios (T=16's target) use the bandwidth measured in those rounds ("paired
 floors"; the start-of-run measurement drifted 26-41 GB/s between runs on the dev VM). The weights are moved
 onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
+`auto` runs on the weights as the engine serves them: panel-major where the native CPU kernel runs
+(expertd.kernels.panels); every other backend, (a) and (b) on the row-major checkpoint layout; a
+"weight layout A/B" line times auto on both layouts in alternation.
 The process keeps freed host buffers for reuse as `expertd serve --retain-freed-memory` does
 (expertd.server.host_allocator: no page faults on the large buffers of T=4096; torch's (d), in the
 same process, gains it too).
@@ -55,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import experts, moe
+from expertd.kernels import experts, moe, panels
 from expertd.server import host_allocator, host_memory
 
 SHAPES = ((8, 2, 1024, 2048, "mixtral"), (64, 8, 1024, 512, "qwen3_moe"))
@@ -290,6 +293,11 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     cfg = layer_config(e, k, h, i, family)
     params = moe.init_params(cfg, jax.random.key(0), dtype)
     host_memory.advise_huge_pages(params.values())  # as the engine places them
+    # `auto` runs on the weights as the engine serves them: panel-major where the native CPU kernel
+    # runs (expertd.kernels.panels); every other backend on the checkpoint's row-major layout.
+    auto_backend = experts.choose_backend(t * k, e, h, i, dtype)
+    served = panels.panel_params(params) if auto_backend == "native_cpu" else params
+    host_memory.advise_huge_pages(jax.tree.leaves(served))
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
     active_flops = 2 * 3 * t * k * h * i
     row = dict(E=e, k=k, H=h, I=i, T=t, dtype=dtype_name, family=family, active_gflop=active_flops / 1e9,
@@ -315,10 +323,12 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
         options = moe.compiler_options(cfg, t, dtype=dtype) if backend == "auto" else {}
         fn = compiled[backend] = jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b),
                                          compiler_options=options or None)
-        median, first = median_time(fn, params, x)
-        err = float(jnp.max(jnp.abs(fn(params, x).astype(jnp.float32) - out_ref.astype(jnp.float32))))
+        p = served if backend == "auto" else params
+        median, first = median_time(fn, p, x)
+        err = float(jnp.max(jnp.abs(fn(p, x).astype(jnp.float32) - out_ref.astype(jnp.float32))))
         row["backends"][backend] = {"median_s": median, "first_call_s": first, "max_abs_diff_vs_expert_loop": err}
-    row["auto_backend"] = experts.choose_backend(t * k, e, h, i, dtype)
+    row["auto_backend"] = auto_backend
+    row["auto_weight_layout"] = "panels" if served is not params else "row_major"
     row["auto_compiler_options"] = moe.compiler_options(cfg, t, dtype=dtype)
     if e * 6 * t * h * i <= FLOP_CAP:
         row["dense_s"], _ = median_time(jax.jit(lambda p, v: dense_all_experts(p, v, cfg)), params, x)
@@ -338,14 +348,18 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     if hf_out is not None:
         row["hf_max_abs_diff"] = float(np.max(np.abs(hf_out - np.asarray(out_ref.astype(jnp.float32)))))
     auto_s = row["backends"].get("auto", {}).get("median_s", 0.0)
+    if "auto" in compiled and served is not params:  # the layout's gain: auto on both, interleaved
+        row["layout_ab_s"] = interleaved_medians({
+            "panels": lambda: jax.block_until_ready(compiled["auto"](served, x)),
+            "row_major": lambda: jax.block_until_ready(compiled["auto"](params, x))}, budget_s=4.0)
     if "auto" in compiled and auto_s >= PAIRED_MIN_CALL_S:  # the target ratios, in alternation
-        calls = {"auto": lambda: jax.block_until_ready(compiled["auto"](params, x)),
+        calls = {"auto": lambda: jax.block_until_ready(compiled["auto"](served, x)),
                  "roofline": lambda: jax.block_until_ready(roof_fns[row["roofline_variant"]](rows, *w))}
         if hf is not None:
             calls["hf"] = hf
         row["paired_s"] = interleaved_medians(calls)
     elif "auto" in compiled:  # short calls: the floors measured in alternation with them
-        row["paired_floor"] = paired_floors(lambda: jax.block_until_ready(compiled["auto"](params, x)),
+        row["paired_floor"] = paired_floors(lambda: jax.block_until_ready(compiled["auto"](served, x)),
                                             touched_bytes)
     return row
 
@@ -403,6 +417,10 @@ def print_table(rows):
         print(f"{'':>24} baselines: " + ", ".join(base) + f"; auto -> {auto_label(row)}")
         if "paired_s" in row:
             print(f"{'':>24} paired: " + ", ".join(f"{name} {v * 1e3:.2f} ms" for name, v in row["paired_s"].items()))
+        if "layout_ab_s" in row:
+            ab = row["layout_ab_s"]
+            print(f"{'':>24} weight layout A/B (auto, interleaved): panels {ab['panels'] * 1e3:.2f} ms, "
+                  f"row-major {ab['row_major'] * 1e3:.2f} ms ({ab['row_major'] / ab['panels']:.2f}x)")
         if "paired_floor" in row:
             f = row["paired_floor"]
             print(f"{'':>24} paired floors: auto {f['auto'] * 1e3:.2f} ms, (c) {f['floor_s'] * 1e3:.2f} ms "

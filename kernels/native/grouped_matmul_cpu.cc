@@ -3,8 +3,8 @@
 //   y[r, :] = x[r, :] @ w[e(r)]   for the rows r of expert e (expert-major, group_sizes[e] rows each)
 //   x f32 [N, K], group_sizes s32 [E], w bf16 or f32 [E, K, C]  ->  y f32 [N, C]
 //   rows past sum(group_sizes) -> 0; experts without rows are never read.
-// The *Panels entry points take the weights panel-major instead (native_cpu.to_panels, done once
-// at load): w [E, P, K, 16], P = ceil(C / 16), column c of expert e at w[e, c / 16, :, c % 16]
+// The *Panels entry points take the weights panel-major instead (panels.to_panels in Python, done
+// once at load): w [E, P, K, 16], P = ceil(C / 16), column c of expert e at w[e, c / 16, :, c % 16]
 // (columns past C zero). Same results bit for bit; each 16-column panel is one contiguous stream,
 // so the packed path reads it in place instead of repacking every call, and the streaming path
 // runs one sequential stream per panel.
@@ -22,13 +22,15 @@
 // tasks on XLA's intra-op thread pool (expertd::ParallelFor, parallel.h).
 //
 // Two paths per item, by its rows (kPackedMinRows):
-// - Streaming (few rows: memory-bound). The expert's weights are read once, in place, in their row
-//   order, bf16 widened in registers. Loop order: k in steps of kRowsPerStep weight rows
-//   (kRowsPerStepOneBlock for items of up to 4 rows), row blocks of up to 4, column chunks: the
-//   accumulators of a row block (8 ymm: 4 rows x 16 columns, 2 x 32 or 1 x 64 for bf16) stay in
-//   registers across the step, and the item's output block (rows x kBlockColumns fp32) in L1/L2.
-//   The first row block of a step also prefetches the next step's weight rows (PrefetchNextStep).
-// - Packed (many rows: compute-bound). BLIS-style blocking, see BlockPacked.
+// - Streaming (few rows: memory-bound). The expert's weights are read once, in place, bf16 widened
+//   in registers. Panel-major weights: StreamPanels. Row-major, loop order: k in steps of
+//   kRowsPerStep weight rows (kRowsPerStepOneBlock for items of up to 4 rows), row blocks of up to
+//   4, column chunks: the accumulators of a row block (8 ymm: 4 rows x 16 columns, 2 x 32 or 1 x 64
+//   for bf16) stay in registers across the step, and the item's output block (rows x kBlockColumns
+//   fp32) in L1/L2. The first row block of a step also prefetches the next step's weight rows
+//   (PrefetchNextStep).
+// - Packed (many rows: compute-bound). BLIS-style blocking, see BlockPacked; panel-major weights
+//   skip its per-call repacking up to kPackRowsL2 rows (PackedPanel).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -97,26 +99,12 @@ void BlockScalar(const float* const* x, int64_t rows, const ExpertWeights<W>& w,
 // widening leaves too few loads in flight: bf16 0.99-1.51x at 1-4 rows per expert, fp32 0.93-1.29x
 // at 4-16 (interleaved A/B, weights cycled past L3). fp32 with 1-3 rows already streams at the read
 // rate; the extra instructions cost it up to 14%, so it is off below 4 rows.
-// Its bytes are `rows` segments of `span` bytes, `row_bytes` apart: row-major weights, its weight
-// rows over the item's columns; panel-major, each of the item's panels over its weight rows.
 struct NextStep {
-  const char* first;  // the next step's first segment
-  int64_t rows;       // segments (0: this is the last step)
-  int64_t row_bytes;  // from one segment to the next
-  int64_t span;       // bytes of a segment
+  const char* first;  // the next step's first weight row, at the item's first column
+  int64_t rows;       // weight rows it has (0: this is the last step)
+  int64_t row_bytes;  // c_dim * sizeof(W): from one weight row to the next
+  int64_t span;       // the item's columns in bytes
 };
-
-// The next step (weight rows [k0, k0 + kk) of the item's columns [c0, c1)) of `w`.
-template <typename W>
-NextStep NextStepOf(const ExpertWeights<W>& w, int64_t k0, int64_t kk, int64_t c0, int64_t c1) {
-  const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(kk, w.k_dim - k0)), size = sizeof(W);
-  if (rows == 0) return {nullptr, 0, 0, 0};
-  if (w.panels) {
-    return {reinterpret_cast<const char*>(w.Panel(c0 / kPanelCols, k0)), (c1 - c0) / kPanelCols,
-            w.k_dim * kPanelCols * size, rows * kPanelCols * size};
-  }
-  return {reinterpret_cast<const char*>(w.w + k0 * w.c_dim + c0), rows, w.c_dim * size, (c1 - c0) * size};
-}
 
 // Prefetch bytes [begin, begin + size) of the next step, counted row by row over its span.
 inline void PrefetchNextStep(const NextStep& next, int64_t begin, int64_t size) {
@@ -129,8 +117,7 @@ inline void PrefetchNextStep(const NextStep& next, int64_t begin, int64_t size) 
 
 // y[r, c + j] += sum_{k in [k0, k0+kk)} x[r, k] * w[k, c + j] for kRows rows and the 8 * kVecs
 // columns j at c; the kRows x kVecs accumulators (independent FMA chains) stay in registers.
-// kPanels: w is panel-major (vector v of a weight row lies in panel c / 16 + v / 2).
-template <int kRows, int kVecs, int kk, bool kPanels, typename W>
+template <int kRows, int kVecs, int kk, typename W>
 __attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float* const* x,
                                                                       const ExpertWeights<W>& w,
                                                                       int64_t k0, int64_t c,
@@ -144,8 +131,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float
     __m256 xv[kRows];
     for (int r = 0; r < kRows; ++r) xv[r] = _mm256_broadcast_ss(x[r] + k0 + k);
     for (int v = 0; v < kVecs; ++v) {
-      const __m256 wv = kPanels ? Load8(w.Panel(c / kPanelCols + v / 2, k0 + k) + 8 * (v % 2))
-                                : Load8(w.w + (k0 + k) * c_dim + c + 8 * v);
+      const __m256 wv = Load8(w.w + (k0 + k) * c_dim + c + 8 * v);
       for (int r = 0; r < kRows; ++r) acc[r][v] = _mm256_fmadd_ps(xv[r], wv, acc[r][v]);
     }
   }
@@ -156,7 +142,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Chunk(const float
 
 // Columns [c0, c1) (a multiple of 16 wide) in chunks of 8 * kVecs, then of 16 for what is left;
 // with `next`, each chunk also prefetches its share of the next step.
-template <int kRows, int kVecs, int kk, bool kPanels, typename W>
+template <int kRows, int kVecs, int kk, typename W>
 __attribute__((target("avx2,fma"))) void Columns(const float* const* x, const ExpertWeights<W>& w,
                                                  int64_t k0, int64_t c0, int64_t c1, float* y,
                                                  const NextStep* next) {
@@ -164,11 +150,11 @@ __attribute__((target("avx2,fma"))) void Columns(const float* const* x, const Ex
   int64_t c = c0, fetched = 0;
   for (; c + 8 * kVecs <= c1; c += 8 * kVecs, fetched += kShare) {
     if (next) PrefetchNextStep(*next, fetched, kShare);
-    Chunk<kRows, kVecs, kk, kPanels>(x, w, k0, c, y);
+    Chunk<kRows, kVecs, kk>(x, w, k0, c, y);
   }
   for (; c < c1; c += 16, fetched += kTailShare) {
     if (next) PrefetchNextStep(*next, fetched, kTailShare);
-    Chunk<kRows, 2, kk, kPanels>(x, w, k0, c, y);
+    Chunk<kRows, 2, kk>(x, w, k0, c, y);
   }
 }
 
@@ -176,33 +162,31 @@ __attribute__((target("avx2,fma"))) void Columns(const float* const* x, const Ex
 // wider chunks (8 accumulators as for 4 rows: 1.25-1.43x there) and its 3-row blocks 32 columns
 // (12 accumulators instead of 6: median 1.11x at 3 rows, 1.09x at 7, two interleaved runs); for
 // fp32 they measured 0.93-1.05x at 1-2 rows and 0.87-1.11x at 3, so fp32 keeps 16 columns.
-template <int kk, bool kPanels, typename W>
+template <int kk, typename W>
 __attribute__((target("avx2,fma"))) void RowBlocks(const float* const* x, int64_t rows,
                                                    const ExpertWeights<W>& w, int64_t k0,
                                                    int64_t c0, int64_t c1, float* y) {
   constexpr bool kBf16 = sizeof(W) == 2;
-  const NextStep next_step = NextStepOf(w, k0 + kk, kk, c0, c1);
+  const int64_t c_dim = w.c_dim;
+  NextStep next_step{reinterpret_cast<const char*>(w.w + (k0 + kk) * c_dim + c0),
+                     std::max<int64_t>(0, std::min<int64_t>(kk, w.k_dim - k0 - kk)),
+                     c_dim * static_cast<int64_t>(sizeof(W)),
+                     (c1 - c0) * static_cast<int64_t>(sizeof(W))};
   const bool prefetch = kk > 1 && next_step.rows > 0 && (kBf16 || rows >= kRowBlock);
   for (int64_t r = 0; r < rows; r += kRowBlock) {
     const float* const* xr = x + r;
     float* yr = y + r * w.c_dim;
     const NextStep* next = prefetch && r == 0 ? &next_step : nullptr;  // later blocks hit L1/L2
     switch (std::min<int64_t>(kRowBlock, rows - r)) {
-      case 4: Columns<4, 2, kk, kPanels>(xr, w, k0, c0, c1, yr, next); break;
-      case 3: Columns<3, kBf16 ? 4 : 2, kk, kPanels>(xr, w, k0, c0, c1, yr, next); break;
-      case 2: Columns<2, kBf16 ? 4 : 2, kk, kPanels>(xr, w, k0, c0, c1, yr, next); break;
-      default: Columns<1, kBf16 ? 8 : 2, kk, kPanels>(xr, w, k0, c0, c1, yr, next); break;
+      case 4: Columns<4, 2, kk>(xr, w, k0, c0, c1, yr, next); break;
+      case 3: Columns<3, kBf16 ? 4 : 2, kk>(xr, w, k0, c0, c1, yr, next); break;
+      case 2: Columns<2, kBf16 ? 4 : 2, kk>(xr, w, k0, c0, c1, yr, next); break;
+      default: Columns<1, kBf16 ? 8 : 2, kk>(xr, w, k0, c0, c1, yr, next); break;
     }
   }
 }
 
-// Streaming over panel-major weights: kPanels adjacent panels (each a contiguous K x 16 stream)
-// for kRows rows over weight rows [k0, k1), the kRows x 2 * kPanels accumulators in registers
-// throughout; they start from zero, or with `accumulate` from y. Fewer rows take more panels at
-// once, to keep 8-12 independent FMA chains. A software prefetch runs kPanelPrefetchBytes ahead in
-// each stream (without it one stream per core left fp32 up to 1.6x slower). Summation in k order,
-// as the row-major path's (the results are equal bit for bit).
-// acc[r][2g + v] += x[r][k] * panel g's weight row k (columns 8v..8v+7).
+// acc[r][2g + v] += x[r][k] * panel g's weight row k (its columns 8v..8v+7).
 template <int kRows, int kPanels, typename W>
 __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const float* const* x,
                                                                          const W* const* panel, int64_t k,
@@ -218,6 +202,14 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
   }
 }
 
+// Streaming over panel-major weights: kPanels adjacent panels (each a contiguous K x 16 stream)
+// for kRows rows over weight rows [k0, k1), the kRows x 2 * kPanels accumulators in registers
+// throughout; they start from zero, or with `accumulate` from y. Fewer rows take more panels at
+// once, to keep 8-12 independent FMA chains. Summation in k order, as the row-major path's (the
+// results are equal bit for bit). Measured on the dev box (native_cpu_kernel.py, interleaved
+// against the row-major path): a software prefetch kPanelPrefetchBytes ahead in each stream took
+// fp32 at 1-4 rows from 0.87-1.03x to 1.04-1.6x; unrolling k 4x, with the prefetches hoisted out of
+// the unrolled rows, took 3-24 rows from 0.44-1.08x to 0.91-1.51x.
 constexpr int64_t kPanelPrefetchBytes = 1024;
 template <int kRows, int kPanels, typename W>
 __attribute__((target("avx2,fma"))) void PanelStream(const float* const* x, const ExpertWeights<W>& w,
@@ -259,9 +251,9 @@ __attribute__((target("avx2,fma"))) void PanelGroup(const float* const* x, const
   PanelStream<kRows, kPanels>(x, w, p, 0, w.k_dim, false, y);
 }
 
-// k rows per step when an item has several row blocks: the step's slice of a panel (8-16 KB) and
-// of the x rows stay in L1 across the blocks (over all of K, the x rows were re-read from L2 for
-// every panel: 0.54-0.94x the row-major path at 8-16 rows).
+// k rows per step when an item has several row blocks, so that the step's slice of a panel (8-16
+// KB) and of the x rows stay in L1 across the blocks (over all of K, every panel re-read the x rows
+// from L2).
 constexpr int64_t kPanelStepK = 256;
 
 // Full panels [c0, c1) / 16 of an item (the streaming path, panel-major weights). One row block:
@@ -460,23 +452,24 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int6
 }
 
 // All of k for the streaming path: steps of kk weight rows, then single rows for the remainder.
-template <int kk, bool kPanels, typename W>
+template <int kk, typename W>
 __attribute__((target("avx2,fma"))) void Steps(const float* const* x, int64_t rows,
                                                const ExpertWeights<W>& w, int64_t c0, int64_t c1,
                                                float* y) {
   int64_t k0 = 0;
-  for (; k0 + kk <= w.k_dim; k0 += kk) RowBlocks<kk, kPanels>(x, rows, w, k0, c0, c1, y);
-  for (; k0 < w.k_dim; ++k0) RowBlocks<1, kPanels>(x, rows, w, k0, c0, c1, y);
+  for (; k0 + kk <= w.k_dim; k0 += kk) RowBlocks<kk>(x, rows, w, k0, c0, c1, y);
+  for (; k0 < w.k_dim; ++k0) RowBlocks<1>(x, rows, w, k0, c0, c1, y);
 }
 
-// The streaming path over all of k: steps of kk weight rows (fewer for items of one row block).
-template <bool kPanels, typename W>
+// The streaming path over row-major weights, all of k: steps of kk weight rows (fewer for items of
+// one row block).
+template <typename W>
 __attribute__((target("avx2,fma"))) void Stream(const float* const* x, int64_t rows,
                                                 const ExpertWeights<W>& w, int64_t c0, int64_t c1,
                                                 float* y) {
   for (int64_t r = 0; r < rows; ++r) std::fill(y + r * w.c_dim + c0, y + r * w.c_dim + c1, 0.0f);
-  if (rows <= kRowBlock) return Steps<kRowsPerStepOneBlock, kPanels>(x, rows, w, c0, c1, y);
-  Steps<kRowsPerStep, kPanels>(x, rows, w, c0, c1, y);
+  if (rows <= kRowBlock) return Steps<kRowsPerStepOneBlock>(x, rows, w, c0, c1, y);
+  Steps<kRowsPerStep>(x, rows, w, c0, c1, y);
 }
 
 template <typename W>
@@ -488,7 +481,7 @@ __attribute__((target("avx2,fma"))) void BlockAvx2(const float* const* x, int64_
   if (c_vec == c0) return;
   if (rows >= kPackedMinRows) return BlockPacked(x, rows, w, c0, c_vec, y);
   if (w.panels) return StreamPanels(x, rows, w, c0, c_vec, y);
-  Stream<false>(x, rows, w, c0, c_vec, y);
+  Stream(x, rows, w, c0, c_vec, y);
 }
 
 struct Item {

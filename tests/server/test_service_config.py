@@ -13,6 +13,7 @@ def test_defaults_match_the_documented_ports_and_model():
     assert config.model.name == "tiny" and config.model.dtype == "bfloat16"
     assert config.batching.batch_tokens == config.batching.bucket_sizes[-1] == 256
     assert config.security.token() is None and config.reflection and config.model.huge_pages
+    assert config.model.panel_weights
     assert not config.retain_freed_memory
 
 
@@ -26,6 +27,7 @@ def test_toml_then_flags_then_environment_token(tmp_path):
     assert config.port == 0 and config.reflection and config.aux_loss_coeff == 1.0
     assert config.model.preset == "mixtral-8x7b" and config.model.num_layers == 2 and not config.model.huge_pages
     assert cfg.parse_args(["--config", str(toml), "--huge-pages"], environ={}).model.huge_pages
+    assert not cfg.parse_args(["--no-panel-weights"], environ={}).model.panel_weights
     assert config.retain_freed_memory
     assert not cfg.parse_args(["--config", str(toml), "--no-retain-freed-memory"], environ={}).retain_freed_memory
     assert config.batching.bucket_sizes == (1, 8, 64) and config.batching.max_queue_delay_ms == 3.0
