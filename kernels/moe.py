@@ -20,6 +20,9 @@ Public API (T tokens, H hidden, I expert intermediate, Is shared intermediate, E
       "capacity", "expert_loop", "native_cpu", "pallas"). With "native_cpu" (auto's CPU choice)
       the dispatch runs in C++ too (native_cpu.layout / combine, the gate and up projections
       reading token rows by index); the other backends use dispatch.permute / unpermute.
+      params' w_gate / w_up / w_down may be `panels.PanelWeights` (`panels.panel_params(params)`,
+      how the engine serves them on CPU): native_cpu reads them in place, the other backends
+      relay them back (`panels.dense`) per call; the output is the same.
   compiler_options(cfg, T, *, dtype, backend="auto") -> dict for `jax.jit(..., compiler_options=...)`
       of the program calling moe_layer on T tokens with expert weights of `dtype` (XLA:CPU options
       measured faster for few rows per expert; empty where the defaults are fastest; see
