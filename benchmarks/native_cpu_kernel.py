@@ -13,11 +13,14 @@ weights, GFLOP/s, and the ratios; writes benchmarks/results/native_cpu_kernel.js
 
 The weights are moved onto huge pages, as the engine places them (expertd.server.host_memory);
 `--pages-ab` also times the kernel on copies left on 4 KiB pages, interleaved ("2M/4k" > 1: huge
-pages faster).
+pages faster). "pan ms" / "pan/rm" time the same call on the weights panel-major
+(expertd.kernels.panels, as the engine serves them on CPU), interleaved with the row-major call
+("pan/rm" > 1: panels faster).
 
 `--variant other.cc` also builds a modified copy of the kernel source and times it interleaved
 with the committed one (the A/B that picked the kernel's parameters): "variant/base" > 1 means the
-variant is faster. Run under `flock /tmp/expertd-bench.lock` when other jobs share the machine.
+variant is faster; with `--variant-on-panels` both run on panel-major weights. Run under
+`flock /tmp/expertd-bench.lock` when other jobs share the machine.
 """
 from __future__ import annotations
 
@@ -48,18 +51,20 @@ CYCLE_BYTES = 128 << 20
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "native_cpu_kernel.json")
 
 
-def variant_call(source: pathlib.Path):
-    """Build `source` (a variant of the kernel) and return a jitted call of it like grouped_matmul."""
+def variant_call(source: pathlib.Path, on_panels: bool = False):
+    """Build `source` (a variant of the kernel) and return a jitted call of it like grouped_matmul,
+    through its entry point for row-major or (`on_panels`) panel-major weights."""
     cxx = native_cpu._compiler()
     if cxx is None:
         sys.exit("no C++ compiler for --variant")
     target = pathlib.Path(tempfile.mkdtemp(prefix="expertd-variant-")) / "variant.so"
     native_cpu._build(cxx, target, sources=(source,))
-    native_cpu._register(target, {"expertd_grouped_matmul_variant": "ExpertdGroupedMatmul"})
+    symbol = "ExpertdGroupedMatmulPanels" if on_panels else "ExpertdGroupedMatmul"  # older sources lack the first
+    native_cpu._register(target, {"expertd_grouped_matmul_variant": symbol})
 
     def call(x, group_sizes, w):
         out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
-        return jax.ffi.ffi_call("expertd_grouped_matmul_variant", out)(x, group_sizes, w)
+        return jax.ffi.ffi_call("expertd_grouped_matmul_variant", out)(x, group_sizes, w.panels if on_panels else w)
     return jax.jit(call)
 
 
@@ -68,7 +73,8 @@ def weight_copies(w0, dtype):
     return [(w0 * (1 + 1e-3 * j)).astype(dtype) for j in range(max(2, -(-CYCLE_BYTES // w0.nbytes)))]
 
 
-def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15, pages_ab=False):
+def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15, pages_ab=False,
+             variant_on_panels=False):
     dtype = jnp.dtype(dtype_name)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((e * m, k)), jnp.float32)
@@ -86,12 +92,15 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
         fns["variant"] = variant
     weights_of = {name: weights for name in fns}
     weights_of["panels"] = weight_panels
+    if variant_on_panels:
+        weights_of["variant"] = weight_panels
+    on_panels = {"panels"} | ({"variant"} if variant_on_panels else set())
     if pages_ab:  # the same kernel on copies left on 4 KiB pages
         fns["native_4k"] = fns["native"]
         weights_of["native_4k"] = weights_4k
     want = np.asarray(fns["xla"](x, group_sizes, w0))
     for name, fn in fns.items():  # compile, and check they compute the same product
-        got = np.asarray(fn(x, group_sizes, panels.to_panels(w0) if name == "panels" else w0))
+        got = np.asarray(fn(x, group_sizes, panels.to_panels(w0) if name in on_panels else w0))
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
     times = {name: [] for name in fns}
     for group in ([name for name in fns if name != "xla"], ["xla"]):  # the A/B interleaved, then XLA
@@ -110,7 +119,7 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     row["x_floor"] = med["native"] / row["floor_s"]
     row["of_read_rate"] = row["read_floor_s"] / med["native"]
     if variant is not None:
-        row["variant_vs_base"] = med["native"] / med["variant"]
+        row["variant_vs_base"] = med["panels" if variant_on_panels else "native"] / med["variant"]
     if pages_ab:
         row["huge_vs_4k"] = med["native_4k"] / med["native"]
         ranges = [(p, p + n) for p, n in host_memory.cpu_buffer_ranges(weights_4k)]
@@ -135,6 +144,8 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, nargs="*", default=sorted({s[0] for s in SHAPES}))
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     parser.add_argument("--variant", type=pathlib.Path, help="a modified kernel source to A/B against the committed one")
+    parser.add_argument("--variant-on-panels", action="store_true",
+                        help="run the --variant A/B on panel-major weights (its *Panels entry point)")
     parser.add_argument("--pages-ab", action="store_true",
                         help="also time the kernel on weights left on 4 KiB pages (interleaved)")
     parser.add_argument("--reps", type=int, default=15)
@@ -144,7 +155,7 @@ def main(argv=None):
     if not native_cpu.available():  # e.g. no C++ compiler: nothing to time (`make bench` goes on)
         print(f"skipped: native CPU kernel unavailable: {native_cpu.unavailable_reason()}")
         return
-    variant = variant_call(args.variant) if args.variant else None
+    variant = variant_call(args.variant, args.variant_on_panels) if args.variant else None
     load_before = os.getloadavg()
     bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read {read_rate / 1e9:.1f} GB/s; "
@@ -159,7 +170,8 @@ def main(argv=None):
             continue
         for dtype_name in args.dtypes:
             for m in args.rows:
-                rows.append(run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant, args.reps, args.pages_ab))
+                rows.append(run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant, args.reps, args.pages_ab,
+                                     args.variant_on_panels))
                 print_row(rows[-1])
     write_results(args.out, "native_cpu_kernel", rows, variant=str(args.variant or ""),
                   load_average_before=load_before, copy_bandwidth_bytes_per_s=bandwidth,

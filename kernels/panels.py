@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PANEL_COLUMNS = 16  # the kernel's panel width (kPanelCols in native/grouped_matmul_cpu.cc)
 
@@ -61,6 +62,12 @@ class PanelWeights:
     @property
     def sharding(self):
         return self.panels.sharding
+
+    def __array__(self, dtype=None, copy=None):
+        """`np.asarray(w)`: the logical `[E, K, C]` weights, row-major (a relayout on the host), so
+        code that reads an engine's weights back as arrays keeps working."""
+        out = np.asarray(dense(self))
+        return out if dtype is None else out.astype(dtype)
 
     def __repr__(self) -> str:
         return f"PanelWeights(shape={self.shape}, dtype={self.dtype}, panels={tuple(self.panels.shape)})"

@@ -23,6 +23,8 @@ def test_relayout_is_exact_and_keeps_the_logical_shape(shape, dtype):
     assert isinstance(out, panels.PanelWeights) and out.shape == shape
     np.testing.assert_array_equal(np.asarray(panels.dense(out)), np.asarray(w) * 2)
     assert panels.to_panels(pw) is pw and panels.dense(w) is w
+    np.testing.assert_array_equal(np.asarray(pw), np.asarray(w))  # read back as the array it stands for
+    assert np.asarray(pw, np.float32).dtype == np.float32
 
 
 def test_relayout_names_what_it_expected():
