@@ -79,10 +79,18 @@ def to_panels(w) -> PanelWeights:
         return w
     if getattr(w, "ndim", None) != 3:
         raise ValueError(f"expert weights must be [E, K, C], got shape {getattr(w, 'shape', None)}")
+    return PanelWeights(_relayout(jnp.asarray(w)), w.shape[2])
+
+
+@jax.jit
+def _relayout(w):
+    """`[E, K, C]` -> `[E, ceil(C/16), K, 16]`, zero-padded: one jitted copy, so a load holds at most
+    one extra copy of the matrix at a time."""
     e, k, c = w.shape
     p = -(-c // PANEL_COLUMNS)
-    padded = jnp.pad(jnp.asarray(w), ((0, 0), (0, 0), (0, p * PANEL_COLUMNS - c)))
-    return PanelWeights(padded.reshape(e, k, p, PANEL_COLUMNS).transpose(0, 2, 1, 3), c)
+    if p * PANEL_COLUMNS != c:
+        w = jnp.pad(w, ((0, 0), (0, 0), (0, p * PANEL_COLUMNS - c)))
+    return w.reshape(e, k, p, PANEL_COLUMNS).transpose(0, 2, 1, 3)
 
 
 def dense(w):

@@ -6,7 +6,11 @@ What it does, in order:
    `expertd.kernels.ep.ep_moe_layer` over "ep" (E / R experts per rank).
 2. Weights (`expertd.server.placement`): each layer's params are placed once (`jax.device_put`,
    or `ep.shard_params` on a mesh); expert weights in the engine dtype, router weight and expert
-   bias in fp32. Seeded preset weights are generated straight into their device layout. On CPU
+   bias in fp32. Seeded preset weights are generated straight into their device layout. Where the
+   native CPU kernel runs every forward (one CPU process, no expert parallelism, backend auto or
+   native_cpu), the routed expert matrices are then relaid out panel-major (`expertd.kernels.panels`;
+   same outputs, faster reads; `panel_weights=False` keeps the row-major layout, and
+   `info()["weight_layout"]` says which is served). On CPU
    devices their buffers are then moved onto transparent huge pages (`expertd.server.host_memory`,
    `huge_pages=False` skips it); `info()["huge_pages"]` reports how many bytes made it, and
    `info()["host_allocator"]` whether this process keeps freed host buffers for reuse
