@@ -9,9 +9,9 @@ layer ran faster with it than with any XLA:CPU backend at every benchmarked batc
 `grouped_matmul_reference` is its plain-jnp twin. `grouped_matmul(x, gs, w, source=rows)` reads
 output row r from `x[rows[r]]` (token rows, no permuted copy of x). `w` may be a
 `panels.PanelWeights` (the weights panel-major, made once at load, as the engine serves them on
-CPU): the same result bit for bit, the panels read as contiguous streams (1-2 rows: one prefetched
-stream per panel, sums in registers over all of K; up to 120 rows: in place, without the per-call
-repacking) -- a median 1.1-1.2x faster (BENCHMARKS.md "Panel-major expert weights").
+CPU): the same result bit for bit, each panel read as one contiguous stream (few rows: prefetched,
+sums in registers; 32-120 rows: in place instead of repacked every call) -- a median 1.07-1.30x
+faster at 1-64 rows per expert (BENCHMARKS.md "Panel-major expert weights").
 
 The dispatch passes of the CPU layer (native/dispatch_cpu.cc), with the contracts of their jnp
 twins in dispatch.py, which the tests compare them with:

@@ -58,11 +58,12 @@ class ModelConfig:
     seed: int = _option(0, "seed of the preset weights (a pure function of seed, layer and tensor name)", parse=int)
     num_devices: int | None = _option(None, "devices of the expert-parallel mesh (default: all visible devices)",
                                       parse=int, metavar="N")
-    backend: str = _option("auto", "expert kernel backend passed to the engine (auto, reference, ragged_dot, capacity, pallas)")
+    backend: str = _option("auto", "expert kernel backend passed to the engine (auto, reference, ragged_dot, capacity, "
+                                   "expert_loop, native_cpu, pallas)")
     huge_pages: bool = _option(True, "on CPU, move the weights onto transparent huge pages at load (up to ~1.4 s per "
                                "GB; decode-size batches measured a median 1.04x as fast)")
     panel_weights: bool = _option(True, "on CPU with the native kernel, relay the expert weights out panel-major at load "
-                                  "(same results; the expert matmuls ran a median 1.1-1.2x as fast, BENCHMARKS.md)")
+                                  "(same results; the layer ran 1.04-1.26x as fast at T <= 256, BENCHMARKS.md)")
 
     def __post_init__(self):
         if self.preset is not None and self.checkpoint is not None:
