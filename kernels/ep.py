@@ -54,10 +54,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from expertd.kernels import dispatch as dispatch_ops
-from expertd.kernels import experts, moe, ragged
+from expertd.kernels import experts, moe, panels, ragged
 
 DISPATCH_MODES = ("auto", "ragged", "capacity")
-EXPERT_KEYS = ("w_gate", "w_up", "w_down")  # sharded on dim 0; all other params are replicated
+EXPERT_KEYS = panels.EXPERT_WEIGHTS  # sharded on dim 0; all other params are replicated
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # where XLA compiles ragged-all-to-all
 
 

@@ -352,16 +352,22 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const
   }
 }
 
+// Panel p of panel-major weights over weight rows [k0, k0 + kc), contiguous already, widened to
+// fp32 into out ([k][16]).
+template <typename W>
+__attribute__((target("avx2,fma"))) void WidenPanel(const ExpertWeights<W>& w, int64_t p, int64_t k0,
+                                                    int64_t kc, float* out) {
+  const W* panel = w.Panel(p, k0);
+  for (int64_t i = 0; i < kc * kPanelCols; i += 8) _mm256_storeu_ps(out + i, Load8(panel + i));
+}
+
 // The item's `panels` panels from column c0 over weight rows [k0, k0 + kc), widened to fp32 into
 // `packed` ([panel][k][16]).
 template <typename W>
 __attribute__((target("avx2,fma"))) void PackWeights(const ExpertWeights<W>& w, int64_t k0, int64_t kc,
                                                      int64_t c0, int64_t panels, float* packed) {
-  if (w.panels) {  // each panel's rows are contiguous already: a sequential copy
-    for (int64_t p = 0; p < panels; ++p, packed += kc * kPanelCols) {
-      const W* panel = w.Panel(c0 / kPanelCols + p, k0);
-      for (int64_t i = 0; i < kc * kPanelCols; i += 8) _mm256_storeu_ps(packed + i, Load8(panel + i));
-    }
+  if (w.panels) {  // a sequential copy per panel
+    for (int64_t p = 0; p < panels; ++p) WidenPanel(w, c0 / kPanelCols + p, k0, kc, packed + p * kc * kPanelCols);
     return;
   }
   const int64_t c_dim = w.c_dim;
@@ -397,11 +403,10 @@ __attribute__((target("avx2,fma"))) const float* PackedPanel(const ExpertWeights
                                                              int64_t c0, int64_t p, int64_t k0,
                                                              int64_t kc, float* packed) {
   if (packed_block) return packed + p * kc * kPanelCols;
-  const W* panel = w.Panel(c0 / kPanelCols + p, k0);
   if constexpr (std::is_same_v<W, float>) {
-    return panel;
+    return w.Panel(c0 / kPanelCols + p, k0);
   } else {
-    for (int64_t i = 0; i < kc * kPanelCols; i += 8) _mm256_storeu_ps(packed + i, Load8(panel + i));
+    WidenPanel(w, c0 / kPanelCols + p, k0, kc, packed);
     return packed;
   }
 }
