@@ -137,19 +137,44 @@ class _Link:
             raise PeerLost(f"{self.name}: {exc}") from exc
 
     def finish(self) -> None:
-        """The peer said goodbye: its closing the connection is no longer a loss."""
+        """The peer said goodbye: its closing the connection is no longer a loss. This side sends
+        nothing more either (the peer's `close(drain_s)` waits for that end of stream)."""
         self._closed.set()
+        self._end_sending()
 
-    def close(self) -> None:
+    def close(self, drain_s: float = 0.0, farewell: dict | None = None) -> None:
+        """Close the connection, after sending `farewell` if given (the peer's answer, closing its
+        end, is then no loss). With `drain_s`, first end this side's sending and read (and drop) what
+        the peer still sends for up to `drain_s` until it ends its own: closing a socket with input
+        left unread resets the connection, and a reset makes the peer discard what it has received
+        but not read yet (a loaded follower lost its last steps and the shutdown so)."""
         self._closed.set()
+        if farewell is not None:
+            try:
+                self.send(farewell)
+            except PeerLost:
+                pass
+        receiver = self._threads[0]
+        if drain_s > 0 and receiver.is_alive():
+            self._end_sending()
+            receiver.join(drain_s)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
 
+    def _end_sending(self) -> None:
+        with self._send_lock:  # not in the middle of a heartbeat's frame
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
     def _receive(self) -> None:
-        while not self._closed.is_set():
+        # Reads until the peer's end of stream (or silence, or an error), also after close() began,
+        # which then ignores the loss.
+        while True:
             try:
                 header, arrays = recv_frame(self.sock)
             except socket.timeout:
@@ -173,6 +198,9 @@ class _Link:
 
 
 # ---------------------------------------------------------------------- the two ends
+
+CLOSE_DRAIN_S = 5.0  # how long the leader's close waits for each follower to read the last frames
+
 
 class LeaderChannel:
     """Process 0's end: accepts `num_followers` followers, then broadcasts step frames in order."""
@@ -225,13 +253,10 @@ class LeaderChannel:
             link.send({"type": "step", "seq": self._seq, "op": op, "args": args}, arrays)
 
     def close(self) -> None:
-        """Tell the followers to exit cleanly, then close."""
+        """Tell the followers to exit cleanly, then close once each has read everything (or after
+        CLOSE_DRAIN_S)."""
         for link in self._links.values():
-            try:
-                link.send({"type": "shutdown"})
-            except PeerLost:
-                pass
-            link.close()
+            link.close(drain_s=min(self.peer_timeout_s, CLOSE_DRAIN_S), farewell={"type": "shutdown"})
         self._listener.close()
 
     def _unexpected(self, header: dict, arrays: dict) -> None:
