@@ -17,6 +17,12 @@ pages faster). "pan ms" / "pan/rm" time the same call on the weights panel-major
 (expertd.kernels.panels, as the engine serves them on CPU), interleaved with the row-major call
 ("pan/rm" > 1: panels faster).
 
+The rows are bf16 values where the weights are bf16 (x rounded to the weights' dtype, as the layer's
+rows are), so AVX512_BF16 CPUs run the panels on the bf16 dot product. `--isa-ab` also times the
+panel-major call at every lower instruction-set level this CPU runs (native_cpu.limit_isa),
+interleaved: "<level>/top" > 1 means the top level is faster. The "path" column names the kernel
+path the panel-major call took (native_cpu.path_items).
+
 `--variant other.cc` also builds a modified copy of the kernel source and times it interleaved
 with the committed one (the A/B that picked the kernel's parameters): "variant/base" > 1 means the
 variant is faster; with `--variant-on-panels` both run on panel-major weights. Run under
@@ -73,11 +79,19 @@ def weight_copies(w0, dtype):
     return [(w0 * (1 + 1e-3 * j)).astype(dtype) for j in range(max(2, -(-CYCLE_BYTES // w0.nbytes)))]
 
 
+def at_isa(fn, level):
+    """`fn` run with the kernels limited to instruction-set `level`."""
+    def call(*args):
+        with native_cpu.limit_isa(level):
+            return jax.block_until_ready(fn(*args))
+    return call
+
+
 def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15, pages_ab=False,
-             variant_on_panels=False):
+             variant_on_panels=False, isa_ab=False):
     dtype = jnp.dtype(dtype_name)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((e * m, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((e * m, k)), dtype).astype(jnp.float32)  # the layer's rows: dtype values
     group_sizes = jnp.full((e,), m, jnp.int32)
     w0 = jnp.asarray(rng.standard_normal((e, k, c)) * 0.02, dtype)
     weights_4k = weight_copies(w0, dtype) if pages_ab else None  # made first: fresh 4 KiB mappings
@@ -90,15 +104,22 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
                                                      precision=jax.lax.Precision.DEFAULT).reshape(e * m, c))}
     if variant is not None:
         fns["variant"] = variant
+    lower_isas = native_cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
+    for level in lower_isas:
+        fns[f"panels@{level}"] = at_isa(fns["panels"], level)
     weights_of = {name: weights for name in fns}
-    weights_of["panels"] = weight_panels
+    on_panels = {"panels"} | {f"panels@{level}" for level in lower_isas}
     if variant_on_panels:
-        weights_of["variant"] = weight_panels
-    on_panels = {"panels"} | ({"variant"} if variant_on_panels else set())
+        on_panels.add("variant")
+    for name in on_panels:
+        weights_of[name] = weight_panels
     if pages_ab:  # the same kernel on copies left on 4 KiB pages
         fns["native_4k"] = fns["native"]
         weights_of["native_4k"] = weights_4k
     want = np.asarray(fns["xla"](x, group_sizes, w0))
+    before = native_cpu.path_items()
+    jax.block_until_ready(fns["panels"](x, group_sizes, weight_panels[0]))
+    path = ",".join(name for name, n in native_cpu.path_items().items() if n > before[name])
     for name, fn in fns.items():  # compile, and check they compute the same product
         got = np.asarray(fn(x, group_sizes, panels.to_panels(w0) if name in on_panels else w0))
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
@@ -111,13 +132,15 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
                 jax.block_until_ready(fns[name](x, group_sizes, w))
                 times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(t) for name, t in times.items()}
-    row = dict(E=e, K=k, C=c, rows_per_expert=m, dtype=dtype_name, weight_bytes=w0.nbytes,
+    row = dict(E=e, K=k, C=c, rows_per_expert=m, dtype=dtype_name, weight_bytes=w0.nbytes, panels_path=path,
                gflop=2 * e * m * k * c / 1e9, floor_s=w0.nbytes / bandwidth, read_floor_s=w0.nbytes / read_rate,
                **{f"{name}_s": s for name, s in med.items()})
     row["vs_xla"] = med["xla"] / med["native"]
     row["panels_vs_row_major"] = med["native"] / med["panels"]
     row["x_floor"] = med["native"] / row["floor_s"]
     row["of_read_rate"] = row["read_floor_s"] / med["native"]
+    for level in lower_isas:
+        row[f"{level}_vs_top"] = med[f"panels@{level}"] / med["panels"]
     if variant is not None:
         row["variant_vs_base"] = med["panels" if variant_on_panels else "native"] / med["variant"]
     if pages_ab:
@@ -131,10 +154,12 @@ def print_row(r):
     s = r["native_s"]
     extra = f" {r['variant_s'] * 1e3:>8.2f} {r['variant_vs_base']:>6.2f}" if "variant_s" in r else ""
     extra += f" {r['native_4k_s'] * 1e3:>8.2f} {r['huge_vs_4k']:>6.2f}" if "native_4k_s" in r else ""
+    extra += "".join(f" {r[f'{level}_vs_top']:>{max(8, len(level) + 4)}.2f}" for level in native_cpu.ISA_LEVELS
+                     if f"{level}_vs_top" in r)
     print(f"{r['E']:>3} {r['K']:>5} {r['C']:>5} {r['rows_per_expert']:>4} {r['dtype']:>8} {s * 1e3:>8.2f} "
           f"{r['weight_bytes'] / s / 1e9:>6.1f} {r['gflop'] / s:>7.1f} {r['xla_s'] * 1e3:>8.2f} {r['vs_xla']:>6.2f} "
           f"{r['x_floor']:>6.2f} {r['of_read_rate']:>6.2f} {r['panels_s'] * 1e3:>8.2f} {r['panels_vs_row_major']:>6.2f}"
-          f"{extra}")
+          f" {r['panels_path']:>15}{extra}")
     sys.stdout.flush()
 
 
@@ -148,6 +173,8 @@ def main(argv=None):
                         help="run the --variant A/B on panel-major weights (its *Panels entry point)")
     parser.add_argument("--pages-ab", action="store_true",
                         help="also time the kernel on weights left on 4 KiB pages (interleaved)")
+    parser.add_argument("--isa-ab", action="store_true",
+                        help="also time the panel-major call at every lower instruction-set level (interleaved)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
@@ -160,10 +187,11 @@ def main(argv=None):
     bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read {read_rate / 1e9:.1f} GB/s; "
           f"jax {jax.__version__}; "
-          f"{'AVX2' if native_cpu.vectorized() else 'portable'} kernel")
+          f"kernel at {native_cpu.isa()}")
     print(f"{'E':>3} {'K':>5} {'C':>5} {'rows':>4} {'dtype':>8} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>7} {'xla ms':>8} "
-          f"{'vs xla':>6} {'x floor':>6} {'of read':>6} {'pan ms':>8} {'pan/rm':>6}" + (f" {'var ms':>8} {'var/base':>6}" if variant else "")
-          + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else ""))
+          f"{'vs xla':>6} {'x floor':>6} {'of read':>6} {'pan ms':>8} {'pan/rm':>6} {'path':>15}"
+          + (f" {'var ms':>8} {'var/base':>6}" if variant else "") + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else "")
+          + ("".join(f" {level + '/top':>8}" for level in native_cpu.supported_isas()[1:-1]) if args.isa_ab else ""))
     rows = []
     for e, k, c in SHAPES:
         if e not in args.experts:
@@ -171,7 +199,7 @@ def main(argv=None):
         for dtype_name in args.dtypes:
             for m in args.rows:
                 rows.append(run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant, args.reps, args.pages_ab,
-                                     args.variant_on_panels))
+                                     args.variant_on_panels, args.isa_ab))
                 print_row(rows[-1])
     write_results(args.out, "native_cpu_kernel", rows, variant=str(args.variant or ""),
                   load_average_before=load_before, copy_bandwidth_bytes_per_s=bandwidth,

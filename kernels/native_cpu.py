@@ -2,16 +2,28 @@
 
 `grouped_matmul(x, group_sizes, w)`: `x f32 [N, K]` (expert-major rows), `group_sizes int [E]`,
 `w bf16|f32 [E, K, C]` -> `f32 [N, C]`, each row times its expert's matrix; rows past
-sum(group_sizes) are 0. Experts with few rows (under 32) have their weights read once, in place,
-with bf16 widened in registers (XLA:CPU copies and widens each expert's slice first); experts with
-more rows run a BLIS-style packed GEMM (fp32 weight panels, a 6 x 16 register micro-kernel); the
-layer ran faster with it than with any XLA:CPU backend at every benchmarked batch size (BENCHMARKS.md).
-`grouped_matmul_reference` is its plain-jnp twin. `grouped_matmul(x, gs, w, source=rows)` reads
-output row r from `x[rows[r]]` (token rows, no permuted copy of x). `w` may be a
-`panels.PanelWeights` (the weights panel-major, made once at load, as the engine serves them on
-CPU): the same result bit for bit, each panel read as one contiguous stream (few rows: prefetched,
-sums in registers; 32-120 rows: in place instead of repacked every call) -- a median 1.07-1.30x
-faster at 1-64 rows per expert (BENCHMARKS.md "Panel-major expert weights").
+sum(group_sizes) are 0. Every path sums k in order with one rounding per product-add, so a row's
+result is the same bits whatever the path, the layout, the instruction set or the other rows in
+the call (how many share its expert). `grouped_matmul_reference` is its plain-jnp twin.
+`grouped_matmul(x, gs, w, source=rows)` reads output row r from `x[rows[r]]` (token rows, no
+permuted copy of x).
+
+`w` may be a `panels.PanelWeights` (the weights panel-major, made once at load, as the engine serves
+them on CPU; bf16 in pair rows), each 16-column panel one contiguous stream. The paths (`PATHS`;
+`path_items()` counts the work items each ran):
+- AVX-512 CPUs, panel-major weights ("avx512_fma", native/panel_stream_avx512.h): one zmm per panel
+  row; up to 8 rows per expert keep their sums in registers over all of K, more go in k steps of 6 x
+  4-panel register blocks. bf16 panels times bf16-valued rows (the layer's: x and h are rounded to the
+  weights' dtype) on CPUs with AVX512_BF16 run the bf16 dot product ("avx512_bf16_dot"): 32
+  multiply-adds per instruction, rounding as the FMAs do (checked on the CPU at load).
+- Otherwise (row-major weights, AVX2 CPUs): under 32 rows per expert the weights are read once, in
+  place, bf16 widened in registers ("avx2_stream"; XLA:CPU copies and widens each expert's slice
+  first); more rows run a BLIS-style packed GEMM ("avx2_packed": fp32 weight panels, a 6 x 16
+  register micro-kernel).
+- CPUs without AVX2 / FMA: portable scalar loops ("portable").
+`isa()` says which level runs (`ISA_LEVELS`), `limit_isa(level)` caps it for a `with` block and
+EXPERTD_NATIVE_CPU_ISA=<level> for a process. The layer runs faster on it than on any XLA:CPU
+backend at every benchmarked batch size (BENCHMARKS.md).
 
 The dispatch passes of the CPU layer (native/dispatch_cpu.cc), with the contracts of their jnp
 twins in dispatch.py, which the tests compare them with:
@@ -25,12 +37,13 @@ c++ / g++ / clang++) against the XLA FFI headers jaxlib ships, into `$EXPERTD_CA
 later processes load it from there (`python -m expertd.kernels.native_cpu` builds it ahead of
 time, e.g. in an image). Where there is no compiler or the build fails, `available()` is False
 with the reason in `unavailable_reason()`, and `experts.choose_backend` keeps to XLA's paths. The
-custom calls exist for the CPU platform only, on x86-64 (AVX2 + FMA, with portable scalar loops for
-older x86 CPUs).
+custom calls exist for the CPU platform only, on x86-64 (AVX-512 and AVX2 + FMA paths, portable
+scalar loops for older x86 CPUs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -56,7 +69,7 @@ NATIVE_DIR = pathlib.Path(__file__).with_name("native")
 SOURCE = NATIVE_DIR / "grouped_matmul_cpu.cc"
 # One library: the grouped matmul and the dispatch passes (layout, combine), and their headers.
 SOURCES = (SOURCE, NATIVE_DIR / "dispatch_cpu.cc")
-HEADERS = (NATIVE_DIR / "parallel.h", NATIVE_DIR / "simd.h")
+HEADERS = (NATIVE_DIR / "parallel.h", NATIVE_DIR / "simd.h", NATIVE_DIR / "panel_stream_avx512.h")
 TARGET = "expertd_grouped_matmul"
 # XLA FFI targets registered from the library: name -> exported handler symbol.
 TARGETS = {TARGET: "ExpertdGroupedMatmul",
@@ -161,6 +174,56 @@ def vectorized() -> bool:
     return lib is not None and bool(lib.expertd_grouped_matmul_has_avx2())
 
 
+ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
+
+
+def isa() -> str | None:
+    """The instruction-set level the kernels run at now, one of ISA_LEVELS (None when the library is
+    unavailable): "avx512" streams panel-major weights one zmm per panel row, "avx512_bf16" also
+    multiplies bf16-valued rows by bf16 weights on the bf16 dot product, with the FMA paths' results
+    (native/simd.h Bf16DotIsFma). The highest level the CPU runs is used, capped by
+    EXPERTD_NATIVE_CPU_ISA=<level> (set before the first call) and by `limit_isa`."""
+    lib = _load()[0]
+    return None if lib is None else ISA_LEVELS[lib.expertd_native_cpu_isa()]
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The levels this CPU (and EXPERTD_NATIVE_CPU_ISA) allows, lowest first; () without the library."""
+    lib = _load()[0]
+    return () if lib is None else ISA_LEVELS[:lib.expertd_native_cpu_detected_isa() + 1]
+
+
+PATHS = ("portable", "avx2_stream", "avx2_packed", "avx512_fma", "avx512_bf16_dot")
+
+
+def path_items() -> dict[str, int]:
+    """Work items (an expert's block of output columns in one call) the grouped matmul ran on each
+    of its PATHS since the library loaded: which path a workload takes (the tests and benchmarks
+    diff two readings). Empty without the library."""
+    lib = _load()[0]
+    if lib is None:
+        return {}
+    lib.expertd_native_cpu_path_items.restype = ctypes.c_int64
+    return {name: int(lib.expertd_native_cpu_path_items(i)) for i, name in enumerate(PATHS)}
+
+
+@contextlib.contextmanager
+def limit_isa(level: str):
+    """Run the kernels at most at `level` (one of ISA_LEVELS) inside the `with` block: how the tests
+    check that every level computes the same bits, and the benchmarks A/B them in one process. Calls
+    already running are not affected; not meant for use while other threads run the kernels."""
+    if level not in ISA_LEVELS:
+        raise ValueError(f"level must be one of {ISA_LEVELS}, got {level!r}")
+    _require_library()
+    lib = _load()[0]
+    before = lib.expertd_native_cpu_isa()
+    lib.expertd_native_cpu_limit_isa(ISA_LEVELS.index(level))
+    try:
+        yield
+    finally:
+        lib.expertd_native_cpu_limit_isa(len(ISA_LEVELS) - 1 if before == lib.expertd_native_cpu_detected_isa() else before)
+
+
 def _require_library():
     if not available():
         raise RuntimeError(f"the native CPU kernel is unavailable: {unavailable_reason()}")
@@ -229,4 +292,4 @@ def grouped_matmul_reference(x, group_sizes, w):
 if __name__ == "__main__":
     if not available():
         raise SystemExit(f"native CPU kernel unavailable: {unavailable_reason()}")
-    print(f"{library_path()} (AVX2/FMA path: {'yes' if vectorized() else 'no, portable loop'})")
+    print(f"{library_path()} (instruction set: {isa()})")

@@ -1,16 +1,25 @@
 """Panel-major expert weights: the layout the native CPU kernel reads fastest, made once at load.
 
 A row-major expert matrix `[K, C]` (the checkpoint's layout) is read by the kernel 16 columns at a
-time; panel-major stores those 16-column panels one after another, each a contiguous `[K, 16]`
-block:
+time; panel-major stores those 16-column panels one after another, each a contiguous block
+(P = ceil(C / 16); columns past C are zero padding):
 
-    PanelWeights.panels [E, P, K, 16]   P = ceil(C / 16)
-    column c of expert e  = panels[e, c // 16, :, c % 16]   (columns past C are zero padding)
+    fp32: PanelWeights.panels [E, P, K, 16]
+          w[e, k, c] = panels[e, c // 16, k, c % 16]
+    bf16: PanelWeights.panels [E, P, ceil(K / 2), 32]   ("pair rows": two weight rows interleaved)
+          w[e, k, c] = panels[e, c // 16, k // 2, 2 * (c % 16) + 1 - k % 2]
+          (K odd: the last pair row's second row is zero padding)
 
-What it buys on the 2-core AVX2 dev box (BENCHMARKS.md "Panel-major expert weights"): the packed
-path (32+ rows per expert) reads the panels in place instead of re-packing every weight each call
-(the re-packing was 20-32% of the matmul at 32-64 rows per expert), and the streaming path (few
-rows) reads one sequential stream per panel with its sums in registers across all of K.
+A bf16 pair row holds, per column, w[2j] in the high half of a 32-bit word and w[2j + 1] in its low
+half: the AVX-512 kernel widens both rows of a 64-byte line to fp32 with an AND and a shift, and
+its bf16 dot product (vdpbf16ps) multiplies the word as it lies, earlier row first
+(native/panel_stream_avx512.h).
+
+What it buys (BENCHMARKS.md "Panel-major expert weights", "AVX-512 and the bf16 dot product"): every
+path reads one sequential stream per panel with its sums in registers; on AVX-512 CPUs one zmm is a
+panel row (fp32) or pair row (bf16) and the kernel runs every row count from the panels in place
+(AVX2 CPUs: the packed path's panels are read in place up to 120 rows instead of re-packed each call);
+on AVX512_BF16 CPUs the pair rows are the bf16 dot product's operand as they lie.
 
 `PanelWeights` is a pytree (it goes through `jax.jit` and into params dicts as an array does) whose
 `shape`, `dtype` and `ndim` are the logical `[E, K, C]` array's, so shape checks and configs treat
@@ -29,25 +38,26 @@ PANEL_COLUMNS = 16  # the kernel's panel width (kPanelCols in native/grouped_mat
 
 @jax.tree_util.register_pytree_node_class
 class PanelWeights:
-    """Expert weights `[E, K, C]` held panel-major as `panels [E, ceil(C / 16), K, 16]` (see the
-    module docstring). Build with `to_panels`; `columns` is C."""
+    """Expert weights `[E, K, C]` held panel-major as `panels` (fp32 `[E, ceil(C / 16), K, 16]`,
+    bf16 `[E, ceil(C / 16), ceil(K / 2), 32]`; see the module docstring). Build with `to_panels`;
+    `k_dim` is K and `columns` is C."""
 
-    def __init__(self, panels, columns: int):
+    def __init__(self, panels, k_dim: int, columns: int):
         # No checks here: jax.tree_util rebuilds this with placeholder leaves (tracers, None).
         self.panels = panels
+        self.k_dim = k_dim
         self.columns = columns
 
     def tree_flatten(self):
-        return (self.panels,), self.columns
+        return (self.panels,), (self.k_dim, self.columns)
 
     @classmethod
-    def tree_unflatten(cls, columns, children):
-        return cls(children[0], columns)
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        e, _, k, _ = self.panels.shape
-        return (e, k, self.columns)
+        return (self.panels.shape[0], self.k_dim, self.columns)
 
     @property
     def dtype(self):
@@ -79,18 +89,28 @@ def to_panels(w) -> PanelWeights:
         return w
     if getattr(w, "ndim", None) != 3:
         raise ValueError(f"expert weights must be [E, K, C], got shape {getattr(w, 'shape', None)}")
-    return PanelWeights(_relayout(jnp.asarray(w)), w.shape[2])
+    return PanelWeights(_relayout(jnp.asarray(w)), w.shape[1], w.shape[2])
+
+
+def _pairs(dtype) -> bool:
+    """Whether weights of `dtype` are laid out in pair rows (bf16) rather than one row per k."""
+    return jnp.dtype(dtype) == jnp.bfloat16
 
 
 @jax.jit
 def _relayout(w):
-    """`[E, K, C]` -> `[E, ceil(C/16), K, 16]`, zero-padded: one jitted copy, so a load holds at most
-    one extra copy of the matrix at a time."""
+    """`[E, K, C]` -> the panels (module docstring), zero-padded: one jitted copy, so a load holds at
+    most one extra copy of the matrix at a time."""
     e, k, c = w.shape
     p = -(-c // PANEL_COLUMNS)
-    if p * PANEL_COLUMNS != c:
-        w = jnp.pad(w, ((0, 0), (0, 0), (0, p * PANEL_COLUMNS - c)))
-    return w.reshape(e, k, p, PANEL_COLUMNS).transpose(0, 2, 1, 3)
+    k_pad = k + k % 2 if _pairs(w.dtype) else k
+    if (p * PANEL_COLUMNS, k_pad) != (c, k):
+        w = jnp.pad(w, ((0, 0), (0, k_pad - k), (0, p * PANEL_COLUMNS - c)))
+    if not _pairs(w.dtype):
+        return w.reshape(e, k, p, PANEL_COLUMNS).transpose(0, 2, 1, 3)
+    # [E, K/2, 2 (row in pair), P, 16] -> [E, P, K/2, 16, 2], the pair's later row first (the low half).
+    pairs = w.reshape(e, k_pad // 2, 2, p, PANEL_COLUMNS).transpose(0, 3, 1, 4, 2)[..., ::-1]
+    return pairs.reshape(e, p, k_pad // 2, 2 * PANEL_COLUMNS)
 
 
 def dense(w):
@@ -98,7 +118,11 @@ def dense(w):
     if not isinstance(w, PanelWeights):
         return w
     e, k, c = w.shape
-    return w.panels.transpose(0, 2, 1, 3).reshape(e, k, -1)[:, :, :c]
+    if not _pairs(w.dtype):
+        return w.panels.transpose(0, 2, 1, 3).reshape(e, k, -1)[:, :, :c]
+    p, k2 = w.panels.shape[1], w.panels.shape[2]
+    rows = w.panels.reshape(e, p, k2, PANEL_COLUMNS, 2)[..., ::-1].transpose(0, 2, 4, 1, 3)
+    return rows.reshape(e, 2 * k2, p * PANEL_COLUMNS)[:, :k, :c]
 
 
 def is_panels(w) -> bool:

@@ -95,9 +95,12 @@ def say(message: str) -> None:
 
 
 def _native_kernel_note(status: dict | None) -> str | None:
-    """The line `serve` prints when the native CPU expert kernel could not be built (status: Engine.info()'s)."""
-    if status is None or status["available"]:
+    """The line `serve` prints about the native CPU expert kernel (status: Engine.info()'s): the
+    instruction set it runs at, or why it could not be built; None off CPU."""
+    if status is None:
         return None
+    if status["available"]:
+        return f"native CPU expert kernel: {status['isa']} instructions"
     return (f"note: the native CPU expert kernel is unavailable ({status['reason']}); the experts run "
             "XLA's slower paths")
 

@@ -327,13 +327,15 @@ class Engine:
         return self.backend in ("auto", "native_cpu") and experts.native_cpu_available()
 
     def _native_cpu_kernel(self) -> dict | None:
-        """On CPU, whether the C++ expert kernel (`auto`'s choice there) is usable and,
-        if not, why; None on other platforms, which never run it."""
+        """On CPU, whether the C++ expert kernel (`auto`'s choice there) is usable and, if not,
+        why, and the instruction-set level it runs at (`native_cpu.isa()`: avx512_bf16 runs bf16
+        layers on the bf16 dot product); None on other platforms, which never run it."""
         if self.devices[0].platform != "cpu":
             return None
         from expertd.kernels import native_cpu
 
-        return {"available": native_cpu.available(), "reason": native_cpu.unavailable_reason() or None}
+        return {"available": native_cpu.available(), "reason": native_cpu.unavailable_reason() or None,
+                "isa": native_cpu.isa()}
 
     def _layer(self, index) -> LoadedLayer:
         try:

@@ -4,10 +4,15 @@
 //   x f32 [N, K], group_sizes s32 [E], w bf16 or f32 [E, K, C]  ->  y f32 [N, C]
 //   rows past sum(group_sizes) -> 0; experts without rows are never read.
 // The *Panels entry points take the weights panel-major instead (panels.to_panels in Python, done
-// once at load): w [E, P, K, 16], P = ceil(C / 16), column c of expert e at w[e, c / 16, :, c % 16]
-// (columns past C zero). Same results bit for bit; each 16-column panel is one contiguous stream,
-// so the packed path reads it in place instead of repacking every call, and the streaming path
-// runs one sequential stream per panel.
+// once at load), P = ceil(C / 16) panels of 16 columns per expert (columns past C zero):
+//   fp32: w [E, P, K, 16], column c of expert e at w[e, c / 16, k, c % 16];
+//   bf16: w [E, P, ceil(K / 2), 32] ("pair rows"): w[e, c / 16, k / 2, 2 (c % 16) + 1 - k % 2], i.e.
+//         dword c of pair row j holds w[2j][c] in its high half and w[2j + 1][c] in its low half
+//         (K odd: the last low halves are zero), which the AVX-512 path widens with an AND and a
+//         shift and its bf16 dot product multiplies as it lies (panel_stream_avx512.h).
+// Every path sums k in order with one rounding per product-add (FMA; std::fma in the portable
+// loop), so a row's result is the same bits whatever the layout, the path its expert's row count
+// takes, the instruction set or the other rows of the call.
 // ExpertdGroupedMatmulGathered reads its rows from token rows instead (the permutation's gather
 // done in place, so the layer never writes the [N, K] permuted copy of x):
 //   y[r, :] = x[source[r], :] @ w[e(r)]   x f32 [T, K], source s32 [N]; a source outside [0, T)
@@ -21,25 +26,34 @@
 // Work split: items of (expert, block of output columns), shared by the calling thread and helper
 // tasks on XLA's intra-op thread pool (expertd::ParallelFor, parallel.h).
 //
-// Two paths per item, by its rows (kPackedMinRows):
-// - Streaming (few rows: memory-bound). The expert's weights are read once, in place, bf16 widened
-//   in registers. Panel-major weights: StreamPanels. Row-major, loop order: k in steps of
-//   kRowsPerStep weight rows (kRowsPerStepOneBlock for items of up to 4 rows), row blocks of up to
-//   4, column chunks: the accumulators of a row block (8 ymm: 4 rows x 16 columns, 2 x 32 or 1 x 64
-//   for bf16) stay in registers across the step, and the item's output block (rows x kBlockColumns
-//   fp32) in L1/L2. The first row block of a step also prefetches the next step's weight rows
-//   (PrefetchNextStep).
-// - Packed (many rows: compute-bound). BLIS-style blocking, see BlockPacked; panel-major weights
-//   skip its per-call repacking up to kPackRowsL2 rows (PackedPanel).
+// Paths per item (Path; counted in path_items):
+// - Panel-major weights on AVX-512 CPUs, every row count: avx512::StreamPanels
+//   (panel_stream_avx512.h; bf16-valued rows times bf16 weights on the bf16 dot product where the
+//   CPU has one that rounds as the FMAs do).
+// - Otherwise, by the item's rows (kPackedMinRows):
+//   - Streaming (few rows: memory-bound). The expert's weights are read once, in place, bf16
+//     widened in registers. Panel-major weights: StreamPanels. Row-major, loop order: k in steps of
+//     kRowsPerStep weight rows (kRowsPerStepOneBlock for items of up to 4 rows), row blocks of up
+//     to 4, column chunks: the accumulators of a row block (8 ymm: 4 rows x 16 columns, 2 x 32 or
+//     1 x 64 for bf16) stay in registers across the step, and the item's output block (rows x
+//     kBlockColumns fp32) in L1/L2. The first row block of a step also prefetches the next step's
+//     weight rows (PrefetchNextStep).
+//   - Packed (many rows: compute-bound). BLIS-style blocking, see BlockPacked; panel-major weights
+//     skip its per-call repacking up to kPackRowsL2 rows (PackedPanel).
+// - CPUs without AVX2 / FMA: BlockScalar; on the others it computes the column tail past the last
+//   16-column chunk of the AVX2 paths.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "panel_stream_avx512.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -64,22 +78,29 @@ constexpr int64_t kRowBlock = 4;
 constexpr int kPanelCols = 16;  // columns of a weight panel (panel-major layout, packed path)
 
 // One expert's weights [K, C] as they lie in memory: row-major (the checkpoint's layout) or
-// panel-major ([P, K, 16], see the top of the file).
+// panel-major (fp32 [P, K, 16], bf16 pair rows [P, ceil(K/2), 32]; see the top of the file).
 template <typename W>
 struct ExpertWeights {
+  static constexpr bool kBf16 = sizeof(W) == 2;
   const W* w;  // the expert's first weight
   int64_t k_dim, c_dim;
   bool panels;
 
+  int64_t PanelElems() const { return expertd::avx512::PanelElements(k_dim, kBf16); }
+  int64_t Elems() const { return panels ? (c_dim + kPanelCols - 1) / kPanelCols * PanelElems() : k_dim * c_dim; }
   float At(int64_t k, int64_t c) const {
-    return panels ? Load(w, (c / kPanelCols * k_dim + k) * kPanelCols + c % kPanelCols) : Load(w, k * c_dim + c);
+    if (!panels) return Load(w, k * c_dim + c);
+    const W* panel = w + c / kPanelCols * PanelElems();
+    return kBf16 ? Load(panel, k / 2 * 32 + 2 * (c % kPanelCols) + 1 - k % 2) : Load(panel, k * kPanelCols + c % kPanelCols);
   }
-  // Panel p's rows [k0, k0 + kc) (16 weights each, contiguous): panel-major only.
-  const W* Panel(int64_t p, int64_t k0) const { return w + (p * k_dim + k0) * kPanelCols; }
+  // Panel p from weight row k0 (even for bf16) on: 16 fp32 weights per row, 32 bf16 per pair row.
+  const W* Panel(int64_t p, int64_t k0) const { return w + p * PanelElems() + k0 * kPanelCols; }
 };
 
 // Portable path: any CPU, and the column tail past the last full 16-column chunk.
 // `x` is a table of row pointers (each K floats) throughout: row r of an item is x[r].
+// One rounding per product-add (std::fma: glibc's runs the FMA instruction where there is one), as
+// the vector paths round, so a column's result does not depend on which path computed it.
 template <typename W>
 void BlockScalar(const float* const* x, int64_t rows, const ExpertWeights<W>& w, int64_t c0, int64_t c1,
                  float* y) {
@@ -88,7 +109,7 @@ void BlockScalar(const float* const* x, int64_t rows, const ExpertWeights<W>& w,
     for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] = 0.0f;
     for (int64_t k = 0; k < w.k_dim; ++k) {
       const float xv = x[r][k];
-      for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] += xv * w.At(k, c);
+      for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] = std::fma(xv, w.At(k, c), y[r * c_dim + c]);
     }
   }
 }
@@ -186,18 +207,43 @@ __attribute__((target("avx2,fma"))) void RowBlocks(const float* const* x, int64_
   }
 }
 
-// acc[r][2g + v] += x[r][k] * panel g's weight row k (its columns 8v..8v+7).
+// 8 columns of a bf16 pair row (at `line`) as fp32: its first weight row (the dwords' high halves,
+// w[2j]) and its second (the low halves, w[2j + 1]).
+__attribute__((target("avx2,fma"), always_inline)) inline void WidenPair8(const uint16_t* line, __m256& first,
+                                                                           __m256& second) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+  first = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  second = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+}
+
+// Weight rows per step of a panel stream: one fp32 row, or one bf16 pair row (two rows).
+template <typename W>
+constexpr int64_t kPanelStep = sizeof(W) == 2 ? 2 : 1;
+
+// acc[r][2g + v] += x[r][k] * panel g's weight row k (its columns 8v..8v+7), and for bf16 then the
+// same for row k + 1 (k even: one pair row), unless `half` (K odd: row k is the last).
 template <int kRows, int kPanels, typename W>
 __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const float* const* x,
                                                                          const W* const* panel, int64_t k,
-                                                                         __m256 (&acc)[kRows][2 * kPanels]) {
+                                                                         __m256 (&acc)[kRows][2 * kPanels],
+                                                                         bool half = false) {
   __m256 xv[kRows];
   for (int r = 0; r < kRows; ++r) xv[r] = _mm256_broadcast_ss(x[r] + k);
   for (int g = 0; g < kPanels; ++g) {
-    const W* wk = panel[g] + k * kPanelCols;
+    const W* wk = panel[g] + k * kPanelCols;  // for bf16, pair row k / 2
     for (int v = 0; v < 2; ++v) {
-      const __m256 wv = Load8(wk + 8 * v);
-      for (int r = 0; r < kRows; ++r) acc[r][2 * g + v] = _mm256_fmadd_ps(xv[r], wv, acc[r][2 * g + v]);
+      if constexpr (sizeof(W) == 4) {
+        const __m256 wv = Load8(wk + 8 * v);
+        for (int r = 0; r < kRows; ++r) acc[r][2 * g + v] = _mm256_fmadd_ps(xv[r], wv, acc[r][2 * g + v]);
+      } else {
+        __m256 first, second;
+        WidenPair8(wk + 16 * v, first, second);
+        for (int r = 0; r < kRows; ++r) acc[r][2 * g + v] = _mm256_fmadd_ps(xv[r], first, acc[r][2 * g + v]);
+        if (half) continue;
+        for (int r = 0; r < kRows; ++r) {
+          acc[r][2 * g + v] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[r] + k + 1), second, acc[r][2 * g + v]);
+        }
+      }
     }
   }
 }
@@ -233,9 +279,10 @@ __attribute__((target("avx2,fma"))) void PanelStream(const float* const* x, cons
       }
     }
 #pragma GCC unroll 4
-    for (int64_t u = 0; u < kUnroll; ++u) PanelRow<kRows, kPanels>(x, panel, k + u, acc);
+    for (int64_t u = 0; u < kUnroll; u += kPanelStep<W>) PanelRow<kRows, kPanels>(x, panel, k + u, acc);
   }
-  for (; k < k1; ++k) PanelRow<kRows, kPanels>(x, panel, k, acc);
+  for (; k + kPanelStep<W> <= k1; k += kPanelStep<W>) PanelRow<kRows, kPanels>(x, panel, k, acc);
+  if (k < k1) PanelRow<kRows, kPanels>(x, panel, k, acc, /*half=*/true);  // bf16, K odd
   for (int r = 0; r < kRows; ++r) {
     for (int v = 0; v < 2 * kPanels; ++v) _mm256_storeu_ps(y + r * w.c_dim + p * kPanelCols + 8 * v, acc[r][v]);
   }
@@ -315,21 +362,24 @@ constexpr int64_t kPackRowsL2 = 120;  // a multiple of kPanelRows
 constexpr int64_t kPackedMinRows = 32;
 
 // y[r, 0:16] (+)= sum_k a[k][r] * b[k][0:16] for the first kRows of a 6-row x panel; `accumulate`
-// adds to y (later k blocks), else overwrites it. The y tile is added after the k loop, behind a
-// prefetch: loaded first, its cache misses (one k block ago it was evicted) held up every FMA.
+// continues from y (later k blocks), else starts from zero. The sums start from the y tile, so k is
+// summed in order across the k blocks as on every other path (one result whatever the path; adding
+// the tile after the loop instead was 1.00-1.04x, median ~1.02, in an interleaved A/B). `y_next`,
+// the next tile (or nullptr), is prefetched for its own start.
 template <int kRows>
 __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const float* a,
                                                                             const float* b,
                                                                             int64_t kc, float* y,
                                                                             int64_t c_dim,
-                                                                            bool accumulate) {
+                                                                            bool accumulate, const float* y_next) {
+  for (int r = 0; r < kPanelRows && y_next; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(y_next + r * c_dim), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(y_next + r * c_dim + 15), _MM_HINT_T0);
+  }
   __m256 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) {
-    if (accumulate) {
-      _mm_prefetch(reinterpret_cast<const char*>(y + r * c_dim), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(y + r * c_dim + 15), _MM_HINT_T0);
-    }
-    acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    acc[r][0] = accumulate ? _mm256_loadu_ps(y + r * c_dim) : _mm256_setzero_ps();
+    acc[r][1] = accumulate ? _mm256_loadu_ps(y + r * c_dim + 8) : _mm256_setzero_ps();
   }
   // Unrolled 4x: the loop's own add / compare / branch otherwise cost ~8% (interleaved A/B at 64 /
   // 256 / 1024 rows per expert, both shapes and dtypes: 1.01-1.21x, median 1.08; 2x and 8x the same).
@@ -343,22 +393,29 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    if (accumulate) {
-      acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(y + r * c_dim));
-      acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_loadu_ps(y + r * c_dim + 8));
-    }
     _mm256_storeu_ps(y + r * c_dim, acc[r][0]);
     _mm256_storeu_ps(y + r * c_dim + 8, acc[r][1]);
   }
 }
 
-// Panel p of panel-major weights over weight rows [k0, k0 + kc), contiguous already, widened to
-// fp32 into out ([k][16]).
+// Panel p of panel-major weights over weight rows [k0, k0 + kc) (k0 even), contiguous already,
+// widened to fp32 into out ([k][16]).
 template <typename W>
 __attribute__((target("avx2,fma"))) void WidenPanel(const ExpertWeights<W>& w, int64_t p, int64_t k0,
                                                     int64_t kc, float* out) {
   const W* panel = w.Panel(p, k0);
-  for (int64_t i = 0; i < kc * kPanelCols; i += 8) _mm256_storeu_ps(out + i, Load8(panel + i));
+  if constexpr (sizeof(W) == 4) {
+    for (int64_t i = 0; i < kc * kPanelCols; i += 8) _mm256_storeu_ps(out + i, Load8(panel + i));
+  } else {
+    for (int64_t k = 0; k < kc; k += 2) {  // one pair row: weight rows k and k + 1
+      for (int v = 0; v < 2; ++v) {
+        __m256 first, second;
+        WidenPair8(panel + k * kPanelCols + 16 * v, first, second);
+        _mm256_storeu_ps(out + k * kPanelCols + 8 * v, first);
+        if (k + 1 < kc) _mm256_storeu_ps(out + (k + 1) * kPanelCols + 8 * v, second);
+      }
+    }
+  }
 }
 
 // The item's `panels` panels from column c0 over weight rows [k0, k0 + kc), widened to fp32 into
@@ -442,13 +499,14 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int6
         for (int64_t r0 = i0; r0 < i1; r0 += kPanelRows) {
           const float* a = packed_x + (r0 - i0) * kc;
           float* yt = y + r0 * c_dim + c0 + p * kPanelCols;
+          const float* yn = accumulate && r0 + kPanelRows < i1 ? yt + kPanelRows * c_dim : nullptr;
           switch (std::min<int64_t>(kPanelRows, rows - r0)) {
-            case 6: MicroKernel<6>(a, b, kc, yt, c_dim, accumulate); break;
-            case 5: MicroKernel<5>(a, b, kc, yt, c_dim, accumulate); break;
-            case 4: MicroKernel<4>(a, b, kc, yt, c_dim, accumulate); break;
-            case 3: MicroKernel<3>(a, b, kc, yt, c_dim, accumulate); break;
-            case 2: MicroKernel<2>(a, b, kc, yt, c_dim, accumulate); break;
-            default: MicroKernel<1>(a, b, kc, yt, c_dim, accumulate); break;
+            case 6: MicroKernel<6>(a, b, kc, yt, c_dim, accumulate, yn); break;
+            case 5: MicroKernel<5>(a, b, kc, yt, c_dim, accumulate, yn); break;
+            case 4: MicroKernel<4>(a, b, kc, yt, c_dim, accumulate, yn); break;
+            case 3: MicroKernel<3>(a, b, kc, yt, c_dim, accumulate, yn); break;
+            case 2: MicroKernel<2>(a, b, kc, yt, c_dim, accumulate, yn); break;
+            default: MicroKernel<1>(a, b, kc, yt, c_dim, accumulate, yn); break;
           }
         }
       }
@@ -477,16 +535,39 @@ __attribute__((target("avx2,fma"))) void Stream(const float* const* x, int64_t r
   Steps<kRowsPerStep>(x, rows, w, c0, c1, y);
 }
 
+// The paths an item can take, counted per item since the library loaded (expertd_native_cpu_path_items:
+// how the tests and benchmarks see which one ran).
+enum Path { kPathPortable, kPathAvx2Stream, kPathAvx2Packed, kPathAvx512Fma, kPathAvx512Bf16Dot, kNumPaths };
+std::atomic<int64_t> path_items[kNumPaths];
+
 template <typename W>
-__attribute__((target("avx2,fma"))) void BlockAvx2(const float* const* x, int64_t rows,
+__attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_t rows,
                                                    const ExpertWeights<W>& w, int64_t c0, int64_t c1,
                                                    float* y) {
+  // Panel-major weights on AVX-512 CPUs: every row count (its register blocks of up to 6 x 4 panels
+  // matched or beat the packed path at 32-1024 rows per expert, fp32 1.0-1.18x, bf16 0.89-1.33x;
+  // BENCHMARKS.md), bf16-valued rows on the bf16 dot product; the column tail included.
+  if (w.panels && expertd::CpuIsa() >= expertd::Isa::kAvx512) {
+    const uint32_t* const* pairs = nullptr;
+    if (ExpertWeights<W>::kBf16 && expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
+      pairs = expertd::avx512::PairRows(x, rows, w.k_dim);
+    }
+    expertd::avx512::StreamPanels({x, pairs}, rows, w.w, w.k_dim, c0, c1, w.c_dim, y);
+    return pairs ? kPathAvx512Bf16Dot : kPathAvx512Fma;
+  }
   const int64_t c_vec = c0 + (c1 - c0) / 16 * 16;
   if (c_vec < c1) BlockScalar(x, rows, w, c_vec, c1, y);
-  if (c_vec == c0) return;
-  if (rows >= kPackedMinRows) return BlockPacked(x, rows, w, c0, c_vec, y);
-  if (w.panels) return StreamPanels(x, rows, w, c0, c_vec, y);
-  Stream(x, rows, w, c0, c_vec, y);
+  if (c_vec == c0) return kPathPortable;
+  if (rows >= kPackedMinRows) {
+    BlockPacked(x, rows, w, c0, c_vec, y);
+    return kPathAvx2Packed;
+  }
+  if (w.panels) {
+    StreamPanels(x, rows, w, c0, c_vec, y);
+  } else {
+    Stream(x, rows, w, c0, c_vec, y);
+  }
+  return kPathAvx2Stream;
 }
 
 struct Item {
@@ -537,19 +618,21 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     const Item& it = items[i];
     std::vector<const float*> x(it.rows);
     for (int64_t r = 0; r < it.rows; ++r) x[r] = rows_in.Row(it.row0 + r);
-    const int64_t expert_size = k_dim * (panels ? (c_dim + kPanelCols - 1) / kPanelCols * kPanelCols : c_dim);
-    const ExpertWeights<W> we{w + it.expert * expert_size, k_dim, c_dim, panels};
+    const ExpertWeights<W> expert0{w, k_dim, c_dim, panels};
+    const ExpertWeights<W> we{w + it.expert * expert0.Elems(), k_dim, c_dim, panels};
     float* ye = y + it.row0 * c_dim;
+    Path path = kPathPortable;
     if (HasAvx2()) {
-      BlockAvx2(x.data(), it.rows, we, it.c0, it.c1, ye);
+      path = BlockAvx2(x.data(), it.rows, we, it.c0, it.c1, ye);
     } else {
       BlockScalar(x.data(), it.rows, we, it.c0, it.c1, ye);
     }
+    path_items[path].fetch_add(1, std::memory_order_relaxed);
   });
 }
 
 // Every entry point: output row r of y [n, C] reads x [M, K] row source[r] (or row r without a
-// source); w is [E, K, C], or with `panels` [E, P, K, 16].
+// source); w is [E, K, C], or with `panels` [E, P, K, 16] (fp32) / [E, P, ceil(K/2), 32] (bf16).
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* source, int64_t n,
                ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, bool panels, float* y, int64_t c_dim) {
   const int64_t e_dim = w.dimensions()[0], k_dim = x.dimensions()[1];
@@ -569,18 +652,22 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* s
 }
 
 // Shapes shared by every entry point: x [M, K], group_sizes [E], y [N, C], and w [E, K, C] or
-// (`panels`) [E, ceil(C / 16), K, 16].
+// (`panels`) [E, ceil(C / 16), K, 16] (fp32) / [E, ceil(C / 16), ceil(K / 2), 32] (bf16).
 ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w,
                        bool panels, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != (panels ? 4u : 3u) || group_sizes.dimensions().size() != 1 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument(panels ? "expected x [N, K], group_sizes [E], w [E, P, K, 16], y [N, C]"
+    return ffi::Error::InvalidArgument(panels ? "expected x [N, K], group_sizes [E], w [E, P, K, 16] (fp32) or "
+                                                "[E, P, ceil(K/2), 32] (bf16), y [N, C]"
                                               : "expected x [N, K], group_sizes [E], w [E, K, C], y [N, C]");
   }
-  const bool fits = panels ? wd[2] == xd[1] && wd[3] == kPanelCols && wd[1] == (yd[1] + kPanelCols - 1) / kPanelCols
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  const bool fits = panels ? wd[2] == (bf16 ? (xd[1] + 1) / 2 : xd[1]) && wd[3] == (bf16 ? 2 : 1) * kPanelCols &&
+                                 wd[1] == (yd[1] + kPanelCols - 1) / kPanelCols
                            : wd[1] == xd[1] && yd[1] == wd[2];
   if (!fits || group_sizes.dimensions()[0] != wd[0]) {
-    return ffi::Error::InvalidArgument(panels ? "shapes disagree: x [N, K], group_sizes [E], w [E, ceil(C/16), K, 16]"
+    return ffi::Error::InvalidArgument(panels ? "shapes disagree: x [N, K], group_sizes [E], w [E, ceil(C/16), K, 16] "
+                                                "(fp32) or [E, ceil(C/16), ceil(K/2), 32] (bf16)"
                                               : "shapes disagree: x [N, K], group_sizes [E], w [E, K, C]");
   }
   return ffi::Error::Success();
@@ -632,3 +719,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanels, GroupedMatmulImpl<true
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanelsGathered, GroupedMatmulGatheredImpl<true>, GatheredBinding());
 
 extern "C" int expertd_grouped_matmul_has_avx2() { return HasAvx2() ? 1 : 0; }
+// The expertd::Isa level the kernels run at (0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512 with the bf16 dot
+// product), and the highest one this CPU and the environment allow; limit_isa caps it for later calls.
+extern "C" int expertd_native_cpu_isa() { return static_cast<int>(expertd::CpuIsa()); }
+extern "C" int expertd_native_cpu_detected_isa() { return static_cast<int>(expertd::DetectedIsa()); }
+extern "C" void expertd_native_cpu_limit_isa(int level) { expertd::IsaLimit().store(level); }
+// Work items run on each Path since the library loaded (a column tail alone counts as portable).
+extern "C" int64_t expertd_native_cpu_path_items(int path) {
+  return path >= 0 && path < kNumPaths ? path_items[path].load() : -1;
+}

@@ -1,21 +1,22 @@
 // Element loads shared by the expertd CPU custom calls: fp32 and bf16 (as its raw uint16 bits),
-// scalar and 8 at a time (AVX2), and the check that picks the AVX2 paths at run time.
+// scalar and 8 at a time (AVX2), and the instruction-set level the kernels run at (CpuIsa).
 #pragma once
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
 namespace expertd {
 
-// EXPERTD_NATIVE_CPU_PORTABLE=1 forces the portable loops (how the tests exercise them on AVX2 CPUs).
-inline bool HasAvx2() {
-  static const bool has = std::getenv("EXPERTD_NATIVE_CPU_PORTABLE") == nullptr &&
-                          __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
+// What the kernels may use, each level including the ones below it:
+// - kAvx2: AVX2 + FMA (the fallback vector paths);
+// - kAvx512: AVX-512 F + BW (panel-major weights stream one 16-column panel row per zmm);
+// - kAvx512Bf16: AVX512_BF16 too, and its dot product rounds as two FMAs in order (Bf16DotIsFma),
+//   so bf16 x bf16 products can run on it with the results of the FMA paths.
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 inline float Bf16ToFloat(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -23,6 +24,79 @@ inline float Bf16ToFloat(uint16_t bits) {
   std::memcpy(&out, &wide, sizeof(out));
   return out;
 }
+
+inline uint32_t FloatBits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits;
+}
+
+// vdpbf16ps adds the products of a dword's two bf16 halves to an fp32 lane; on the CPUs measured
+// (AMD Zen 4) it adds the high half's product first, then the low half's, each rounded as an FMA
+// rounds: acc' = fma(lo_x, lo_w, fma(hi_x, hi_w, acc)). The kernels rely on exactly that (weights
+// and x laid out so that the high half holds the earlier k), so it is checked once on this CPU over
+// cases whose two roundings differ from one rounding of the sum (cancellation, a dominant
+// accumulator, products of mixed magnitude); a CPU that rounds otherwise keeps the FMA paths.
+__attribute__((target("avx512f,avx512bf16,avx512vl,fma"))) inline bool Bf16DotIsFma() {
+  const float cases[][5] = {  // hi_x, hi_w, lo_x, lo_w, acc (all exact in bf16 but acc)
+      {1.0f, 1.0f, 1.0f, 0x1p-24f, 0x1p-24f},   {3.0f, 0x1p-10f, -3.0f, 0x1p-10f, 1.0f},
+      {1.5f, 1.5f, -1.5f, 1.5f, 0x1.000002p0f}, {255.0f, 255.0f, -1.0f, 65025.0f, 0.3f},
+      {0.1f, 0.2f, 0.3f, 0.4f, 1e7f},           {-7.0f, 0x1p-20f, 5.0f, 0x1p-21f, 0x1.fffffep-1f},
+      {1.0078125f, 1.0078125f, -1.0f, 1.015625f, 0x1p-30f},
+  };
+  auto to_bf16 = [](float v) { return static_cast<uint16_t>(FloatBits(v) >> 16); };
+  for (const auto& c : cases) {
+    const uint16_t hx = to_bf16(c[0]), hw = to_bf16(c[1]), lx = to_bf16(c[2]), lw = to_bf16(c[3]);
+    const int x_pair = static_cast<int>(static_cast<uint32_t>(hx) << 16 | lx);
+    const int w_pair = static_cast<int>(static_cast<uint32_t>(hw) << 16 | lw);
+    const __m128 got = _mm_dpbf16_ps(_mm_set1_ps(c[4]), (__m128bh)_mm_set1_epi32(x_pair), (__m128bh)_mm_set1_epi32(w_pair));
+    const float want = __builtin_fmaf(Bf16ToFloat(lx), Bf16ToFloat(lw),
+                                      __builtin_fmaf(Bf16ToFloat(hx), Bf16ToFloat(hw), c[4]));
+    if (FloatBits(_mm_cvtss_f32(got)) != FloatBits(want)) return false;
+  }
+  return true;
+}
+
+inline Isa DetectIsa() {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return Isa::kPortable;
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return Isa::kAvx2;
+  if (!__builtin_cpu_supports("avx512bf16") || !Bf16DotIsFma()) return Isa::kAvx512;
+  return Isa::kAvx512Bf16;
+}
+
+// The level this CPU runs, capped by EXPERTD_NATIVE_CPU_ISA (portable / avx2 / avx512 /
+// avx512_bf16); EXPERTD_NATIVE_CPU_PORTABLE=1 is EXPERTD_NATIVE_CPU_ISA=portable. Read once per
+// process.
+inline Isa DetectedIsa() {
+  static const Isa isa = [] {
+    Isa cap = Isa::kAvx512Bf16;
+    if (std::getenv("EXPERTD_NATIVE_CPU_PORTABLE") != nullptr) cap = Isa::kPortable;
+    if (const char* name = std::getenv("EXPERTD_NATIVE_CPU_ISA")) {
+      const char* names[] = {"portable", "avx2", "avx512", "avx512_bf16"};
+      for (int level = 0; level < 4; ++level) {
+        if (std::strcmp(name, names[level]) == 0 && level < static_cast<int>(cap)) cap = static_cast<Isa>(level);
+      }
+    }
+    const Isa detected = DetectIsa();
+    return detected < cap ? detected : cap;
+  }();
+  return isa;
+}
+
+// A further cap set at run time between calls (expertd_native_cpu_limit_isa: how the tests and the
+// benchmarks run every level in one process).
+inline std::atomic<int>& IsaLimit() {
+  static std::atomic<int> limit{static_cast<int>(Isa::kAvx512Bf16)};
+  return limit;
+}
+
+// The level the kernels run at now.
+inline Isa CpuIsa() {
+  const int limit = IsaLimit().load(std::memory_order_relaxed);
+  return static_cast<int>(DetectedIsa()) < limit ? DetectedIsa() : static_cast<Isa>(limit);
+}
+
+inline bool HasAvx2() { return CpuIsa() >= Isa::kAvx2; }
 
 inline float Load(const float* w, int64_t i) { return w[i]; }
 inline float Load(const uint16_t* w, int64_t i) { return Bf16ToFloat(w[i]); }

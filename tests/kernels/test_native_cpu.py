@@ -1,7 +1,7 @@
 """The C++ grouped matmul (native_cpu.py) against its plain-jnp reference and a float64 loop, over
 shapes that hit the vector chunks, the column tails and the k remainder, with empty experts, NaN
-garbage past the groups and in unused experts; its build, cache and the fallback without a
-compiler, in fresh processes."""
+garbage past the groups and in unused experts; every path, layout and instruction-set level giving
+the same bits; its build, cache and the fallback without a compiler, in fresh processes."""
 import json
 import os
 import subprocess
@@ -27,6 +27,10 @@ pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native k
 # with row-major in every case): [2, 1, 3, 4] x 80 columns streams 1-4 rows over 5 panels (groups of
 # 4 / 2 and their remainders), [9, 17] several row blocks in 256-deep k steps, K = 301 a remainder
 # past the unrolled k loop; 130 rows pack the panels per k block, 41 / 45 read them in place.
+# On AVX-512 CPUs panel-major weights take one path at every row count (panel_stream_avx512.h): 1-8
+# rows in one register block (K = 5 / 301 odd: bf16's half pair row), more in 256-deep k steps of 6-row
+# blocks and 4-panel groups with their remainders ([9, 17], [45], 130), C = 17 / 40 / 50 / 2064 partial
+# last panels (masked).
 CASES = [
     ([3], 5, 17),
     ([2, 0, 5], 40, 50),
@@ -53,18 +57,29 @@ def loop_oracle(x, group_sizes, w):
     return out
 
 
-@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
-@pytest.mark.parametrize("sizes,k,c", CASES)
-def test_matches_reference_and_float64(sizes, k, c, dtype):
+def case_arrays(sizes, k, c, dtype, bf16_rows=False):
+    """(x f32 [N + 3, K], group_sizes, w [E, K, C] of dtype) for a case: NaN rows past the groups and
+    NaN weights in experts without rows (neither may be read); `bf16_rows` rounds x to bf16 values,
+    as the layer's rows are (the bf16 dot product's input)."""
     rng = np.random.default_rng(len(sizes) * k + c)
     used = sum(sizes)
     x = rng.standard_normal((used + 3, k)).astype(np.float32)
+    if bf16_rows:
+        x = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
     x[used:] = np.nan  # rows past the groups are never read
     w = rng.standard_normal((len(sizes), k, c)).astype(np.float32) * 0.1
     for e, n in enumerate(sizes):
         if n == 0:
             w[e] = np.nan  # experts without rows are never read
-    x, gs, w = jnp.asarray(x), jnp.asarray(sizes, jnp.int32), jnp.asarray(w, dtype)
+    return jnp.asarray(x), jnp.asarray(sizes, jnp.int32), jnp.asarray(w, dtype)
+
+
+@pytest.mark.parametrize("bf16_rows", (False, True), ids=("f32_rows", "bf16_rows"))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+@pytest.mark.parametrize("sizes,k,c", CASES)
+def test_matches_reference_and_float64(sizes, k, c, dtype, bf16_rows):
+    used = sum(sizes)
+    x, gs, w = case_arrays(sizes, k, c, dtype, bf16_rows)
     got = np.asarray(jax.jit(native_cpu.grouped_matmul)(x, gs, w))
     assert got.shape == (used + 3, c) and got.dtype == np.float32
     assert np.isfinite(got).all()
@@ -73,6 +88,64 @@ def test_matches_reference_and_float64(sizes, k, c, dtype):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
     np.testing.assert_allclose(got[:used], loop_oracle(x[:used], sizes, w)[:used], rtol=1e-4, atol=1e-4 * np.sqrt(k))
     np.testing.assert_array_equal(np.asarray(jax.jit(native_cpu.grouped_matmul)(x, gs, panels.to_panels(w))), got)
+
+
+@pytest.mark.parametrize("sizes,k,c", CASES)
+def test_every_path_layout_and_instruction_set_gives_the_same_bits(sizes, k, c):
+    """Every path sums k in order with one rounding per product-add, so the result does not depend on
+    the layout, the row count's path (streaming, packed, AVX-512 blocks), nor the instruction set:
+    each level this CPU runs (the portable loop included; the bf16 dot product where x is bf16-valued)
+    gives the bits of the top level on row-major weights."""
+    call = jax.jit(native_cpu.grouped_matmul)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for bf16_rows in (False, True):
+            x, gs, w = case_arrays(sizes, k, c, dtype, bf16_rows)
+            want = np.asarray(call(x, gs, w))
+            for level in native_cpu.supported_isas():
+                with native_cpu.limit_isa(level):
+                    assert native_cpu.isa() == level
+                    for weights in (w, panels.to_panels(w)):
+                        np.testing.assert_array_equal(np.asarray(call(x, gs, weights)), want,
+                                                      err_msg=f"{level} {dtype.__name__} {type(weights).__name__}")
+
+
+def _paths_taken(call) -> dict[str, int]:
+    before = native_cpu.path_items()
+    jax.block_until_ready(call())
+    return {name: n - before[name] for name, n in native_cpu.path_items().items() if n > before[name]}
+
+
+def test_each_level_runs_its_own_path():
+    """Which path an item takes (native_cpu.path_items): bf16 panels times bf16-valued rows run the
+    bf16 dot product where the CPU has it; a row with one value that is not bf16 keeps the whole
+    item on the FMA path; row-major weights and AVX2 CPUs stream below 32 rows and pack above."""
+    x, gs, w = case_arrays([3, 40], 64, 32, jnp.bfloat16, bf16_rows=True)
+    x = x[:43]
+    pw = panels.to_panels(w)
+    call = lambda x, w: native_cpu.grouped_matmul(x, gs, w)  # noqa: E731
+    levels = native_cpu.supported_isas()
+    if "avx512_bf16" in levels:
+        assert _paths_taken(lambda: call(x, pw)) == {"avx512_bf16_dot": 2}
+        assert _paths_taken(lambda: call(x.at[1, 5].add(2.0 ** -20), pw)) == {"avx512_fma": 1, "avx512_bf16_dot": 1}
+    if "avx512" in levels:
+        with native_cpu.limit_isa("avx512"):
+            assert _paths_taken(lambda: call(x, pw)) == {"avx512_fma": 2}
+            assert _paths_taken(lambda: call(x, w)) == {"avx2_stream": 1, "avx2_packed": 1}
+    with native_cpu.limit_isa("avx2"):
+        assert _paths_taken(lambda: call(x, pw)) == {"avx2_stream": 1, "avx2_packed": 1}
+    with native_cpu.limit_isa("portable"):
+        assert _paths_taken(lambda: call(x, pw)) == {"portable": 2}
+
+
+def test_limit_isa_names_the_levels_and_restores_the_top_one():
+    top = native_cpu.isa()
+    assert top == native_cpu.supported_isas()[-1] and top in native_cpu.ISA_LEVELS
+    with native_cpu.limit_isa("portable"):
+        assert native_cpu.isa() == "portable" and not native_cpu.vectorized()
+    assert native_cpu.isa() == top
+    with pytest.raises(ValueError, match="level must be one of"):
+        with native_cpu.limit_isa("sse2"):
+            pass
 
 
 def test_no_rows_gives_zeros_and_argument_errors_name_the_field():

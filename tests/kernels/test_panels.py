@@ -15,9 +15,23 @@ def test_relayout_is_exact_and_keeps_the_logical_shape(shape, dtype):
     pw = panels.to_panels(w)
     e, k, c = shape
     assert pw.shape == shape and pw.dtype == dtype and pw.ndim == 3
-    assert pw.panels.shape == (e, -(-c // 16), k, 16)
-    if c % 16:  # the last panel's columns past C are zero padding
-        np.testing.assert_array_equal(np.asarray(pw.panels)[:, -1, :, c % 16:], 0)
+    p = -(-c // 16)
+    # Every weight where the module docstring says; the rest (columns past C, bf16's second row of
+    # the last pair when K is odd) is zero padding.
+    if dtype == jnp.float32:
+        assert pw.panels.shape == (e, p, k, 16)
+        where = lambda kk, cc: (cc // 16, kk, cc % 16)  # noqa: E731
+    else:
+        assert pw.panels.shape == (e, p, -(-k // 2), 32)
+        where = lambda kk, cc: (cc // 16, kk // 2, 2 * (cc % 16) + 1 - kk % 2)  # noqa: E731
+    held = np.asarray(pw.panels.astype(jnp.float32))
+    placed = np.zeros(held.shape, bool)
+    for kk in range(k):
+        for cc in range(c):
+            np.testing.assert_array_equal(held[(slice(None),) + where(kk, cc)], np.asarray(w[:, kk, cc], np.float32))
+            placed[(slice(None),) + where(kk, cc)] = True
+    assert placed.sum() == e * k * c
+    np.testing.assert_array_equal(held[~placed], 0)
     np.testing.assert_array_equal(np.asarray(panels.dense(pw)), np.asarray(w))
     # A pytree: through jit and back, as an argument and as a result.
     out = jax.jit(lambda p: panels.to_panels(panels.dense(p) * 2))(pw)

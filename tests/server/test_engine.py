@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertd.kernels import experts, moe, panels, router
+from expertd.kernels import experts, moe, native_cpu, panels, router
 from expertd.server.engine import CompileEvent, Engine, UnknownLayerError, enable_compile_cache
 from expertd.server import steps
 from expertd.server.model import LoadedLayer, load_preset
@@ -166,7 +166,9 @@ def test_buckets_and_info(warm_engine):
     assert info["layers"][0]["params"]["w_gate"] == {"shape": [8, 64, 128], "dtype": "float32",
                                                      "split_over_ep": False}
     assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
-    assert info["native_cpu_kernel"] == {"available": True, "reason": None}  # the dev box and CI have g++
+    # The dev box and CI have g++ (and an AVX2 CPU at least).
+    assert info["native_cpu_kernel"] == {"available": True, "reason": None, "isa": native_cpu.isa()}
+    assert info["native_cpu_kernel"]["isa"] in native_cpu.ISA_LEVELS[1:]
     assert info["weight_layout"] == "panels"
     assert info["forward_expert_backends"] == [  # the two layers' routers differ: one compiled step each
         {"layers": [layer], "bucket": b, "backend": "native_cpu"} for layer in (0, 1) for b in (8, 32)]
@@ -217,12 +219,13 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
         ("route_hidden", 8, {}, None)]
 
 
-def test_serve_notes_a_missing_native_kernel():
+def test_serve_notes_the_native_kernel_level_or_why_it_is_missing():
     from expertd.server import cli
 
     assert cli._native_kernel_note(None) is None  # not a CPU engine
-    assert cli._native_kernel_note({"available": True, "reason": None}) is None
-    note = cli._native_kernel_note({"available": False, "reason": "no C++ compiler found (set CXX)"})
+    assert cli._native_kernel_note({"available": True, "reason": None, "isa": "avx512_bf16"}) == (
+        "native CPU expert kernel: avx512_bf16 instructions")
+    note = cli._native_kernel_note({"available": False, "reason": "no C++ compiler found (set CXX)", "isa": None})
     assert "unavailable (no C++ compiler found (set CXX))" in note
 
 
