@@ -37,7 +37,6 @@
 namespace expertd::avx512 {
 
 constexpr int kMaxBlockRows = 8;       // rows whose sums stay in registers at once
-constexpr int64_t kPanelStepK = 256;   // weight rows per step for items of several row blocks
 // Blocks of kPrefetchMinRows rows or more prefetch each panel stream kPrefetchBytes ahead in software
 // (interleaved A/B on the dev box: without it 6-8 row blocks ran 0.77-0.91x; with it 1-4 row blocks,
 // which the hardware prefetcher keeps fed alone, ran 0.76-0.98x).
@@ -201,11 +200,17 @@ inline const uint32_t* const* PairRows(const float* const* x, int64_t rows, int6
 // 8 x 3 and 7 x 3 within 0.9-1.1 (4 x 4 and 12 x 2 lost up to 0.8 / 0.69x).
 constexpr int kManyRowsBlock = 6;
 constexpr int kManyRowsPanels = 4;
+// Each block streams its 4 panels over as many weight rows as hold kGroupStepBytes (the whole of K
+// for K up to 2048 fp32 / 4096 bf16), from L2 after the first block. Steps of 256 rows ran
+// 0.77-0.98x whole-K ones at 16-1024 rows per expert (the blocks' sums stored and reloaded every
+// step; 512 / 1024 rows: 0.81-1.0x), so the step only keeps a group within a 1 MiB L2; at
+// DeepSeek-V3's K = 7168, steps of 256 KiB / 8 MiB ran 0.91-1.02x of these.
+constexpr int64_t kGroupStepBytes = 512 << 10;
 
 // Columns [c0, c1) (c0 a multiple of 16; c1 = C or a multiple of 16) of y = x @ w for `rows` rows of
 // one expert's panel-major weights `w`, x from `in`. One block: each panel group over all of K.
-// More: steps of kPanelStepK weight rows, each group of the step for every block in turn (the
-// step's slice of the panels and of the x rows stay in L1 / L2).
+// More: each group of kManyRowsPanels panels for every block of kManyRowsBlock rows in turn (the
+// group, or its step of kGroupStepBytes, stays in L2 across the blocks).
 template <typename W>
 void StreamPanels(const BlockRows& in, int64_t rows, const W* w, int64_t k_dim, int64_t c0, int64_t c1,
                   int64_t c_dim, float* y) {
@@ -216,8 +221,9 @@ void StreamPanels(const BlockRows& in, int64_t rows, const W* w, int64_t k_dim, 
     return;
   }
   if (rows <= kMaxBlockRows) return StreamBlockRows(in, rows, w, panel_elems, p0, p1, 0, k_dim, false, c_dim, y);
-  for (int64_t k0 = 0; k0 < k_dim; k0 += kPanelStepK) {
-    const int64_t k1 = std::min(k_dim, k0 + kPanelStepK);
+  const int64_t step_k = kGroupStepBytes / (kManyRowsPanels * 64) * (sizeof(W) == 2 ? 2 : 1);  // 64 B per row / pair row
+  for (int64_t k0 = 0; k0 < k_dim; k0 += step_k) {
+    const int64_t k1 = std::min(k_dim, k0 + step_k);
     for (int64_t p = p0; p < p1; p += kManyRowsPanels) {
       const int64_t p_end = std::min(p1, p + kManyRowsPanels);
       int64_t r = 0;

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native k
 # On AVX-512 CPUs panel-major weights take one path at every row count (panel_stream_avx512.h): 1-8
 # rows in one register block (K = 5 / 301 odd: bf16's half pair row), more in 256-deep k steps of 6-row
 # blocks and 4-panel groups with their remainders ([9, 17], [45], 130), C = 17 / 40 / 50 / 2064 partial
-# last panels (masked).
+# last panels (masked); K = 4101 splits a group into 512 KiB k steps (fp32 2048 rows, bf16 4096, the
+# last with bf16's half pair row).
 CASES = [
     ([3], 5, 17),
     ([2, 0, 5], 40, 50),
@@ -44,6 +45,7 @@ CASES = [
     ([0, 130, 41, 3], 520, 64),
     ([2, 1, 3, 4], 301, 80),
     ([9, 17], 301, 64),
+    ([9, 0, 7], 4101, 24),
 ]
 
 
