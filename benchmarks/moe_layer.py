@@ -26,8 +26,9 @@ two smaller token counts and marked "fit". The `auto` column compiles with
 more timing of auto, (b) and (d) in alternation ("paired"; (d) only where one call takes at most
 PAIRED_HF_CALL_CAP_S). Shorter `auto` calls (T=16, T=256) are timed once more in alternation with
 the copy and read probes instead (bursts of back-to-back layer calls between the probes), and
-their (c) and (c') ratios (T=16's target) use the bandwidth measured in those rounds ("paired
-floors"; the start-of-run measurement drifted 26-41 GB/s between runs on the dev VM). The weights are moved
+their (c) and (c') ratios (T=16's target) are the median over the rounds of each round's burst
+against that round's floors ("paired floors"; the start-of-run measurement drifted 26-41 GB/s
+between runs on the dev VM, and the read rate between ~34 and ~53 GB/s within one run). The weights are moved
 onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
 `auto` runs on the weights as the engine serves them: panel-major where the native CPU kernel runs
 (expertd.kernels.panels); every other backend, (a) and (b) on the row-major checkpoint layout; a
@@ -160,24 +161,33 @@ def read_bandwidth(nbytes=PROBE_BYTES):
 
 def paired_floors(layer_call, touched_bytes, rounds=9, burst=5):
     """The layer call timed in rounds with the copy and read probes (for short calls: T=16's target
-    is a ratio to (c), and this VM's bandwidth drifts by up to 1.6x between minutes). Each round
-    times a burst of back-to-back layer calls, as a server runs them (the first call after a probe
-    ran ~1.2-1.3x slower, so it is not counted), then each probe once. Returns the layer's median
-    and (c) / (c') from the probes' fastest calls in those same rounds."""
+    is a ratio to (c), and this VM's bandwidth drifts by up to 1.6x between minutes, and between
+    ~34 and ~53 GB/s of reads within one). Each round times a burst of back-to-back layer calls, as a
+    server runs them (the first call after a probe ran ~1.2-1.3x slower, so it is not counted), then
+    each probe once. Returns the layer's median, (c) / (c') from the probes' fastest calls over all
+    rounds, and the ratios the table reports: per round, the burst's median over that round's
+    floors (its fastest copy / read probe), the median of those over the rounds, so that a layer
+    call is only ever compared with the bandwidth of its own minute."""
     copies, reads = copy_probes(), read_probes(blas=False)  # BLAS's threads spin on after a call
     probes = {**copies, **reads}
     for probe in probes.values():
         probe()
-    layer, probe_s = [], {name: [] for name in probes}
+    layer, probe_s, by_round = [], {name: [] for name in probes}, {"x_floor": [], "x_read_floor": []}
     for _ in range(rounds):
         layer_call()
-        layer += [_timed(layer_call) for _ in range(burst)]
+        burst_s = [_timed(layer_call) for _ in range(burst)]
+        layer += burst_s
         for name, probe in probes.items():
             probe_s[name].append(_timed(probe))
+        copy_s, read_s = min(probe_s[n][-1] for n in copies), min(probe_s[n][-1] for n in reads)
+        by_round["x_floor"].append(statistics.median(burst_s) / (touched_bytes * copy_s / (2 * PROBE_BYTES)))
+        by_round["x_read_floor"].append(statistics.median(burst_s) / (touched_bytes * read_s / PROBE_BYTES))
     copy_rate = 2 * PROBE_BYTES / min(min(probe_s[n]) for n in copies)
     read_rate = PROBE_BYTES / min(min(probe_s[n]) for n in reads)
     return {"auto": statistics.median(layer), "copy_bytes_per_s": copy_rate, "read_bytes_per_s": read_rate,
-            "floor_s": touched_bytes / copy_rate, "read_floor_s": touched_bytes / read_rate}
+            "floor_s": touched_bytes / copy_rate, "read_floor_s": touched_bytes / read_rate,
+            **{name: statistics.median(values) for name, values in by_round.items()},
+            "rounds": {name: values for name, values in by_round.items()}}
 
 
 def _timed(fn):
@@ -377,15 +387,17 @@ def seconds_of(row, name):
 def ratios(row, name):
     """Ratios of a backend's time to the baselines: >1 for (a), (d) means faster; (b) as a fraction
     of roofline. For `auto`, (b) and (d) come from the paired timing where it has them, (c) and (c')
-    from the floors measured in alternation with it (short calls) where it has those."""
+    from the floors measured in alternation with it (short calls) where it has those: the median of
+    the rounds' ratios (`paired_floors`)."""
     seconds = seconds_of(row, name)
     paired = row.get("paired_s", {}) if name == "auto" else {}
     floors = row.get("paired_floor", row) if name == "auto" else row
     hf_s = paired.get("hf", row.get("hf_s"))
+    x_read = seconds / floors["read_floor_s"] if floors.get("read_floor_s") else float("nan")
     return {"vs_dense": row.get("dense_s", float("nan")) / seconds,
             "of_roofline": paired.get("roofline", row["roofline_s"]) / seconds,
-            "x_floor": seconds / floors["floor_s"],
-            "x_read_floor": seconds / floors["read_floor_s"] if floors.get("read_floor_s") else float("nan"),
+            "x_floor": floors.get("x_floor", seconds / floors["floor_s"]),
+            "x_read_floor": floors.get("x_read_floor", x_read),
             "vs_hf": hf_s / seconds if hf_s else float("nan")}
 
 
@@ -425,7 +437,13 @@ def print_table(rows):
             f = row["paired_floor"]
             print(f"{'':>24} paired floors: auto {f['auto'] * 1e3:.2f} ms, (c) {f['floor_s'] * 1e3:.2f} ms "
                   f"(copy {f['copy_bytes_per_s'] / 1e9:.1f} GB/s), (c') {f['read_floor_s'] * 1e3:.2f} ms "
-                  f"(read {f['read_bytes_per_s'] / 1e9:.1f} GB/s)")
+                  f"(read {f['read_bytes_per_s'] / 1e9:.1f} GB/s) at the fastest probes; per round x (c) "
+                  f"{_spread(f['rounds']['x_floor'])}, x (c') {_spread(f['rounds']['x_read_floor'])}")
+
+
+def _spread(values):
+    """"median (min-max)" of a list of ratios."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def markdown(rows):

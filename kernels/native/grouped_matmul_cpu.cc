@@ -364,15 +364,16 @@ constexpr int64_t kPackedMinRows = 32;
 // y[r, 0:16] (+)= sum_k a[k][r] * b[k][0:16] for the first kRows of a 6-row x panel; `accumulate`
 // continues from y (later k blocks), else starts from zero. The sums start from the y tile, so k is
 // summed in order across the k blocks as on every other path (one result whatever the path; adding
-// the tile after the loop instead was 1.00-1.04x, median ~1.02, in an interleaved A/B). `y_next`,
-// the next tile (or nullptr), is prefetched for its own start.
+// the tile after the loop instead ran 0.91-1.06x, median ~1.02, in an interleaved A/B). The next
+// tile's `next_rows` rows from `y_next` are prefetched for its own start.
 template <int kRows>
 __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const float* a,
                                                                             const float* b,
                                                                             int64_t kc, float* y,
                                                                             int64_t c_dim,
-                                                                            bool accumulate, const float* y_next) {
-  for (int r = 0; r < kPanelRows && y_next; ++r) {
+                                                                            bool accumulate, const float* y_next,
+                                                                            int64_t next_rows) {
+  for (int64_t r = 0; r < next_rows; ++r) {
     _mm_prefetch(reinterpret_cast<const char*>(y_next + r * c_dim), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(y_next + r * c_dim + 15), _MM_HINT_T0);
   }
@@ -499,14 +500,15 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int6
         for (int64_t r0 = i0; r0 < i1; r0 += kPanelRows) {
           const float* a = packed_x + (r0 - i0) * kc;
           float* yt = y + r0 * c_dim + c0 + p * kPanelCols;
-          const float* yn = accumulate && r0 + kPanelRows < i1 ? yt + kPanelRows * c_dim : nullptr;
+          const float* yn = yt + kPanelRows * c_dim;  // the next tile (prefetched when it is read first)
+          const int64_t next_rows = accumulate ? std::clamp<int64_t>(i1 - r0 - kPanelRows, 0, kPanelRows) : 0;
           switch (std::min<int64_t>(kPanelRows, rows - r0)) {
-            case 6: MicroKernel<6>(a, b, kc, yt, c_dim, accumulate, yn); break;
-            case 5: MicroKernel<5>(a, b, kc, yt, c_dim, accumulate, yn); break;
-            case 4: MicroKernel<4>(a, b, kc, yt, c_dim, accumulate, yn); break;
-            case 3: MicroKernel<3>(a, b, kc, yt, c_dim, accumulate, yn); break;
-            case 2: MicroKernel<2>(a, b, kc, yt, c_dim, accumulate, yn); break;
-            default: MicroKernel<1>(a, b, kc, yt, c_dim, accumulate, yn); break;
+            case 6: MicroKernel<6>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 5: MicroKernel<5>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 4: MicroKernel<4>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 3: MicroKernel<3>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 2: MicroKernel<2>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            default: MicroKernel<1>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
           }
         }
       }
@@ -545,8 +547,9 @@ __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_
                                                    const ExpertWeights<W>& w, int64_t c0, int64_t c1,
                                                    float* y) {
   // Panel-major weights on AVX-512 CPUs: every row count (its register blocks of up to 6 x 4 panels
-  // matched or beat the packed path at 32-1024 rows per expert, fp32 1.0-1.18x, bf16 0.89-1.33x;
-  // BENCHMARKS.md), bf16-valued rows on the bf16 dot product; the column tail included.
+  // matched or beat the packed path at 32-1024 rows per expert, fp32 1.01-1.18x, bf16 widened
+  // 0.89-1.33x, before their whole-K streaming gained 1.02-1.26x more; BENCHMARKS.md "AVX-512 and
+  // the bf16 dot product"), bf16-valued rows on the bf16 dot product; the column tail included.
   if (w.panels && expertd::CpuIsa() >= expertd::Isa::kAvx512) {
     const uint32_t* const* pairs = nullptr;
     if (ExpertWeights<W>::kBf16 && expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
