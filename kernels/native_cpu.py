@@ -12,8 +12,8 @@ permuted copy of x).
 them on CPU; bf16 in pair rows), each 16-column panel one contiguous stream. The paths (`PATHS`;
 `path_items()` counts the work items each ran):
 - AVX-512 CPUs, panel-major weights ("avx512_fma", native/panel_stream_avx512.h): one zmm per panel
-  row; up to 8 rows per expert keep their sums in registers over all of K, more go in k steps of 6 x
-  4-panel register blocks. bf16 panels times bf16-valued rows (the layer's: x and h are rounded to the
+  row; up to 8 rows per expert keep their sums in registers over all of K, more go in 6-row x
+  4-panel register blocks, each 4-panel group streamed over all of K. bf16 panels times bf16-valued rows (the layer's: x and h are rounded to the
   weights' dtype) on CPUs with AVX512_BF16 run the bf16 dot product ("avx512_bf16_dot"): 32
   multiply-adds per instruction, rounding as the FMAs do (checked on the CPU at load).
 - Otherwise (row-major weights, AVX2 CPUs): under 32 rows per expert the weights are read once, in
@@ -125,6 +125,8 @@ def _register(path: pathlib.Path, targets: dict[str, str]) -> ctypes.CDLL:
     """Load a built library and register its handlers with XLA:CPU, `{target name: symbol}`
     (benchmarks/native_cpu_kernel.py registers a variant of the matmul under another name)."""
     lib = ctypes.cdll.LoadLibrary(str(path))
+    if hasattr(lib, "expertd_native_cpu_path_items"):  # (benchmark variants of older sources lack it)
+        lib.expertd_native_cpu_path_items.restype = ctypes.c_int64
     for target, symbol in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
@@ -203,8 +205,10 @@ def path_items() -> dict[str, int]:
     lib = _load()[0]
     if lib is None:
         return {}
-    lib.expertd_native_cpu_path_items.restype = ctypes.c_int64
     return {name: int(lib.expertd_native_cpu_path_items(i)) for i, name in enumerate(PATHS)}
+
+
+_isa_limit = ISA_LEVELS[-1]  # the library's run-time cap, as limit_isa last set it
 
 
 @contextlib.contextmanager
@@ -212,16 +216,18 @@ def limit_isa(level: str):
     """Run the kernels at most at `level` (one of ISA_LEVELS) inside the `with` block: how the tests
     check that every level computes the same bits, and the benchmarks A/B them in one process. Calls
     already running are not affected; not meant for use while other threads run the kernels."""
+    global _isa_limit
     if level not in ISA_LEVELS:
         raise ValueError(f"level must be one of {ISA_LEVELS}, got {level!r}")
     _require_library()
-    lib = _load()[0]
-    before = lib.expertd_native_cpu_isa()
+    lib, before = _load()[0], _isa_limit
     lib.expertd_native_cpu_limit_isa(ISA_LEVELS.index(level))
+    _isa_limit = level
     try:
         yield
     finally:
-        lib.expertd_native_cpu_limit_isa(len(ISA_LEVELS) - 1 if before == lib.expertd_native_cpu_detected_isa() else before)
+        lib.expertd_native_cpu_limit_isa(ISA_LEVELS.index(before))
+        _isa_limit = before
 
 
 def _require_library():
