@@ -60,7 +60,9 @@ __attribute__((target("avx512f,avx512bf16,avx512vl,fma"))) inline bool Bf16DotIs
 inline Isa DetectIsa() {
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return Isa::kPortable;
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return Isa::kAvx2;
-  if (!__builtin_cpu_supports("avx512bf16") || !Bf16DotIsFma()) return Isa::kAvx512;
+  if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vl") || !Bf16DotIsFma()) {
+    return Isa::kAvx512;  // (the check runs the 128-bit form, which needs AVX512VL)
+  }
   return Isa::kAvx512Bf16;
 }
 
