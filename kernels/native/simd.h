@@ -38,7 +38,7 @@ inline uint32_t FloatBits(float v) {
 // cases whose two roundings differ from one rounding of the sum (cancellation, a dominant
 // accumulator, products of mixed magnitude); a CPU that rounds otherwise keeps the FMA paths.
 __attribute__((target("avx512f,avx512bf16,avx512vl,fma"))) inline bool Bf16DotIsFma() {
-  const float cases[][5] = {  // hi_x, hi_w, lo_x, lo_w, acc (all exact in bf16 but acc)
+  const float cases[][5] = {  // hi_x, hi_w, lo_x, lo_w (each truncated to bf16 below), acc
       {1.0f, 1.0f, 1.0f, 0x1p-24f, 0x1p-24f},   {3.0f, 0x1p-10f, -3.0f, 0x1p-10f, 1.0f},
       {1.5f, 1.5f, -1.5f, 1.5f, 0x1.000002p0f}, {255.0f, 255.0f, -1.0f, 65025.0f, 0.3f},
       {0.1f, 0.2f, 0.3f, 0.4f, 1e7f},           {-7.0f, 0x1p-20f, 5.0f, 0x1p-21f, 0x1.fffffep-1f},

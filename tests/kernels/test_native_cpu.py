@@ -28,10 +28,10 @@ pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native k
 # 4 / 2 and their remainders), [9, 17] several row blocks in 256-deep k steps, K = 301 a remainder
 # past the unrolled k loop; 130 rows pack the panels per k block, 41 / 45 read them in place.
 # On AVX-512 CPUs panel-major weights take one path at every row count (panel_stream_avx512.h): 1-8
-# rows in one register block (K = 5 / 301 odd: bf16's half pair row), more in 256-deep k steps of 6-row
-# blocks and 4-panel groups with their remainders ([9, 17], [45], 130), C = 17 / 40 / 50 / 2064 partial
-# last panels (masked); K = 4101 splits a group into 512 KiB k steps (fp32 2048 rows, bf16 4096, the
-# last with bf16's half pair row).
+# rows in one register block (K = 5 / 301 odd: bf16's half pair row), more in 6-row blocks streaming
+# 4-panel groups over all of K, with their remainders ([9, 17], [45], 130), C = 17 / 40 / 50 / 2064
+# partial last panels (masked); K = 4101 splits a group into 512 KiB k steps (fp32 2048 rows, bf16
+# 4096, the last with bf16's half pair row).
 CASES = [
     ([3], 5, 17),
     ([2, 0, 5], 40, 50),
