@@ -172,8 +172,7 @@ def unavailable_reason() -> str:
 def vectorized() -> bool:
     """Whether this CPU runs the AVX2/FMA path (else a portable scalar loop: correct, slow; set
     EXPERTD_NATIVE_CPU_PORTABLE=1 before the first call to force it)."""
-    lib = _load()[0]
-    return lib is not None and bool(lib.expertd_grouped_matmul_has_avx2())
+    return isa() not in (None, "portable")
 
 
 ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")

@@ -227,8 +227,11 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
                                                                          const W* const* panel, int64_t k,
                                                                          __m256 (&acc)[kRows][2 * kPanels],
                                                                          bool half = false) {
-  __m256 xv[kRows];
-  for (int r = 0; r < kRows; ++r) xv[r] = _mm256_broadcast_ss(x[r] + k);
+  __m256 xv[kRows], xv_next[kRows];  // x[r][k], and for a bf16 pair row x[r][k + 1]
+  for (int r = 0; r < kRows; ++r) {
+    xv[r] = _mm256_broadcast_ss(x[r] + k);
+    if (sizeof(W) == 2 && !half) xv_next[r] = _mm256_broadcast_ss(x[r] + k + 1);
+  }
   for (int g = 0; g < kPanels; ++g) {
     const W* wk = panel[g] + k * kPanelCols;  // for bf16, pair row k / 2
     for (int v = 0; v < 2; ++v) {
@@ -240,9 +243,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
         WidenPair8(wk + 16 * v, first, second);
         for (int r = 0; r < kRows; ++r) acc[r][2 * g + v] = _mm256_fmadd_ps(xv[r], first, acc[r][2 * g + v]);
         if (half) continue;
-        for (int r = 0; r < kRows; ++r) {
-          acc[r][2 * g + v] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[r] + k + 1), second, acc[r][2 * g + v]);
-        }
+        for (int r = 0; r < kRows; ++r) acc[r][2 * g + v] = _mm256_fmadd_ps(xv_next[r], second, acc[r][2 * g + v]);
       }
     }
   }
@@ -617,12 +618,12 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     }
   }
   std::fill(y + row * c_dim, y + n * c_dim, 0.0f);  // rows no expert owns
+  const int64_t expert_elems = ExpertWeights<W>{w, k_dim, c_dim, panels}.Elems();
   expertd::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& it = items[i];
     std::vector<const float*> x(it.rows);
     for (int64_t r = 0; r < it.rows; ++r) x[r] = rows_in.Row(it.row0 + r);
-    const ExpertWeights<W> expert0{w, k_dim, c_dim, panels};
-    const ExpertWeights<W> we{w + it.expert * expert0.Elems(), k_dim, c_dim, panels};
+    const ExpertWeights<W> we{w + it.expert * expert_elems, k_dim, c_dim, panels};
     float* ye = y + it.row0 * c_dim;
     Path path = kPathPortable;
     if (HasAvx2()) {
@@ -721,7 +722,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulGathered, GroupedMatmulGathere
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanels, GroupedMatmulImpl<true>, PlainBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanelsGathered, GroupedMatmulGatheredImpl<true>, GatheredBinding());
 
-extern "C" int expertd_grouped_matmul_has_avx2() { return HasAvx2() ? 1 : 0; }
 // The expertd::Isa level the kernels run at (0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512 with the bf16 dot
 // product), and the highest one this CPU and the environment allow; limit_isa caps it for later calls.
 extern "C" int expertd_native_cpu_isa() { return static_cast<int>(expertd::CpuIsa()); }
