@@ -69,7 +69,7 @@ NATIVE_DIR = pathlib.Path(__file__).with_name("native")
 SOURCE = NATIVE_DIR / "grouped_matmul_cpu.cc"
 # One library: the grouped matmul and the dispatch passes (layout, combine), and their headers.
 SOURCES = (SOURCE, NATIVE_DIR / "dispatch_cpu.cc")
-HEADERS = (NATIVE_DIR / "parallel.h", NATIVE_DIR / "simd.h", NATIVE_DIR / "panel_stream_avx512.h")
+HEADERS = tuple(sorted(NATIVE_DIR.glob("*.h")))  # every one is in the build key
 TARGET = "expertd_grouped_matmul"
 # XLA FFI targets registered from the library: name -> exported handler symbol.
 TARGETS = {TARGET: "ExpertdGroupedMatmul",

@@ -4,6 +4,7 @@ garbage past the groups and in unused experts; every path, layout and instructio
 the same bits; its build, cache and the fallback without a compiler, in fresh processes."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -207,6 +208,15 @@ def test_builds_into_the_cache_dir_and_the_next_process_loads_it(tmp_path):
     assert len(built) == 1 and built[0].startswith("grouped_matmul_cpu-") and built[0].endswith(".so")
     # No compiler now: the cached library still loads.
     assert _fresh_process(code, EXPERTD_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")["ok"] is True
+
+
+def test_the_build_key_covers_every_header_the_sources_include():
+    """A header edit must rebuild the library: library_path() hashes HEADERS, so every local header
+    that a source or header includes has to be among them."""
+    included = set()
+    for path in native_cpu.SOURCES + native_cpu.HEADERS:
+        included |= set(re.findall(r'^#include "([^"/]+)"', path.read_text(), re.MULTILINE))
+    assert included and included <= {h.name for h in native_cpu.HEADERS}
 
 
 def test_without_a_compiler_auto_falls_back_and_explicit_use_says_why(tmp_path):
