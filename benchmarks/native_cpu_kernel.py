@@ -19,8 +19,11 @@ pages faster). "pan ms" / "pan/rm" time the same call on the weights panel-major
 
 The rows are bf16 values where the weights are bf16 (x rounded to the weights' dtype, as the layer's
 rows are), so AVX512_BF16 CPUs run the panels on the bf16 dot product. `--isa-ab` also times the
-panel-major call at every lower instruction-set level this CPU runs (native_cpu.limit_isa),
-interleaved: "<level>/top" > 1 means the top level is faster. The "path" column names the kernel
+panel-major call at every lower instruction-set level this CPU runs (native_cpu.limit_isa), each on
+the panel width the engine makes for that level, interleaved: "<level>/top" > 1 means the top level
+is faster. `--width-ab` also times the panel-major call on the other panel width (16 or 64 columns,
+expertd.kernels.panels), interleaved: "pan/W<other>" > 1 means the width the engine picks for this
+CPU is faster. The "path" column names the kernel
 path the panel-major call took (native_cpu.path_items).
 
 `--variant other.cc` also builds a modified copy of the kernel source and times it interleaved
@@ -88,7 +91,7 @@ def at_isa(fn, level):
 
 
 def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15, pages_ab=False,
-             variant_on_panels=False, isa_ab=False):
+             variant_on_panels=False, isa_ab=False, width_ab=False):
     dtype = jnp.dtype(dtype_name)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((e * m, k)), dtype).astype(jnp.float32)  # the layer's rows: dtype values
@@ -99,12 +102,17 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     host_memory.advise_huge_pages(weights)  # as the engine places them
     weight_panels = [panels.to_panels(w) for w in weights]  # the layout the engine serves on CPU
     host_memory.advise_huge_pages(jax.tree.leaves(weight_panels))
+    lower_isas = native_cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
+    # Each level on the panel width the engine would make for it (16 columns below AVX-512).
+    width_of = {level: 64 if level.startswith("avx512") else 16 for level in lower_isas}
+    panels_of_width = {width: [panels.to_panels(w, width) for w in weights] for width in set(width_of.values())
+                       if width != weight_panels[0].panel_columns}
+    host_memory.advise_huge_pages(jax.tree.leaves(panels_of_width))
     fns = {"native": jax.jit(native_cpu.grouped_matmul), "panels": jax.jit(native_cpu.grouped_matmul),
            "xla": jax.jit(lambda v, g, w: jnp.einsum("emk,ekc->emc", v.reshape(e, m, k), w.astype(jnp.float32),
                                                      precision=jax.lax.Precision.DEFAULT).reshape(e * m, c))}
     if variant is not None:
         fns["variant"] = variant
-    lower_isas = native_cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
     for level in lower_isas:
         fns[f"panels@{level}"] = at_isa(fns["panels"], level)
     weights_of = {name: weights for name in fns}
@@ -113,6 +121,14 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
         on_panels.add("variant")
     for name in on_panels:
         weights_of[name] = weight_panels
+    for level in lower_isas:
+        weights_of[f"panels@{level}"] = panels_of_width.get(width_of[level], weight_panels)
+    other_width = 80 - weight_panels[0].panel_columns  # 16 <-> 64
+    if width_ab:
+        fns["panels_other_width"] = fns["panels"]
+        weights_of["panels_other_width"] = [panels.to_panels(w, other_width) for w in weights]
+        host_memory.advise_huge_pages(jax.tree.leaves(weights_of["panels_other_width"]))
+        on_panels.add("panels_other_width")
     if pages_ab:  # the same kernel on copies left on 4 KiB pages
         fns["native_4k"] = fns["native"]
         weights_of["native_4k"] = weights_4k
@@ -141,6 +157,9 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     row["of_read_rate"] = row["read_floor_s"] / med["native"]
     for level in lower_isas:
         row[f"{level}_vs_top"] = med[f"panels@{level}"] / med["panels"]
+    if width_ab:
+        row["panel_columns"], row["other_panel_columns"] = weight_panels[0].panel_columns, other_width
+        row["width_vs_other"] = med["panels_other_width"] / med["panels"]
     if variant is not None:
         row["variant_vs_base"] = med["panels" if variant_on_panels else "native"] / med["variant"]
     if pages_ab:
@@ -154,6 +173,7 @@ def print_row(r):
     s = r["native_s"]
     extra = f" {r['variant_s'] * 1e3:>8.2f} {r['variant_vs_base']:>6.2f}" if "variant_s" in r else ""
     extra += f" {r['native_4k_s'] * 1e3:>8.2f} {r['huge_vs_4k']:>6.2f}" if "native_4k_s" in r else ""
+    extra += f" {r['width_vs_other']:>7.2f}" if "width_vs_other" in r else ""
     extra += "".join(f" {r[f'{level}_vs_top']:>{max(8, len(level) + 4)}.2f}" for level in native_cpu.ISA_LEVELS
                      if f"{level}_vs_top" in r)
     print(f"{r['E']:>3} {r['K']:>5} {r['C']:>5} {r['rows_per_expert']:>4} {r['dtype']:>8} {s * 1e3:>8.2f} "
@@ -175,6 +195,8 @@ def main(argv=None):
                         help="also time the kernel on weights left on 4 KiB pages (interleaved)")
     parser.add_argument("--isa-ab", action="store_true",
                         help="also time the panel-major call at every lower instruction-set level (interleaved)")
+    parser.add_argument("--width-ab", action="store_true",
+                        help="also time the panel-major call on the other panel width (interleaved)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
@@ -191,6 +213,7 @@ def main(argv=None):
     print(f"{'E':>3} {'K':>5} {'C':>5} {'rows':>4} {'dtype':>8} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>7} {'xla ms':>8} "
           f"{'vs xla':>6} {'x floor':>6} {'of read':>6} {'pan ms':>8} {'pan/rm':>6} {'path':>15}"
           + (f" {'var ms':>8} {'var/base':>6}" if variant else "") + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else "")
+          + (f" {'pan/W' + str(80 - panels.panel_columns()):>7}" if args.width_ab else "")
           + ("".join(f" {level + '/top':>8}" for level in native_cpu.supported_isas()[1:-1]) if args.isa_ab else ""))
     rows = []
     for e, k, c in SHAPES:
@@ -199,7 +222,7 @@ def main(argv=None):
         for dtype_name in args.dtypes:
             for m in args.rows:
                 rows.append(run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant, args.reps, args.pages_ab,
-                                     args.variant_on_panels, args.isa_ab))
+                                     args.variant_on_panels, args.isa_ab, args.width_ab))
                 print_row(rows[-1])
     write_results(args.out, "native_cpu_kernel", rows, variant=str(args.variant or ""),
                   load_average_before=load_before, copy_bandwidth_bytes_per_s=bandwidth,

@@ -1,25 +1,32 @@
 """Panel-major expert weights: the layout the native CPU kernel reads fastest, made once at load.
 
-A row-major expert matrix `[K, C]` (the checkpoint's layout) is read by the kernel 16 columns at a
-time; panel-major stores those 16-column panels one after another, each a contiguous block
-(P = ceil(C / 16); columns past C are zero padding):
+A row-major expert matrix `[K, C]` (the checkpoint's layout) is read by the kernel in blocks of
+16-64 columns; panel-major stores panels of W columns one after another, each a contiguous block
+(P = ceil(C / W); columns past C are zero padding):
 
-    fp32: PanelWeights.panels [E, P, K, 16]
-          w[e, k, c] = panels[e, c // 16, k, c % 16]
-    bf16: PanelWeights.panels [E, P, ceil(K / 2), 32]   ("pair rows": two weight rows interleaved)
-          w[e, k, c] = panels[e, c // 16, k // 2, 2 * (c % 16) + 1 - k % 2]
+    fp32: PanelWeights.panels [E, P, K, W]
+          w[e, k, c] = panels[e, c // W, k, c % W]
+    bf16: PanelWeights.panels [E, P, ceil(K / 2), 2 W]   ("pair rows": two weight rows interleaved)
+          w[e, k, c] = panels[e, c // W, k // 2, 2 * (c % W) + 1 - k % 2]
           (K odd: the last pair row's second row is zero padding)
 
-A bf16 pair row holds, per column, w[2j] in the high half of a 32-bit word and w[2j + 1] in its low
-half: the AVX-512 kernel widens both rows of a 64-byte line to fp32 with an AND and a shift, and
-its bf16 dot product (vdpbf16ps) multiplies the word as it lies, earlier row first
-(native/panel_stream_avx512.h).
+The panel width W is 64 where the native kernel runs AVX-512 (a block of up to 6 rows keeps the sums
+of a panel's 64 columns in zmm registers and reads the panel as one sequential stream) and 16
+elsewhere (AVX2 blocks hold at most 16 columns x 4 rows or 64 columns x 1 row in their 16 ymm
+registers, and read a 64-column panel in up to 4 strided passes, 0.6-0.8x): `panel_columns()`,
+BENCHMARKS.md "Panels of 64 columns".
 
-What it buys (BENCHMARKS.md "Panel-major expert weights", "AVX-512 and the bf16 dot product"): every
-path reads one sequential stream per panel with its sums in registers; on AVX-512 CPUs one zmm is a
-panel row (fp32) or pair row (bf16) and the kernel runs every row count from the panels in place
-(AVX2 CPUs: the packed path's panels are read in place up to 120 rows instead of re-packed each call);
-on AVX512_BF16 CPUs the pair rows are the bf16 dot product's operand as they lie.
+A bf16 pair row holds, per column, w[2j] in the high half of a 32-bit word and w[2j + 1] in its low
+half: the AVX-512 kernel widens both rows of a 64-byte line (16 columns, a "strip") to fp32 with an
+AND and a shift, and its bf16 dot product (vdpbf16ps) multiplies the word as it lies, earlier row
+first (native/panel_layout.h, native/panel_stream_avx512.h).
+
+What it buys (BENCHMARKS.md "Panel-major expert weights", "AVX-512 and the bf16 dot product",
+"Panels of 64 columns"): every block reads its weights in place as sequential streams with its sums
+in registers; on AVX-512 CPUs one zmm is a strip's row (fp32) or pair row (bf16) and the kernel runs
+every row count from the panels in place (AVX2 CPUs: the packed path's strips are read in place up
+to 120 rows instead of re-packed each call); on AVX512_BF16 CPUs the pair rows are the bf16 dot
+product's operand as they lie.
 
 `PanelWeights` is a pytree (it goes through `jax.jit` and into params dicts as an array does) whose
 `shape`, `dtype` and `ndim` are the logical `[E, K, C]` array's, so shape checks and configs treat
@@ -29,18 +36,20 @@ not fast; the engine only makes panels where the native kernel runs every expert
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-PANEL_COLUMNS = 16  # the kernel's panel width (kPanelCols in native/grouped_matmul_cpu.cc)
+PANEL_WIDTHS = (16, 64)  # the panel widths the kernel reads (native/panel_layout.h)
 
 
 @jax.tree_util.register_pytree_node_class
 class PanelWeights:
-    """Expert weights `[E, K, C]` held panel-major as `panels` (fp32 `[E, ceil(C / 16), K, 16]`,
-    bf16 `[E, ceil(C / 16), ceil(K / 2), 32]`; see the module docstring). Build with `to_panels`;
-    `k_dim` is K and `columns` is C."""
+    """Expert weights `[E, K, C]` held panel-major as `panels` (fp32 `[E, ceil(C / W), K, W]`,
+    bf16 `[E, ceil(C / W), ceil(K / 2), 2 W]`, W = `panel_columns`; see the module docstring). Build
+    with `to_panels`; `k_dim` is K and `columns` is C."""
 
     def __init__(self, panels, k_dim: int, columns: int):
         # No checks here: jax.tree_util rebuilds this with placeholder leaves (tracers, None).
@@ -63,6 +72,11 @@ class PanelWeights:
     def dtype(self):
         return self.panels.dtype
 
+    @property
+    def panel_columns(self) -> int:
+        """W, the columns per panel (16 or 64)."""
+        return self.panels.shape[3] // (2 if _pairs(self.dtype) else 1)
+
     ndim = 3
 
     @property
@@ -83,13 +97,26 @@ class PanelWeights:
         return f"PanelWeights(shape={self.shape}, dtype={self.dtype}, panels={tuple(self.panels.shape)})"
 
 
-def to_panels(w) -> PanelWeights:
-    """`w [E, K, C]` (any float dtype, kept) -> the same weights panel-major; exact (a relayout)."""
+def panel_columns() -> int:
+    """The panel width for this process: 64 where the native kernel runs AVX-512 (`native_cpu.isa()`,
+    which EXPERTD_NATIVE_CPU_ISA caps), else 16."""
+    from expertd.kernels import native_cpu  # it imports this module
+
+    return 64 if native_cpu.isa() in ("avx512", "avx512_bf16") else 16
+
+
+def to_panels(w, columns: int | None = None) -> PanelWeights:
+    """`w [E, K, C]` (any float dtype, kept) -> the same weights panel-major in panels of `columns`
+    (16 or 64; default `panel_columns()`); exact (a relayout). PanelWeights of another width are
+    relaid out, of the same width returned as they are."""
+    columns = panel_columns() if columns is None else columns
+    if columns not in PANEL_WIDTHS:
+        raise ValueError(f"columns must be one of {PANEL_WIDTHS}, got {columns}")
     if isinstance(w, PanelWeights):
-        return w
+        return w if w.panel_columns == columns else to_panels(dense(w), columns)
     if getattr(w, "ndim", None) != 3:
         raise ValueError(f"expert weights must be [E, K, C], got shape {getattr(w, 'shape', None)}")
-    return PanelWeights(_relayout(jnp.asarray(w)), w.shape[1], w.shape[2])
+    return PanelWeights(_relayout(jnp.asarray(w), columns), w.shape[1], w.shape[2])
 
 
 def _pairs(dtype) -> bool:
@@ -97,20 +124,20 @@ def _pairs(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.bfloat16
 
 
-@jax.jit
-def _relayout(w):
-    """`[E, K, C]` -> the panels (module docstring), zero-padded: one jitted copy, so a load holds at
-    most one extra copy of the matrix at a time."""
+@functools.partial(jax.jit, static_argnums=1)
+def _relayout(w, columns):
+    """`[E, K, C]` -> the panels of `columns` (module docstring), zero-padded: one jitted copy, so a
+    load holds at most one extra copy of the matrix at a time."""
     e, k, c = w.shape
-    p = -(-c // PANEL_COLUMNS)
+    p = -(-c // columns)
     k_pad = k + k % 2 if _pairs(w.dtype) else k
-    if (p * PANEL_COLUMNS, k_pad) != (c, k):
-        w = jnp.pad(w, ((0, 0), (0, k_pad - k), (0, p * PANEL_COLUMNS - c)))
+    if (p * columns, k_pad) != (c, k):
+        w = jnp.pad(w, ((0, 0), (0, k_pad - k), (0, p * columns - c)))
     if not _pairs(w.dtype):
-        return w.reshape(e, k, p, PANEL_COLUMNS).transpose(0, 2, 1, 3)
-    # [E, K/2, 2 (row in pair), P, 16] -> [E, P, K/2, 16, 2], the pair's later row first (the low half).
-    pairs = w.reshape(e, k_pad // 2, 2, p, PANEL_COLUMNS).transpose(0, 3, 1, 4, 2)[..., ::-1]
-    return pairs.reshape(e, p, k_pad // 2, 2 * PANEL_COLUMNS)
+        return w.reshape(e, k, p, columns).transpose(0, 2, 1, 3)
+    # [E, K/2, 2 (row in pair), P, W] -> [E, P, K/2, W, 2], the pair's later row first (the low half).
+    pairs = w.reshape(e, k_pad // 2, 2, p, columns).transpose(0, 3, 1, 4, 2)[..., ::-1]
+    return pairs.reshape(e, p, k_pad // 2, 2 * columns)
 
 
 def dense(w):
@@ -120,9 +147,9 @@ def dense(w):
     e, k, c = w.shape
     if not _pairs(w.dtype):
         return w.panels.transpose(0, 2, 1, 3).reshape(e, k, -1)[:, :, :c]
-    p, k2 = w.panels.shape[1], w.panels.shape[2]
-    rows = w.panels.reshape(e, p, k2, PANEL_COLUMNS, 2)[..., ::-1].transpose(0, 2, 4, 1, 3)
-    return rows.reshape(e, 2 * k2, p * PANEL_COLUMNS)[:, :k, :c]
+    p, k2, columns = w.panels.shape[1], w.panels.shape[2], w.panel_columns
+    rows = w.panels.reshape(e, p, k2, columns, 2)[..., ::-1].transpose(0, 2, 4, 1, 3)
+    return rows.reshape(e, 2 * k2, p * columns)[:, :k, :c]
 
 
 def is_panels(w) -> bool:

@@ -10,7 +10,7 @@ What it does, in order:
    native CPU kernel runs every forward (one CPU process, no expert parallelism, backend auto or
    native_cpu), the routed expert matrices are then relaid out panel-major (`expertd.kernels.panels`;
    same outputs, faster reads; `panel_weights=False` keeps the row-major layout, and
-   `info()["weight_layout"]` says which is served). On CPU
+   `info()["weight_layout"]` says which is served, `info()["panel_columns"]` the panels' width). On CPU
    devices their buffers are then moved onto transparent huge pages (`expertd.server.host_memory`,
    `huge_pages=False` skips it); `info()["huge_pages"]` reports how many bytes made it, and
    `info()["host_allocator"]` whether this process keeps freed host buffers for reuse
@@ -292,6 +292,7 @@ class Engine:
                      "expert_parallel": self._ep is not None},
             "backend": self.backend,
             "weight_layout": self.weight_layout,
+            "panel_columns": panels.panel_columns() if self.weight_layout == "panels" else None,
             "warm": self.warm,
             "compilations": self.compilations,
             "compile_seconds": self.compile_seconds,

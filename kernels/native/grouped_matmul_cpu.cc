@@ -4,12 +4,14 @@
 //   x f32 [N, K], group_sizes s32 [E], w bf16 or f32 [E, K, C]  ->  y f32 [N, C]
 //   rows past sum(group_sizes) -> 0; experts without rows are never read.
 // The *Panels entry points take the weights panel-major instead (panels.to_panels in Python, done
-// once at load), P = ceil(C / 16) panels of 16 columns per expert (columns past C zero):
-//   fp32: w [E, P, K, 16], column c of expert e at w[e, c / 16, k, c % 16];
-//   bf16: w [E, P, ceil(K / 2), 32] ("pair rows"): w[e, c / 16, k / 2, 2 (c % 16) + 1 - k % 2], i.e.
+// once at load), P = ceil(C / W) panels of W = 16 or 64 columns per expert (columns past C zero; W
+// read from w's last dimension):
+//   fp32: w [E, P, K, W], column c of expert e at w[e, c / W, k, c % W];
+//   bf16: w [E, P, ceil(K / 2), 2 W] ("pair rows"): w[e, c / W, k / 2, 2 (c % W) + 1 - k % 2], i.e.
 //         dword c of pair row j holds w[2j][c] in its high half and w[2j + 1][c] in its low half
 //         (K odd: the last low halves are zero), which the AVX-512 path widens with an AND and a
-//         shift and its bf16 dot product multiplies as it lies (panel_stream_avx512.h).
+//         shift and its bf16 dot product multiplies as it lies (panel_layout.h has the addressing;
+//         every path reads 16-column strips of the panels).
 // Every path sums k in order with one rounding per product-add (FMA; std::fma in the portable
 // loop), so a row's result is the same bits whatever the layout, the path its expert's row count
 // takes, the instruction set or the other rows of the call.
@@ -53,6 +55,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "panel_layout.h"
 #include "panel_stream_avx512.h"
 #include "parallel.h"
 #include "simd.h"
@@ -75,26 +78,34 @@ constexpr int kRowsPerStep = 16;         // weight rows streamed at once; accumu
 constexpr int kRowsPerStepOneBlock = 8;
 constexpr int64_t kRowBlock = 4;
 
-constexpr int kPanelCols = 16;  // columns of a weight panel (panel-major layout, packed path)
+// Columns of a strip of panel-major weights (panel_layout.h), of the AVX2 paths' column chunks and
+// of the packed path's panels.
+constexpr int64_t kStripCols = expertd::kStripColumns;
 
 // One expert's weights [K, C] as they lie in memory: row-major (the checkpoint's layout) or
-// panel-major (fp32 [P, K, 16], bf16 pair rows [P, ceil(K/2), 32]; see the top of the file).
+// panel-major (panel_cols = 16 or 64: fp32 [P, K, W], bf16 pair rows [P, ceil(K/2), 2 W];
+// panel_layout.h).
 template <typename W>
 struct ExpertWeights {
   static constexpr bool kBf16 = sizeof(W) == 2;
   const W* w;  // the expert's first weight
   int64_t k_dim, c_dim;
-  bool panels;
+  int64_t panel_cols;  // 0: row-major
 
-  int64_t PanelElems() const { return expertd::avx512::PanelElements(k_dim, kBf16); }
-  int64_t Elems() const { return panels ? (c_dim + kPanelCols - 1) / kPanelCols * PanelElems() : k_dim * c_dim; }
+  bool Panels() const { return panel_cols > 0; }
+  int64_t PanelElems() const { return expertd::PanelElements(k_dim, kBf16, panel_cols); }
+  int64_t Elems() const { return Panels() ? (c_dim + panel_cols - 1) / panel_cols * PanelElems() : k_dim * c_dim; }
   float At(int64_t k, int64_t c) const {
-    if (!panels) return Load(w, k * c_dim + c);
-    const W* panel = w + c / kPanelCols * PanelElems();
-    return kBf16 ? Load(panel, k / 2 * 32 + 2 * (c % kPanelCols) + 1 - k % 2) : Load(panel, k * kPanelCols + c % kPanelCols);
+    if (!Panels()) return Load(w, k * c_dim + c);
+    const W* panel = w + c / panel_cols * PanelElems();
+    const int64_t col = c % panel_cols;
+    return kBf16 ? Load(panel, k / 2 * 2 * panel_cols + 2 * col + 1 - k % 2) : Load(panel, k * panel_cols + col);
   }
-  // Panel p from weight row k0 (even for bf16) on: 16 fp32 weights per row, 32 bf16 per pair row.
-  const W* Panel(int64_t p, int64_t k0) const { return w + p * PanelElems() + k0 * kPanelCols; }
+  // Strip p (columns 16p..16p+15) from weight row k0 (even for bf16) on: 16 fp32 weights per row,
+  // 32 bf16 per pair row, panel_cols elements per weight row apart.
+  const W* Strip(int64_t p, int64_t k0) const {
+    return w + expertd::StripOffset(p, PanelElems(), kBf16, panel_cols) + k0 * panel_cols;
+  }
 };
 
 // Portable path: any CPU, and the column tail past the last full 16-column chunk.
@@ -224,8 +235,8 @@ constexpr int64_t kPanelStep = sizeof(W) == 2 ? 2 : 1;
 // same for row k + 1 (k even: one pair row), unless `half` (K odd: row k is the last).
 template <int kRows, int kPanels, typename W>
 __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const float* const* x,
-                                                                         const W* const* panel, int64_t k,
-                                                                         __m256 (&acc)[kRows][2 * kPanels],
+                                                                         const W* const* panel, int64_t row,
+                                                                         int64_t k, __m256 (&acc)[kRows][2 * kPanels],
                                                                          bool half = false) {
   __m256 xv[kRows], xv_next[kRows];  // x[r][k], and for a bf16 pair row x[r][k + 1]
   for (int r = 0; r < kRows; ++r) {
@@ -233,7 +244,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
     if (sizeof(W) == 2 && !half) xv_next[r] = _mm256_broadcast_ss(x[r] + k + 1);
   }
   for (int g = 0; g < kPanels; ++g) {
-    const W* wk = panel[g] + k * kPanelCols;  // for bf16, pair row k / 2
+    const W* wk = panel[g] + k * row;  // for bf16, pair row k / 2
     for (int v = 0; v < 2; ++v) {
       if constexpr (sizeof(W) == 4) {
         const __m256 wv = Load8(wk + 8 * v);
@@ -249,8 +260,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
   }
 }
 
-// Streaming over panel-major weights: kPanels adjacent panels (each a contiguous K x 16 stream)
-// for kRows rows over weight rows [k0, k1), the kRows x 2 * kPanels accumulators in registers
+// Streaming over panel-major weights: kPanels adjacent 16-column strips (each its own stream on the
+// 16-column panels the engine makes for AVX2 CPUs; panel_layout.h) for kRows rows over weight rows [k0, k1), the kRows x 2 * kPanels accumulators in registers
 // throughout; they start from zero, or with `accumulate` from y. Fewer rows take more panels at
 // once, to keep 8-12 independent FMA chains. Summation in k order, as the row-major path's (the
 // results are equal bit for bit). Measured on the dev box (native_cpu_kernel.py, interleaved
@@ -265,27 +276,28 @@ __attribute__((target("avx2,fma"))) void PanelStream(const float* const* x, cons
   __m256 acc[kRows][2 * kPanels];
   for (int r = 0; r < kRows; ++r) {
     for (int v = 0; v < 2 * kPanels; ++v) {
-      acc[r][v] = accumulate ? _mm256_loadu_ps(y + r * w.c_dim + p * kPanelCols + 8 * v) : _mm256_setzero_ps();
+      acc[r][v] = accumulate ? _mm256_loadu_ps(y + r * w.c_dim + p * kStripCols + 8 * v) : _mm256_setzero_ps();
     }
   }
   const W* panel[kPanels];
-  for (int g = 0; g < kPanels; ++g) panel[g] = w.Panel(p + g, 0);
-  constexpr int64_t kLine = 64 / (kPanelCols * sizeof(W));  // weight rows per cache line (1 or 2)
+  for (int g = 0; g < kPanels; ++g) panel[g] = w.Strip(p + g, 0);
+  const int64_t row = w.panel_cols;  // elements from one weight row of a strip to the next
+  constexpr int64_t kLine = 64 / (kStripCols * sizeof(W));  // weight rows per cache line (1 or 2)
   constexpr int64_t kUnroll = 4;
   int64_t k = k0;
   for (; k + kUnroll <= k1; k += kUnroll) {  // k0 is a multiple of kLine: one prefetch per line
     for (int g = 0; g < kPanels; ++g) {
       for (int64_t l = 0; l < kUnroll; l += kLine) {
-        _mm_prefetch(reinterpret_cast<const char*>(panel[g] + (k + l) * kPanelCols) + kPanelPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(panel[g] + (k + l) * row) + kPanelPrefetchBytes, _MM_HINT_T0);
       }
     }
 #pragma GCC unroll 4
-    for (int64_t u = 0; u < kUnroll; u += kPanelStep<W>) PanelRow<kRows, kPanels>(x, panel, k + u, acc);
+    for (int64_t u = 0; u < kUnroll; u += kPanelStep<W>) PanelRow<kRows, kPanels>(x, panel, row, k + u, acc);
   }
-  for (; k + kPanelStep<W> <= k1; k += kPanelStep<W>) PanelRow<kRows, kPanels>(x, panel, k, acc);
-  if (k < k1) PanelRow<kRows, kPanels>(x, panel, k, acc, /*half=*/true);  // bf16, K odd
+  for (; k + kPanelStep<W> <= k1; k += kPanelStep<W>) PanelRow<kRows, kPanels>(x, panel, row, k, acc);
+  if (k < k1) PanelRow<kRows, kPanels>(x, panel, row, k, acc, /*half=*/true);  // bf16, K odd
   for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < 2 * kPanels; ++v) _mm256_storeu_ps(y + r * w.c_dim + p * kPanelCols + 8 * v, acc[r][v]);
+    for (int v = 0; v < 2 * kPanels; ++v) _mm256_storeu_ps(y + r * w.c_dim + p * kStripCols + 8 * v, acc[r][v]);
   }
 }
 
@@ -304,16 +316,16 @@ __attribute__((target("avx2,fma"))) void PanelGroup(const float* const* x, const
 // from L2).
 constexpr int64_t kPanelStepK = 256;
 
-// Full panels [c0, c1) / 16 of an item (the streaming path, panel-major weights). One row block:
-// each panel group over all of K. More: steps of kPanelStepK weight rows, each panel of the step
-// for every row block in turn.
+// Full strips [c0, c1) / 16 of an item (the streaming path, panel-major weights). One row block:
+// each group of strips over all of K. More: steps of kPanelStepK weight rows, each strip of the
+// step for every row block in turn.
 template <typename W>
 __attribute__((target("avx2,fma"))) void StreamPanels(const float* const* x, int64_t rows,
                                                       const ExpertWeights<W>& w, int64_t c0,
                                                       int64_t c1, float* y) {
-  const int64_t p0 = c0 / kPanelCols, p1 = c1 / kPanelCols;
+  const int64_t p0 = c0 / kStripCols, p1 = c1 / kStripCols;
   if (rows <= kRowBlock) {
-    constexpr int kGroup = 4;  // panels at once: 1 / 2 / 4 of them for 4 / 2-3 / 1 rows
+    constexpr int kGroup = 4;  // strips at once: 1 / 2 / 4 of them for 4 / 2-3 / 1 rows
     for (int64_t p = p0; p < p1; p += kGroup) {
       const int64_t n = std::min<int64_t>(kGroup, p1 - p);
       switch (rows) {
@@ -362,7 +374,8 @@ constexpr int64_t kPackRowsL2 = 120;  // a multiple of kPanelRows
 // (up to 178 GFLOP/s of this box's 195 FMA peak on two cores).
 constexpr int64_t kPackedMinRows = 32;
 
-// y[r, 0:16] (+)= sum_k a[k][r] * b[k][0:16] for the first kRows of a 6-row x panel; `accumulate`
+// y[r, 0:16] (+)= sum_k a[k][r] * b[k][0:16] for the first kRows of a 6-row x panel, b's rows
+// `b_stride` floats apart (16 packed, the panel width for a strip read in place); `accumulate`
 // continues from y (later k blocks), else starts from zero. The sums start from the y tile, so k is
 // summed in order across the k blocks as on every other path (one result whatever the path; adding
 // the tile after the loop instead ran 0.91-1.06x, median ~1.02, in an interleaved A/B). The next
@@ -370,7 +383,7 @@ constexpr int64_t kPackedMinRows = 32;
 template <int kRows>
 __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const float* a,
                                                                             const float* b,
-                                                                            int64_t kc, float* y,
+                                                                            int64_t b_stride, int64_t kc, float* y,
                                                                             int64_t c_dim,
                                                                             bool accumulate, const float* y_next,
                                                                             int64_t next_rows) {
@@ -386,7 +399,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const
   // Unrolled 4x: the loop's own add / compare / branch otherwise cost ~8% (interleaved A/B at 64 /
   // 256 / 1024 rows per expert, both shapes and dtypes: 1.01-1.21x, median 1.08; 2x and 8x the same).
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < kc; ++k, a += kPanelRows, b += kPanelCols) {
+  for (int64_t k = 0; k < kc; ++k, a += kPanelRows, b += b_stride) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     for (int r = 0; r < kRows; ++r) {
       const __m256 av = _mm256_broadcast_ss(a + r);
@@ -400,21 +413,24 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const
   }
 }
 
-// Panel p of panel-major weights over weight rows [k0, k0 + kc) (k0 even), contiguous already,
-// widened to fp32 into out ([k][16]).
+// Strip p of panel-major weights over weight rows [k0, k0 + kc) (k0 even) widened to fp32 into out
+// ([k][16]).
 template <typename W>
 __attribute__((target("avx2,fma"))) void WidenPanel(const ExpertWeights<W>& w, int64_t p, int64_t k0,
                                                     int64_t kc, float* out) {
-  const W* panel = w.Panel(p, k0);
+  const W* strip = w.Strip(p, k0);
+  const int64_t row = w.panel_cols;
   if constexpr (sizeof(W) == 4) {
-    for (int64_t i = 0; i < kc * kPanelCols; i += 8) _mm256_storeu_ps(out + i, Load8(panel + i));
+    for (int64_t k = 0; k < kc; ++k) {
+      for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out + k * kStripCols + 8 * v, Load8(strip + k * row + 8 * v));
+    }
   } else {
     for (int64_t k = 0; k < kc; k += 2) {  // one pair row: weight rows k and k + 1
       for (int v = 0; v < 2; ++v) {
         __m256 first, second;
-        WidenPair8(panel + k * kPanelCols + 16 * v, first, second);
-        _mm256_storeu_ps(out + k * kPanelCols + 8 * v, first);
-        if (k + 1 < kc) _mm256_storeu_ps(out + (k + 1) * kPanelCols + 8 * v, second);
+        WidenPair8(strip + k * row + 16 * v, first, second);
+        _mm256_storeu_ps(out + k * kStripCols + 8 * v, first);
+        if (k + 1 < kc) _mm256_storeu_ps(out + (k + 1) * kStripCols + 8 * v, second);
       }
     }
   }
@@ -425,15 +441,15 @@ __attribute__((target("avx2,fma"))) void WidenPanel(const ExpertWeights<W>& w, i
 template <typename W>
 __attribute__((target("avx2,fma"))) void PackWeights(const ExpertWeights<W>& w, int64_t k0, int64_t kc,
                                                      int64_t c0, int64_t panels, float* packed) {
-  if (w.panels) {  // a sequential copy per panel
-    for (int64_t p = 0; p < panels; ++p) WidenPanel(w, c0 / kPanelCols + p, k0, kc, packed + p * kc * kPanelCols);
+  if (w.Panels()) {  // a copy per strip
+    for (int64_t p = 0; p < panels; ++p) WidenPanel(w, c0 / kStripCols + p, k0, kc, packed + p * kc * kStripCols);
     return;
   }
   const int64_t c_dim = w.c_dim;
   for (int64_t k = 0; k < kc; ++k) {
     const W* row = w.w + (k0 + k) * c_dim + c0;
-    float* out = packed + k * kPanelCols;
-    for (int64_t p = 0; p < panels; ++p, row += kPanelCols, out += kc * kPanelCols) {
+    float* out = packed + k * kStripCols;
+    for (int64_t p = 0; p < panels; ++p, row += kStripCols, out += kc * kStripCols) {
       _mm256_storeu_ps(out, Load8(row));
       _mm256_storeu_ps(out + 8, Load8(row + 8));
     }
@@ -453,20 +469,25 @@ void PackRows(const float* const* x, int64_t rows, int64_t k0, int64_t kc, float
   }
 }
 
-// The fp32 panel p (of the item's, from column c0) over weight rows [k0, k0 + kc): packed for the
-// whole k block beforehand (`packed_block`: row-major weights, and panel-major ones for items of
-// more than one row chunk, which reuse it); else panel-major fp32 read in place, bf16 widened into
-// `packed` (16 KB, stays in L1 for the panel's micro-tiles).
+// The fp32 16-column panel p (of the item's, from column c0) over weight rows [k0, k0 + kc), and
+// the floats from one of its rows to the next: packed for the whole k block beforehand
+// (`packed_block`: row-major weights, and panel-major ones for items of more than one row chunk,
+// which reuse it); else a panel-major fp32 strip read in place, bf16 widened into `packed` (16 KB,
+// stays in L1 for the panel's micro-tiles).
+struct PackedB {
+  const float* b;
+  int64_t stride;
+};
 template <typename W>
-__attribute__((target("avx2,fma"))) const float* PackedPanel(const ExpertWeights<W>& w, bool packed_block,
-                                                             int64_t c0, int64_t p, int64_t k0,
-                                                             int64_t kc, float* packed) {
-  if (packed_block) return packed + p * kc * kPanelCols;
+__attribute__((target("avx2,fma"))) PackedB PackedPanel(const ExpertWeights<W>& w, bool packed_block,
+                                                        int64_t c0, int64_t p, int64_t k0, int64_t kc,
+                                                        float* packed) {
+  if (packed_block) return {packed + p * kc * kStripCols, kStripCols};
   if constexpr (std::is_same_v<W, float>) {
-    return w.Panel(c0 / kPanelCols + p, k0);
+    return {w.Strip(c0 / kStripCols + p, k0), w.panel_cols};
   } else {
-    WidenPanel(w, c0 / kPanelCols + p, k0, kc, packed);
-    return packed;
+    WidenPanel(w, c0 / kStripCols + p, k0, kc, packed);
+    return {packed, kStripCols};
   }
 }
 
@@ -483,9 +504,9 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int6
     for (int64_t r = 0; r < rows; ++r) std::fill(y + r * c_dim + c0, y + r * c_dim + c1, 0.0f);
     return;
   }
-  const int64_t panels = (c1 - c0) / kPanelCols;
-  const bool packed_block = !w.panels || rows > kPackRowsL2;
-  packed_w_buffer.resize(kPackK * (packed_block ? c1 - c0 : kPanelCols));
+  const int64_t panels = (c1 - c0) / kStripCols;
+  const bool packed_block = !w.Panels() || rows > kPackRowsL2;
+  packed_w_buffer.resize(kPackK * (packed_block ? c1 - c0 : kStripCols));
   packed_x_buffer.resize(kPackK * kPackRowsL2);
   float* const packed_w = packed_w_buffer.data();
   float* const packed_x = packed_x_buffer.data();
@@ -497,19 +518,19 @@ __attribute__((target("avx2,fma"))) void BlockPacked(const float* const* x, int6
       const int64_t i1 = std::min(rows, i0 + kPackRowsL2);
       PackRows(x + i0, i1 - i0, k0, kc, packed_x);
       for (int64_t p = 0; p < panels; ++p) {
-        const float* b = PackedPanel(w, packed_block, c0, p, k0, kc, packed_w);
+        const PackedB b = PackedPanel(w, packed_block, c0, p, k0, kc, packed_w);
         for (int64_t r0 = i0; r0 < i1; r0 += kPanelRows) {
           const float* a = packed_x + (r0 - i0) * kc;
-          float* yt = y + r0 * c_dim + c0 + p * kPanelCols;
+          float* yt = y + r0 * c_dim + c0 + p * kStripCols;
           const float* yn = yt + kPanelRows * c_dim;  // the next tile (prefetched when it is read first)
           const int64_t next_rows = accumulate ? std::clamp<int64_t>(i1 - r0 - kPanelRows, 0, kPanelRows) : 0;
           switch (std::min<int64_t>(kPanelRows, rows - r0)) {
-            case 6: MicroKernel<6>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
-            case 5: MicroKernel<5>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
-            case 4: MicroKernel<4>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
-            case 3: MicroKernel<3>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
-            case 2: MicroKernel<2>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
-            default: MicroKernel<1>(a, b, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 6: MicroKernel<6>(a, b.b, b.stride, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 5: MicroKernel<5>(a, b.b, b.stride, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 4: MicroKernel<4>(a, b.b, b.stride, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 3: MicroKernel<3>(a, b.b, b.stride, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            case 2: MicroKernel<2>(a, b.b, b.stride, kc, yt, c_dim, accumulate, yn, next_rows); break;
+            default: MicroKernel<1>(a, b.b, b.stride, kc, yt, c_dim, accumulate, yn, next_rows); break;
           }
         }
       }
@@ -551,12 +572,12 @@ __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_
   // matched or beat the packed path at 32-1024 rows per expert, fp32 1.01-1.18x, bf16 widened
   // 0.89-1.33x, before their whole-K streaming gained 1.02-1.26x more; BENCHMARKS.md "AVX-512 and
   // the bf16 dot product"), bf16-valued rows on the bf16 dot product; the column tail included.
-  if (w.panels && expertd::CpuIsa() >= expertd::Isa::kAvx512) {
+  if (w.Panels() && expertd::CpuIsa() >= expertd::Isa::kAvx512) {
     const uint32_t* const* pairs = nullptr;
     if (ExpertWeights<W>::kBf16 && expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
       pairs = expertd::avx512::PairRows(x, rows, w.k_dim);
     }
-    expertd::avx512::StreamPanels({x, pairs}, rows, w.w, w.k_dim, c0, c1, w.c_dim, y);
+    expertd::avx512::StreamPanels({x, pairs}, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
     return pairs ? kPathAvx512Bf16Dot : kPathAvx512Fma;
   }
   const int64_t c_vec = c0 + (c1 - c0) / 16 * 16;
@@ -566,7 +587,7 @@ __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_
     BlockPacked(x, rows, w, c0, c_vec, y);
     return kPathAvx2Packed;
   }
-  if (w.panels) {
+  if (w.Panels()) {
     StreamPanels(x, rows, w, c0, c_vec, y);
   } else {
     Stream(x, rows, w, c0, c_vec, y);
@@ -592,10 +613,11 @@ struct RowSource {
   }
 };
 
-// `w` holds E experts of k_dim x c_dim weights, row-major or (`panels`) panel-major.
+// `w` holds E experts of k_dim x c_dim weights, row-major (panel_cols 0) or panel-major in panels
+// of panel_cols columns.
 template <typename W>
 void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
-                   const int32_t* group_sizes, int64_t e_dim, const W* w, int64_t c_dim, bool panels,
+                   const int32_t* group_sizes, int64_t e_dim, const W* w, int64_t c_dim, int64_t panel_cols,
                    float* y) {
   const int64_t k_dim = rows_in.k_dim;
   // Rows of each expert (clamped to the buffer), then items: narrower column blocks when there
@@ -618,12 +640,12 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     }
   }
   std::fill(y + row * c_dim, y + n * c_dim, 0.0f);  // rows no expert owns
-  const int64_t expert_elems = ExpertWeights<W>{w, k_dim, c_dim, panels}.Elems();
+  const int64_t expert_elems = ExpertWeights<W>{w, k_dim, c_dim, panel_cols}.Elems();
   expertd::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& it = items[i];
     std::vector<const float*> x(it.rows);
     for (int64_t r = 0; r < it.rows; ++r) x[r] = rows_in.Row(it.row0 + r);
-    const ExpertWeights<W> we{w + it.expert * expert_elems, k_dim, c_dim, panels};
+    const ExpertWeights<W> we{w + it.expert * expert_elems, k_dim, c_dim, panel_cols};
     float* ye = y + it.row0 * c_dim;
     Path path = kPathPortable;
     if (HasAvx2()) {
@@ -636,19 +658,21 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
 }
 
 // Every entry point: output row r of y [n, C] reads x [M, K] row source[r] (or row r without a
-// source); w is [E, K, C], or with `panels` [E, P, K, 16] (fp32) / [E, P, ceil(K/2), 32] (bf16).
+// source); w is [E, K, C], or with `panels` [E, P, K, W] (fp32) / [E, P, ceil(K/2), 2 W] (bf16).
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* source, int64_t n,
                ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, bool panels, float* y, int64_t c_dim) {
   const int64_t e_dim = w.dimensions()[0], k_dim = x.dimensions()[1];
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  const int64_t panel_cols = panels ? w.dimensions()[3] / (bf16 ? 2 : 1) : 0;
   std::vector<float> zeros(k_dim, 0.0f);
   const RowSource rows_in{x.typed_data(), x.dimensions()[0], k_dim, source, zeros.data()};
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.typed_data<float>(), c_dim, panels, y);
+      GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.typed_data<float>(), c_dim, panel_cols, y);
       return ffi::Error::Success();
     case ffi::DataType::BF16:
       GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.reinterpret_data<uint16_t>(),
-                    c_dim, panels, y);
+                    c_dim, panel_cols, y);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
@@ -656,22 +680,23 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* s
 }
 
 // Shapes shared by every entry point: x [M, K], group_sizes [E], y [N, C], and w [E, K, C] or
-// (`panels`) [E, ceil(C / 16), K, 16] (fp32) / [E, ceil(C / 16), ceil(K / 2), 32] (bf16).
+// (`panels`) [E, ceil(C / W), K, W] (fp32) / [E, ceil(C / W), ceil(K / 2), 2 W] (bf16), W 16 or 64.
 ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w,
                        bool panels, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != (panels ? 4u : 3u) || group_sizes.dimensions().size() != 1 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument(panels ? "expected x [N, K], group_sizes [E], w [E, P, K, 16] (fp32) or "
-                                                "[E, P, ceil(K/2), 32] (bf16), y [N, C]"
+    return ffi::Error::InvalidArgument(panels ? "expected x [N, K], group_sizes [E], w [E, P, K, W] (fp32) or "
+                                                "[E, P, ceil(K/2), 2 W] (bf16), W 16 or 64, y [N, C]"
                                               : "expected x [N, K], group_sizes [E], w [E, K, C], y [N, C]");
   }
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
-  const bool fits = panels ? wd[2] == (bf16 ? (xd[1] + 1) / 2 : xd[1]) && wd[3] == (bf16 ? 2 : 1) * kPanelCols &&
-                                 wd[1] == (yd[1] + kPanelCols - 1) / kPanelCols
+  const int64_t width = panels ? wd[3] / (bf16 ? 2 : 1) : 0;
+  const bool fits = panels ? wd[2] == (bf16 ? (xd[1] + 1) / 2 : xd[1]) && wd[3] == (bf16 ? 2 : 1) * width &&
+                                 expertd::IsPanelWidth(width) && wd[1] == (yd[1] + width - 1) / width
                            : wd[1] == xd[1] && yd[1] == wd[2];
   if (!fits || group_sizes.dimensions()[0] != wd[0]) {
-    return ffi::Error::InvalidArgument(panels ? "shapes disagree: x [N, K], group_sizes [E], w [E, ceil(C/16), K, 16] "
-                                                "(fp32) or [E, ceil(C/16), ceil(K/2), 32] (bf16)"
+    return ffi::Error::InvalidArgument(panels ? "shapes disagree: x [N, K], group_sizes [E], w [E, ceil(C/W), K, W] "
+                                                "(fp32) or [E, ceil(C/W), ceil(K/2), 2 W] (bf16), W 16 or 64"
                                               : "shapes disagree: x [N, K], group_sizes [E], w [E, K, C]");
   }
   return ffi::Error::Success();

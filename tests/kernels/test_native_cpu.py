@@ -28,11 +28,12 @@ pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native k
 # with row-major in every case): [2, 1, 3, 4] x 80 columns streams 1-4 rows over 5 panels (groups of
 # 4 / 2 and their remainders), [9, 17] several row blocks in 256-deep k steps, K = 301 a remainder
 # past the unrolled k loop; 130 rows pack the panels per k block, 41 / 45 read them in place.
-# On AVX-512 CPUs panel-major weights take one path at every row count (panel_stream_avx512.h): 1-8
-# rows in one register block (K = 5 / 301 odd: bf16's half pair row), more in 6-row blocks streaming
-# 4-panel groups over all of K, with their remainders ([9, 17], [45], 130), C = 17 / 40 / 50 / 2064
-# partial last panels (masked); K = 4101 splits a group into 512 KiB k steps (fp32 2048 rows, bf16
-# 4096, the last with bf16's half pair row).
+# On AVX-512 CPUs panel-major weights take one path at every row count (panel_stream_avx512.h): 1-6
+# rows in one register block of 4 strips (K = 5 / 301 odd: bf16's half pair row), more in 6-row
+# blocks and a block of the rest streaming 4 strips over all of K ([0, 0, 7, 0], [9, 17], [45],
+# 130), C = 17 / 40 / 50 / 80 / 96 / 2064 blocks of 1-3 strips at the tail and partial last strips
+# (masked); K = 4101 splits the strips into 512 KiB k steps (fp32 2048 rows, bf16 4096, the last
+# with bf16's half pair row). Panels are 16 and 64 columns wide wherever the test takes panels.
 CASES = [
     ([3], 5, 17),
     ([2, 0, 5], 40, 50),
@@ -98,7 +99,8 @@ def test_every_path_layout_and_instruction_set_gives_the_same_bits(sizes, k, c):
     """Every path sums k in order with one rounding per product-add, so the result does not depend on
     the layout, the row count's path (streaming, packed, AVX-512 blocks), nor the instruction set:
     each level this CPU runs (the portable loop included; the bf16 dot product where x is bf16-valued)
-    gives the bits of the top level on row-major weights."""
+    on row-major weights and on panels of both widths gives the bits of the top level on row-major
+    weights."""
     call = jax.jit(native_cpu.grouped_matmul)
     for dtype in (jnp.float32, jnp.bfloat16):
         for bf16_rows in (False, True):
@@ -107,9 +109,9 @@ def test_every_path_layout_and_instruction_set_gives_the_same_bits(sizes, k, c):
             for level in native_cpu.supported_isas():
                 with native_cpu.limit_isa(level):
                     assert native_cpu.isa() == level
-                    for weights in (w, panels.to_panels(w)):
+                    for weights in (w, *(panels.to_panels(w, width) for width in panels.PANEL_WIDTHS)):
                         np.testing.assert_array_equal(np.asarray(call(x, gs, weights)), want,
-                                                      err_msg=f"{level} {dtype.__name__} {type(weights).__name__}")
+                                                      err_msg=f"{level} {dtype.__name__} {weights!r}")
 
 
 def _paths_taken(call) -> dict[str, int]:
@@ -172,7 +174,8 @@ def test_panel_weights_with_gathered_rows_equal_row_major(dtype):
     gs = jnp.asarray(sizes, jnp.int32)
     call = jax.jit(lambda x, w, s: native_cpu.grouped_matmul(x, gs, w, source=s))
     want = np.asarray(call(x, w, source))
-    np.testing.assert_array_equal(np.asarray(call(x, panels.to_panels(w), source)), want)
+    for width in panels.PANEL_WIDTHS:
+        np.testing.assert_array_equal(np.asarray(call(x, panels.to_panels(w, width), source)), want)
     assert np.abs(want[sum(sizes):]).max() == 0
 
 

@@ -8,22 +8,23 @@ import pytest
 from expertd.kernels import moe, native_cpu, panels
 
 
+@pytest.mark.parametrize("width", panels.PANEL_WIDTHS)
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
-@pytest.mark.parametrize("shape", ((1, 3, 16), (2, 5, 40), (3, 64, 7)))
-def test_relayout_is_exact_and_keeps_the_logical_shape(shape, dtype):
+@pytest.mark.parametrize("shape", ((1, 3, 16), (2, 5, 40), (3, 64, 7), (2, 4, 136)))
+def test_relayout_is_exact_and_keeps_the_logical_shape(shape, dtype, width):
     w = jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
-    pw = panels.to_panels(w)
+    pw = panels.to_panels(w, width)
     e, k, c = shape
-    assert pw.shape == shape and pw.dtype == dtype and pw.ndim == 3
-    p = -(-c // 16)
+    assert pw.shape == shape and pw.dtype == dtype and pw.ndim == 3 and pw.panel_columns == width
+    p = -(-c // width)
     # Every weight where the module docstring says; the rest (columns past C, bf16's second row of
     # the last pair when K is odd) is zero padding.
     if dtype == jnp.float32:
-        assert pw.panels.shape == (e, p, k, 16)
-        where = lambda kk, cc: (cc // 16, kk, cc % 16)  # noqa: E731
+        assert pw.panels.shape == (e, p, k, width)
+        where = lambda kk, cc: (cc // width, kk, cc % width)  # noqa: E731
     else:
-        assert pw.panels.shape == (e, p, -(-k // 2), 32)
-        where = lambda kk, cc: (cc // 16, kk // 2, 2 * (cc % 16) + 1 - kk % 2)  # noqa: E731
+        assert pw.panels.shape == (e, p, -(-k // 2), 2 * width)
+        where = lambda kk, cc: (cc // width, kk // 2, 2 * (cc % width) + 1 - kk % 2)  # noqa: E731
     held = np.asarray(pw.panels.astype(jnp.float32))
     placed = np.zeros(held.shape, bool)
     for kk in range(k):
@@ -33,13 +34,23 @@ def test_relayout_is_exact_and_keeps_the_logical_shape(shape, dtype):
     assert placed.sum() == e * k * c
     np.testing.assert_array_equal(held[~placed], 0)
     np.testing.assert_array_equal(np.asarray(panels.dense(pw)), np.asarray(w))
+    other = panels.to_panels(pw, 80 - width)  # the other width, relaid out from this one
+    assert other.panel_columns == 80 - width and panels.to_panels(other, 80 - width) is other
+    np.testing.assert_array_equal(np.asarray(panels.dense(other)), np.asarray(w))
     # A pytree: through jit and back, as an argument and as a result.
     out = jax.jit(lambda p: panels.to_panels(panels.dense(p) * 2))(pw)
     assert isinstance(out, panels.PanelWeights) and out.shape == shape
     np.testing.assert_array_equal(np.asarray(panels.dense(out)), np.asarray(w) * 2)
-    assert panels.to_panels(pw) is pw and panels.dense(w) is w
+    assert panels.to_panels(pw, width) is pw and panels.dense(w) is w
     np.testing.assert_array_equal(np.asarray(pw), np.asarray(w))  # read back as the array it stands for
     assert np.asarray(pw, np.float32).dtype == np.float32
+
+
+def test_the_width_follows_the_kernel_instruction_set():
+    want = 64 if native_cpu.isa() in ("avx512", "avx512_bf16") else 16
+    assert panels.panel_columns() == want and panels.to_panels(jnp.ones((1, 2, 64))).panel_columns == want
+    with pytest.raises(ValueError, match="columns must be one of"):
+        panels.to_panels(jnp.ones((1, 2, 64)), 32)
 
 
 def test_relayout_names_what_it_expected():

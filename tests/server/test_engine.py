@@ -169,7 +169,8 @@ def test_buckets_and_info(warm_engine):
     # The dev box and CI have g++ (and an AVX2 CPU at least).
     assert info["native_cpu_kernel"] == {"available": True, "reason": None, "isa": native_cpu.isa()}
     assert info["native_cpu_kernel"]["isa"] in native_cpu.ISA_LEVELS[1:]
-    assert info["weight_layout"] == "panels"
+    assert info["weight_layout"] == "panels" and info["panel_columns"] == panels.panel_columns()
+    assert info["layers"][0]["params"]["w_gate"]["shape"] == [8, 64, 128]  # the logical shape, any width
     assert info["forward_expert_backends"] == [  # the two layers' routers differ: one compiled step each
         {"layers": [layer], "bucket": b, "backend": "native_cpu"} for layer in (0, 1) for b in (8, 32)]
 
