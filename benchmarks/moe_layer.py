@@ -31,8 +31,10 @@ against that round's floors ("paired floors"; the start-of-run measurement drift
 between runs on the dev VM, and the read rate between ~34 and ~53 GB/s within one run). The weights are moved
 onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
 `auto` runs on the weights as the engine serves them: panel-major where the native CPU kernel runs
-(expertd.kernels.panels); every other backend, (a) and (b) on the row-major checkpoint layout; a
-"weight layout A/B" line times auto on both layouts in alternation.
+(expertd.kernels.panels, panels of 64 columns on AVX-512 CPUs, 16 elsewhere); every other backend,
+(a) and (b) on the row-major checkpoint layout; a "weight layout A/B" line times auto on the served
+panels, on row-major weights and on panels of the other width, in alternation (>1x: the served
+panels are faster).
 The process keeps freed host buffers for reuse as `expertd serve --retain-freed-memory` does
 (expertd.server.host_allocator: no page faults on the large buffers of T=4096; torch's (d), in the
 same process, gains it too).
@@ -358,10 +360,15 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     if hf_out is not None:
         row["hf_max_abs_diff"] = float(np.max(np.abs(hf_out - np.asarray(out_ref.astype(jnp.float32)))))
     auto_s = row["backends"].get("auto", {}).get("median_s", 0.0)
-    if "auto" in compiled and served is not params:  # the layout's gain: auto on both, interleaved
+    if "auto" in compiled and served is not params:  # the layout's gain: auto on each, interleaved
+        row["panel_columns"] = served["w_gate"].panel_columns
+        other = {name: panels.to_panels(p, 80 - row["panel_columns"]) if name in panels.EXPERT_WEIGHTS else p
+                 for name, p in params.items()}  # the other panel width (16 <-> 64)
+        host_memory.advise_huge_pages(jax.tree.leaves(other))
         row["layout_ab_s"] = interleaved_medians({
             "panels": lambda: jax.block_until_ready(compiled["auto"](served, x)),
-            "row_major": lambda: jax.block_until_ready(compiled["auto"](params, x))}, budget_s=4.0)
+            "row_major": lambda: jax.block_until_ready(compiled["auto"](params, x)),
+            "other_width_panels": lambda: jax.block_until_ready(compiled["auto"](other, x))}, budget_s=6.0)
     if "auto" in compiled and auto_s >= PAIRED_MIN_CALL_S:  # the target ratios, in alternation
         calls = {"auto": lambda: jax.block_until_ready(compiled["auto"](served, x)),
                  "roofline": lambda: jax.block_until_ready(roof_fns[row["roofline_variant"]](rows, *w))}
@@ -431,8 +438,11 @@ def print_table(rows):
             print(f"{'':>24} paired: " + ", ".join(f"{name} {v * 1e3:.2f} ms" for name, v in row["paired_s"].items()))
         if "layout_ab_s" in row:
             ab = row["layout_ab_s"]
-            print(f"{'':>24} weight layout A/B (auto, interleaved): panels {ab['panels'] * 1e3:.2f} ms, "
-                  f"row-major {ab['row_major'] * 1e3:.2f} ms ({ab['row_major'] / ab['panels']:.2f}x)")
+            width = row.get("panel_columns", 16)
+            other = (f", {80 - width}-column panels {ab['other_width_panels'] * 1e3:.2f} ms "
+                     f"({ab['other_width_panels'] / ab['panels']:.2f}x)" if "other_width_panels" in ab else "")
+            print(f"{'':>24} weight layout A/B (auto, interleaved): {width}-column panels {ab['panels'] * 1e3:.2f} ms, "
+                  f"row-major {ab['row_major'] * 1e3:.2f} ms ({ab['row_major'] / ab['panels']:.2f}x){other}")
         if "paired_floor" in row:
             f = row["paired_floor"]
             print(f"{'':>24} paired floors: auto {f['auto'] * 1e3:.2f} ms, (c) {f['floor_s'] * 1e3:.2f} ms "

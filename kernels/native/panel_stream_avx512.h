@@ -43,10 +43,10 @@ namespace expertd::avx512 {
 // block of the rest, each over the 4 strips in turn (StreamPanels).
 constexpr int kMaxBlockRows = 6;
 constexpr int64_t kBlockStrips = 4;
-// No software prefetch: a block reads one sequential stream, which the hardware prefetcher keeps
-// fed (interleaved A/B, a prefetch 1 KiB ahead in blocks of 5+ rows against none: none 0.97-1.12x,
-// 1.07-1.10x at 6-16 rows on one core; 1-4 row blocks lost 0.65-0.92x to a prefetch at any
-// distance, 1-4 KiB, into L1 or L2).
+// No software prefetch: on 64-column panels a block reads one sequential stream, which the hardware
+// prefetcher keeps fed (interleaved A/B on one core: none against a prefetch 1 KiB ahead in blocks
+// of 5+ rows 0.97-1.12x, 1.07-1.10x at 6-16 rows; 1-4 row blocks ran 0.65-1.01x with one 1-4 KiB
+// ahead into L1 or L2).
 
 // One expert's panel-major weights: the first weight, the panel width (16 or 64) and its length.
 template <typename W>
@@ -65,9 +65,8 @@ struct BlockRows {
 };
 
 // y[r][16 (q + g) .. +16] (+)= sum over weight rows [k0, k1) for kRows rows and the kStrips strips
-// from q of one expert's panels `ws`; `last_mask` selects the
-// columns of the block's last strip that exist (a partial strip at C's tail; its padding columns
-// are zero and never stored).
+// from q of one expert's panels `ws`; `last_mask` selects the columns of the block's last strip
+// that exist (a partial strip at C's tail; its padding columns are zero and never stored).
 template <int kRows, int kStrips, typename W>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void StreamBlock(const BlockRows& in, const Strips<W>& ws,
                                                                       int64_t q, int64_t k0,
