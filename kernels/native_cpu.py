@@ -9,13 +9,14 @@ the call (how many share its expert). `grouped_matmul_reference` is its plain-jn
 permuted copy of x).
 
 `w` may be a `panels.PanelWeights` (the weights panel-major, made once at load, as the engine serves
-them on CPU; bf16 in pair rows), each 16-column panel one contiguous stream. The paths (`PATHS`;
-`path_items()` counts the work items each ran):
-- AVX-512 CPUs, panel-major weights ("avx512_fma", native/panel_stream_avx512.h): one zmm per panel
-  row; up to 8 rows per expert keep their sums in registers over all of K, more go in 6-row x
-  4-panel register blocks, each 4-panel group streamed over all of K. bf16 panels times bf16-valued rows (the layer's: x and h are rounded to the
-  weights' dtype) on CPUs with AVX512_BF16 run the bf16 dot product ("avx512_bf16_dot"): 32
-  multiply-adds per instruction, rounding as the FMAs do (checked on the CPU at load).
+them on CPU; bf16 in pair rows; 64-column panels on AVX-512 CPUs, 16 elsewhere), each panel one
+contiguous stream. The paths (`PATHS`; `path_items()` counts the work items each ran):
+- AVX-512 CPUs, panel-major weights ("avx512_fma", native/panel_stream_avx512.h): one zmm per 16
+  columns of a panel row; up to 6 rows per expert x 4 such strips keep their sums in registers over
+  all of K, more go in 6-row blocks plus one of the rest, each streaming 4 strips over all of K.
+  bf16 panels times bf16-valued rows (the layer's: x and h are rounded to the weights' dtype) on
+  CPUs with AVX512_BF16 run the bf16 dot product ("avx512_bf16_dot"): 32 multiply-adds per
+  instruction, rounding as the FMAs do (checked on the CPU at load).
 - Otherwise (row-major weights, AVX2 CPUs): under 32 rows per expert the weights are read once, in
   place, bf16 widened in registers ("avx2_stream"; XLA:CPU copies and widens each expert's slice
   first); more rows run a BLIS-style packed GEMM ("avx2_packed": fp32 weight panels, a 6 x 16

@@ -261,13 +261,14 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
 }
 
 // Streaming over panel-major weights: kPanels adjacent 16-column strips (each its own stream on the
-// 16-column panels the engine makes for AVX2 CPUs; panel_layout.h) for kRows rows over weight rows [k0, k1), the kRows x 2 * kPanels accumulators in registers
-// throughout; they start from zero, or with `accumulate` from y. Fewer rows take more panels at
-// once, to keep 8-12 independent FMA chains. Summation in k order, as the row-major path's (the
-// results are equal bit for bit). Measured on the dev box (native_cpu_kernel.py, interleaved
-// against the row-major path): a software prefetch kPanelPrefetchBytes ahead in each stream took
-// fp32 at 1-4 rows from 0.87-1.03x to 1.04-1.6x; unrolling k 4x, with the prefetches hoisted out of
-// the unrolled rows, took 3-24 rows from 0.44-1.08x to 0.91-1.51x.
+// 16-column panels the engine makes for AVX2 CPUs; panel_layout.h) for kRows rows over weight rows
+// [k0, k1), the kRows x 2 * kPanels accumulators in registers throughout; they start from zero, or
+// with `accumulate` from y. Fewer rows take more strips at once, to keep 8-12 independent FMA
+// chains. Summation in k order, as the row-major path's (the results are equal bit for bit).
+// Measured on the dev box (native_cpu_kernel.py, interleaved against the row-major path): a
+// software prefetch kPanelPrefetchBytes ahead in each stream took fp32 at 1-4 rows from 0.87-1.03x
+// to 1.04-1.6x; unrolling k 4x, with the prefetches hoisted out of the unrolled rows, took 3-24
+// rows from 0.44-1.08x to 0.91-1.51x.
 constexpr int64_t kPanelPrefetchBytes = 1024;
 template <int kRows, int kPanels, typename W>
 __attribute__((target("avx2,fma"))) void PanelStream(const float* const* x, const ExpertWeights<W>& w,

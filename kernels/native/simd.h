@@ -13,7 +13,7 @@ namespace expertd {
 
 // What the kernels may use, each level including the ones below it:
 // - kAvx2: AVX2 + FMA (the fallback vector paths);
-// - kAvx512: AVX-512 F + BW (panel-major weights stream one 16-column panel row per zmm);
+// - kAvx512: AVX-512 F + BW (panel-major weights stream 16 columns of a panel row per zmm);
 // - kAvx512Bf16: AVX512_BF16 too, and its dot product rounds as two FMAs in order (Bf16DotIsFma),
 //   so bf16 x bf16 products can run on it with the results of the FMA paths.
 enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
