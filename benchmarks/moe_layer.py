@@ -161,6 +161,15 @@ def read_bandwidth(nbytes=PROBE_BYTES):
     return nbytes / _fastest(read_probes(nbytes), reps=7)
 
 
+def dense_matmul_rate(n=8192, reps=10):
+    """FLOP/s of one n x n x n bf16 matrix product on random data (median of `reps` after a
+    warm-up): the device's dense matmul rate, which the GPU target at T=4096 is a fraction of."""
+    a, b = (jax.random.normal(jax.random.key(s), (n, n), jnp.bfloat16) for s in (0, 1))
+    product = jax.jit(jnp.matmul)
+    product(a, b).block_until_ready()
+    return 2 * n ** 3 / statistics.median(_timed(lambda: product(a, b).block_until_ready()) for _ in range(reps))
+
+
 def paired_floors(layer_call, touched_bytes, rounds=9, burst=5):
     """The layer call timed in rounds with the copy and read probes (for short calls: T=16's target
     is a ratio to (c), and this VM's bandwidth drifts by up to 1.6x between minutes, and between
@@ -322,11 +331,16 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     row["floor_s"] = touched_bytes / bandwidth  # STREAM-style copy rate (r+w)
     row["read_floor_s"] = touched_bytes / read_rate
     compiled = {}
-    work = {"reference": e * active_flops, "ragged_dot": e * active_flops, "capacity": e * 6 * t * h * i,
-            "expert_loop": active_flops, "native_cpu": active_flops, "auto": active_flops, "pallas": active_flops}
+    cpu = jax.default_backend() == "cpu"
+    work = {"reference": e * active_flops, "ragged_dot": e * active_flops if cpu else active_flops,
+            "capacity": e * 6 * t * h * i, "expert_loop": active_flops, "native_cpu": active_flops,
+            "auto": active_flops, "pallas": active_flops}
     for backend in only_backends or BACKENDS:
-        if backend == "pallas" and t > 16:
+        if backend == "pallas" and t > 16 and cpu:
             row["backends"][backend] = {"skipped": "interpret mode on CPU (a GPU kernel); run at T=16 only"}
+            continue
+        if backend == "native_cpu" and not cpu:
+            row["backends"][backend] = {"skipped": "an XLA:CPU kernel"}
             continue
         if work[backend] > FLOP_CAP:
             row["backends"][backend] = {"skipped": f"{work[backend] / 1e12:.1f} TFLOP per call (E x or T*E work)"}
@@ -552,6 +566,7 @@ def main(argv=None):
         return
     host_allocator.retain_freed_memory()  # as `serve --retain-freed-memory`, before JAX's first computation
     load_before = os.getloadavg()
+    matmul_rate = None
     if args.options_ab:
         name, bandwidth, read_rate, rows = "moe_layer_options_ab", None, None, run_options_ab(args)
         out = AB_RESULTS if args.out == RESULTS else args.out
@@ -559,6 +574,9 @@ def main(argv=None):
         bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read bandwidth {read_rate / 1e9:.1f} GB/s; "
               f"jax {jax.__version__} on {jax.default_backend()}")
+        if jax.default_backend() == "gpu":  # the GPU target: T=4096 at >= 60% of this
+            matmul_rate = dense_matmul_rate()
+            print(f"dense bf16 matmul (8192^3, random data): {matmul_rate / 1e12:.0f} TFLOP/s")
         name, out, rows = "moe_layer", args.out, []
         for (e, k, h, i, family), dtype_name, t in selected_cases(args, SHAPES, TOKENS):
             rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, args.backends,
@@ -568,7 +586,8 @@ def main(argv=None):
         print()
         print_table(rows)
     write_results(out, name, rows, xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
-                  copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate)
+                  copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate,
+                  **({"dense_bf16_matmul_flops_per_s": matmul_rate} if matmul_rate else {}))
 
 
 def write_results(path, benchmark, rows, **fields):
