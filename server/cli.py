@@ -80,8 +80,8 @@ def serve(argv: list[str]) -> int:
     say(f"ready: {len(handle.engine.layers)} layers, buckets {list(handle.engine.buckets)}, "
         f"{time.perf_counter() - started:.1f}s after start")
     info = handle.engine.info()
-    for note in (_native_kernel_note(info["native_cpu_kernel"]), _huge_pages_note(info["huge_pages"]),
-                 _host_allocator_note(info["host_allocator"])):
+    for note in (_native_kernel_note(info["native_cpu_kernel"], info["panel_columns"]),
+                 _huge_pages_note(info["huge_pages"]), _host_allocator_note(info["host_allocator"])):
         if note:
             say(note)
     while not handle.wait(0.5):  # short waits keep the main thread responsive to signals
@@ -94,13 +94,15 @@ def say(message: str) -> None:
     print(f"expertd: {message}", flush=True)
 
 
-def _native_kernel_note(status: dict | None) -> str | None:
-    """The line `serve` prints about the native CPU expert kernel (status: Engine.info()'s): the
-    instruction set it runs at, or why it could not be built; None off CPU."""
+def _native_kernel_note(status: dict | None, panel_columns: int | None = None) -> str | None:
+    """The line `serve` prints about the native CPU expert kernel (status, panel_columns:
+    Engine.info()'s): the instruction set it runs at and the weights' panel width, or why it could
+    not be built; None off CPU."""
     if status is None:
         return None
     if status["available"]:
-        return f"native CPU expert kernel: {status['isa']} instructions"
+        layout = f", expert weights in {panel_columns}-column panels" if panel_columns else ""
+        return f"native CPU expert kernel: {status['isa']} instructions{layout}"
     return (f"note: the native CPU expert kernel is unavailable ({status['reason']}); the experts run "
             "XLA's slower paths")
 

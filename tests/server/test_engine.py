@@ -226,6 +226,8 @@ def test_serve_notes_the_native_kernel_level_or_why_it_is_missing():
     assert cli._native_kernel_note(None) is None  # not a CPU engine
     assert cli._native_kernel_note({"available": True, "reason": None, "isa": "avx512_bf16"}) == (
         "native CPU expert kernel: avx512_bf16 instructions")
+    assert cli._native_kernel_note({"available": True, "reason": None, "isa": "avx512_bf16"}, 64) == (
+        "native CPU expert kernel: avx512_bf16 instructions, expert weights in 64-column panels")
     note = cli._native_kernel_note({"available": False, "reason": "no C++ compiler found (set CXX)", "isa": None})
     assert "unavailable (no C++ compiler found (set CXX))" in note
 
