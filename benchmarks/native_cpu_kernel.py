@@ -104,7 +104,7 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     host_memory.advise_huge_pages(jax.tree.leaves(weight_panels))
     lower_isas = native_cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
     # Each level on the panel width the engine would make for it (16 columns below AVX-512).
-    width_of = {level: 64 if level.startswith("avx512") else 16 for level in lower_isas}
+    width_of = {level: panels.panel_columns(level) for level in lower_isas}
     panels_of_width = {width: [panels.to_panels(w, width) for w in weights] for width in set(width_of.values())
                        if width != weight_panels[0].panel_columns}
     host_memory.advise_huge_pages(jax.tree.leaves(panels_of_width))

@@ -97,12 +97,15 @@ class PanelWeights:
         return f"PanelWeights(shape={self.shape}, dtype={self.dtype}, panels={tuple(self.panels.shape)})"
 
 
-def panel_columns() -> int:
-    """The panel width for this process: 64 where the native kernel runs AVX-512 (`native_cpu.isa()`,
-    which EXPERTD_NATIVE_CPU_ISA caps), else 16."""
-    from expertd.kernels import native_cpu  # it imports this module
+def panel_columns(isa: str | None = None) -> int:
+    """The panel width for native kernel instruction-set level `isa` (default: the level this
+    process runs, `native_cpu.isa()`, which EXPERTD_NATIVE_CPU_ISA caps): 64 for the AVX-512 levels,
+    else 16."""
+    if isa is None:
+        from expertd.kernels import native_cpu  # it imports this module
 
-    return 64 if native_cpu.isa() in ("avx512", "avx512_bf16") else 16
+        isa = native_cpu.isa()
+    return 64 if isa in ("avx512", "avx512_bf16") else 16
 
 
 def to_panels(w, columns: int | None = None) -> PanelWeights:

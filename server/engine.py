@@ -292,7 +292,7 @@ class Engine:
                      "expert_parallel": self._ep is not None},
             "backend": self.backend,
             "weight_layout": self.weight_layout,
-            "panel_columns": panels.panel_columns() if self.weight_layout == "panels" else None,
+            "panel_columns": self._panel_columns(),
             "warm": self.warm,
             "compilations": self.compilations,
             "compile_seconds": self.compile_seconds,
@@ -326,6 +326,11 @@ class Engine:
         if self.devices[0].platform != "cpu" or self._ep is not None or jax.process_count() > 1:
             return False
         return self.backend in ("auto", "native_cpu") and experts.native_cpu_available()
+
+    def _panel_columns(self) -> int | None:
+        """The served expert weights' panel width (None: row-major)."""
+        w_gate = next(iter(self._params.values()))["w_gate"]
+        return w_gate.panel_columns if panels.is_panels(w_gate) else None
 
     def _native_cpu_kernel(self) -> dict | None:
         """On CPU, whether the C++ expert kernel (`auto`'s choice there) is usable and, if not,
