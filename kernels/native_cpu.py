@@ -181,9 +181,9 @@ ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
 
 def isa() -> str | None:
     """The instruction-set level the kernels run at now, one of ISA_LEVELS (None when the library is
-    unavailable): "avx512" streams panel-major weights one zmm per panel row, "avx512_bf16" also
-    multiplies bf16-valued rows by bf16 weights on the bf16 dot product, with the FMA paths' results
-    (native/simd.h Bf16DotIsFma). The highest level the CPU runs is used, capped by
+    unavailable): "avx512" streams panel-major weights 16 columns of a panel row per zmm,
+    "avx512_bf16" also multiplies bf16-valued rows by bf16 weights on the bf16 dot product, with the
+    FMA paths' results (native/simd.h Bf16DotIsFma). The highest level the CPU runs is used, capped by
     EXPERTD_NATIVE_CPU_ISA=<level> (set before the first call) and by `limit_isa`."""
     lib = _load()[0]
     return None if lib is None else ISA_LEVELS[lib.expertd_native_cpu_isa()]

@@ -161,6 +161,14 @@ def tolerance(dtype) -> float:
     return 3e-2 if np.dtype(dtype) != np.float32 else 2e-5
 
 
+def max_error(out, ref: OracleResult) -> tuple[float, float]:
+    """(largest abs error of `out [T, H]` on the tokens without a near-tie, the output's scale: the
+    oracle's largest magnitude, at least 1); errors are judged as err <= tolerance(dtype) * scale."""
+    keep = ~ref.near_tie
+    err = float(np.abs(_f64(out)[keep] - ref.out[keep]).max()) if keep.any() else 0.0
+    return err, max(1.0, float(np.abs(ref.out).max()))
+
+
 def assert_close_to_oracle(out, ref: OracleResult, dtype, *, what: str = "output"):
     """Compare `out [T, H]` with the oracle on the tokens without a near-tie."""
     out = _f64(out)
@@ -168,8 +176,7 @@ def assert_close_to_oracle(out, ref: OracleResult, dtype, *, what: str = "output
     if ref.near_tie.sum() > max(1, 0.05 * len(keep)):
         raise AssertionError(f"too many near-ties ({ref.near_tie.sum()} of {len(keep)}): test inputs are degenerate")
     assert np.isfinite(out).all(), f"{what}: non-finite values"
-    scale = max(1.0, float(np.abs(ref.out).max()))
-    err = float(np.abs(out[keep] - ref.out[keep]).max()) if keep.any() else 0.0
+    err, scale = max_error(out, ref)
     assert err <= tolerance(dtype) * scale, f"{what}: max abs error {err:.3g} > {tolerance(dtype) * scale:.3g}"
 
 
