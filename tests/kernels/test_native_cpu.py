@@ -26,8 +26,10 @@ pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native k
 # 130 spans two 120-row L2 blocks, K = 300 / 520 end in a partial 256-deep k block, and the last
 # case mixes both paths (and an empty expert) in one call. Panel-major weights (compared bit for bit
 # with row-major in every case): [2, 1, 3, 4] x 80 columns streams 1-4 rows over 5 panels (groups of
-# 4 / 2 and their remainders), [9, 17] several row blocks in 256-deep k steps, K = 301 a remainder
-# past the unrolled k loop; 130 rows pack the panels per k block, 41 / 45 read them in place.
+# 4 / 2 and their remainders), [6, 5] one 6- / 5-row block per strip (K = 33 odd: the half pair
+# row past the unrolled k loop), [9, 17] several row blocks in 256-deep k steps (9 = 5 + 4,
+# 17 = 6 + 6 + 5; 7 = 4 + 3, 13 = 5 + 4 + 4 above), K = 301 a remainder past the unrolled k loop;
+# 130 rows pack the panels per k block, 41 / 45 read them in place.
 # On AVX-512 CPUs panel-major weights take one path at every row count (panel_stream_avx512.h): 1-6
 # rows in one register block of 4 strips (K = 5 / 301 odd: bf16's half pair row), more in 6-row
 # blocks and a block of the rest streaming 4 strips over all of K ([0, 0, 7, 0], [9, 17], [45],
@@ -46,6 +48,7 @@ CASES = [
     ([45], 300, 40),
     ([0, 130, 41, 3], 520, 64),
     ([2, 1, 3, 4], 301, 80),
+    ([6, 5], 33, 48),
     ([9, 17], 301, 64),
     ([9, 0, 7], 4101, 24),
 ]
