@@ -75,7 +75,7 @@ constexpr int64_t kMinBlockColumns = 256;
 // Streaming items on panel-major weights: a narrower block costs nothing (each strip is a stream
 // of its own), and more items even out experts of unequal row counts across the threads: the
 // three projections of the E=8 T=16 layer (8 experts of 3-7 rows) ran 0.94-0.97x the time with 4
-// blocks per expert instead of 1 (interleaved, 5 runs, 2-core Zen 3 VM); E=64 (56 items already)
+// blocks per expert instead of 1 (interleaved, 6 runs, 2-core Zen 3 VM); E=64 (56 items already)
 // unchanged. The packed path keeps wide blocks (narrow ones repack x per block: 1.00-1.04x slower
 // at 32-256 rows).
 constexpr int64_t kItemsPerThreadPanels = 16;
@@ -342,8 +342,10 @@ constexpr int64_t kPanelStepK = 256;
 // as fit (7 = 4 + 3, 13 = 5 + 4 + 4), so that no block is left with 1-2 rows, whose few FMA chains
 // wait on each other's latency.
 // Interleaved A/B on the AVX2 dev box (2-core Zen 3 VM, native_cpu_kernel.py --variant, 4 shapes)
-// against 4-row blocks with 1 strip each, taken k step by k step across all the strips: 5-6 rows
-// 1.38-1.71x (bf16) / 1.20-1.40x (fp32), 7-16 rows 1.06-1.41x / 1.02-1.24x, 1-4 rows 0.97-1.21x.
+// against 4-row blocks with 1 strip each, taken k step by k step across all the strips (and x
+// broadcast up front in PanelRow, which spilled): 5-6 rows 1.46-1.64x (bf16) / 1.24-1.32x (fp32),
+// 7-8 rows 1.18-1.45x / 1.08-1.16x, 16 rows 0.90-1.34x / 1.01-1.10x, 1-4 rows level (0.85-1.11x,
+// this VM's noise); BENCHMARKS.md "AVX2 register blocks of 5-6 rows".
 template <typename W>
 __attribute__((target("avx2,fma"))) void StreamPanels(const float* const* x, int64_t rows,
                                                       const ExpertWeights<W>& w, int64_t c0,
