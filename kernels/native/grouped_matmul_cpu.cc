@@ -239,6 +239,19 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 WidenSecond8(co
 template <typename W>
 constexpr int64_t kPanelStep = sizeof(W) == 2 ? 2 : 1;
 
+// acc[r][v0] += x[r][k] * w0 and acc[r][v0 + 1] += x[r][k] * w1 for every row: one broadcast of x
+// feeds its two FMAs at once.
+template <int kRows, int kSums>
+__attribute__((target("avx2,fma"), always_inline)) inline void FmaRows(const float* const* x, int64_t k,
+                                                                        __m256 w0, __m256 w1, int v0,
+                                                                        __m256 (&acc)[kRows][kSums]) {
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(x[r] + k);
+    acc[r][v0] = _mm256_fmadd_ps(xv, w0, acc[r][v0]);
+    acc[r][v0 + 1] = _mm256_fmadd_ps(xv, w1, acc[r][v0 + 1]);
+  }
+}
+
 // acc[r][2g + v] += x[r][k] * panel g's weight row k (its columns 8v..8v+7), and for bf16 then the
 // same for row k + 1 (k even: one pair row), unless `half` (K odd: row k is the last).
 template <int kRows, int kPanels, typename W>
@@ -246,32 +259,15 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
                                                                          const W* const* panel, int64_t row,
                                                                          int64_t k, __m256 (&acc)[kRows][2 * kPanels],
                                                                          bool half = false) {
-  // Each broadcast of x feeds its FMAs at once, and bf16 widens each half of the pair row just
-  // before its FMAs: at most 12 sums + 2 weight vectors + 1 broadcast live, within AVX2's 16 ymm.
+  // bf16 widens each half of the pair row just before its FMAs: at most 12 sums + 2 weight vectors
+  // + 1 broadcast live, within AVX2's 16 ymm.
   for (int g = 0; g < kPanels; ++g) {
     const W* wk = panel[g] + k * row;  // for bf16, pair row k / 2
-    __m256 w0, w1;
     if constexpr (sizeof(W) == 4) {
-      w0 = Load8(wk);
-      w1 = Load8(wk + 8);
+      FmaRows(x, k, Load8(wk), Load8(wk + 8), 2 * g, acc);
     } else {
-      w0 = WidenFirst8(wk);
-      w1 = WidenFirst8(wk + 16);
-    }
-    for (int r = 0; r < kRows; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x[r] + k);
-      acc[r][2 * g] = _mm256_fmadd_ps(xv, w0, acc[r][2 * g]);
-      acc[r][2 * g + 1] = _mm256_fmadd_ps(xv, w1, acc[r][2 * g + 1]);
-    }
-    if constexpr (sizeof(W) == 2) {
-      if (half) continue;
-      w0 = WidenSecond8(wk);
-      w1 = WidenSecond8(wk + 16);
-      for (int r = 0; r < kRows; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x[r] + k + 1);
-        acc[r][2 * g] = _mm256_fmadd_ps(xv, w0, acc[r][2 * g]);
-        acc[r][2 * g + 1] = _mm256_fmadd_ps(xv, w1, acc[r][2 * g + 1]);
-      }
+      FmaRows(x, k, WidenFirst8(wk), WidenFirst8(wk + 16), 2 * g, acc);
+      if (!half) FmaRows(x, k + 1, WidenSecond8(wk), WidenSecond8(wk + 16), 2 * g, acc);
     }
   }
 }
@@ -385,10 +381,11 @@ __attribute__((target("avx2,fma"))) void StreamPanels(const float* const* x, int
   for (int64_t p = p0; p < p1; ++p) {
     for (int64_t k0 = 0; k0 < w.k_dim; k0 += kPanelStepK) {
       const int64_t k1 = std::min(w.k_dim, k0 + kPanelStepK);
-      for (int64_t b = 0, r = 0; b < blocks; r += base + (b < extra), ++b) {
+      for (int64_t b = 0, r = 0, n; b < blocks; r += n, ++b) {
+        n = base + (b < extra);
         const float* const* xr = x + r;
         float* yr = y + r * w.c_dim;
-        switch (base + (b < extra)) {
+        switch (n) {
           case 6: PanelStream<6, 1>(xr, w, p, k0, k1, k0 > 0, yr); break;
           case 5: PanelStream<5, 1>(xr, w, p, k0, k1, k0 > 0, yr); break;
           case 4: PanelStream<4, 1>(xr, w, p, k0, k1, k0 > 0, yr); break;
