@@ -6,8 +6,9 @@
                  (read + write, STREAM's convention; the issue's definition). Reported beside it:
   (c') read floor: the same bytes / measured read bandwidth (the fastest of XLA's sum and
                  matrix-vector product and numpy's BLAS one over 256 MiB). A layer only reads its
-                 weights, so (c') is the floor this machine can reach; on the 2-core dev VM the read
-                 rate measured 0.79-0.90x the copy rate (r+w), so (c') is 1.1-1.27x (c).
+                 weights, so (c') is the floor this machine can reach. The read rate measured
+                 0.7-0.9x the copy rate (r+w) on the Zen 3 dev VM and 0.6-0.75x on the Zen 4 and
+                 Zen 5 ones, so (c') is 1.1-1.65x (c); the paired floors report it per round.
   (d) HF:        transformers' MixtralSparseMoeBlock (E=8) / Qwen3MoeSparseMoeBlock (E=64) on torch
                  CPU with the same weights (skipped with a note when torch is not installed)
 
@@ -178,12 +179,17 @@ def paired_floors(layer_call, touched_bytes, rounds=9, burst=5):
     each probe once. Returns the layer's median, (c) / (c') from the probes' fastest calls over all
     rounds, and the ratios the table reports: per round, the burst's median over that round's
     floors (its fastest copy / read probe), the median of those over the rounds, so that a layer
-    call is only ever compared with the bandwidth of its own minute."""
+    call is only ever compared with the bandwidth of its own minute. Each round also records
+    where its read floor lies in units of its copy floor ("read_floor_x_floor", = copy rate / read
+    rate): the x (c) of a layer that reads its weights at the read probe's rate. Above 1.5 the
+    T=16 target is out of reach in that round by (c)'s definition (the Zen 4 and Zen 5 VMs' reads
+    ran at 0.6-0.75x their copy rate in some minutes)."""
     copies, reads = copy_probes(), read_probes(blas=False)  # BLAS's threads spin on after a call
     probes = {**copies, **reads}
     for probe in probes.values():
         probe()
-    layer, probe_s, by_round = [], {name: [] for name in probes}, {"x_floor": [], "x_read_floor": []}
+    layer, probe_s = [], {name: [] for name in probes}
+    by_round = {"x_floor": [], "x_read_floor": [], "read_floor_x_floor": []}
     for _ in range(rounds):
         layer_call()
         burst_s = [_timed(layer_call) for _ in range(burst)]
@@ -193,6 +199,7 @@ def paired_floors(layer_call, touched_bytes, rounds=9, burst=5):
         copy_s, read_s = min(probe_s[n][-1] for n in copies), min(probe_s[n][-1] for n in reads)
         by_round["x_floor"].append(statistics.median(burst_s) / (touched_bytes * copy_s / (2 * PROBE_BYTES)))
         by_round["x_read_floor"].append(statistics.median(burst_s) / (touched_bytes * read_s / PROBE_BYTES))
+        by_round["read_floor_x_floor"].append(2 * read_s / copy_s)
     copy_rate = 2 * PROBE_BYTES / min(min(probe_s[n]) for n in copies)
     read_rate = PROBE_BYTES / min(min(probe_s[n]) for n in reads)
     return {"auto": statistics.median(layer), "copy_bytes_per_s": copy_rate, "read_bytes_per_s": read_rate,
@@ -462,7 +469,9 @@ def print_table(rows):
             print(f"{'':>24} paired floors: auto {f['auto'] * 1e3:.2f} ms, (c) {f['floor_s'] * 1e3:.2f} ms "
                   f"(copy {f['copy_bytes_per_s'] / 1e9:.1f} GB/s), (c') {f['read_floor_s'] * 1e3:.2f} ms "
                   f"(read {f['read_bytes_per_s'] / 1e9:.1f} GB/s) at the fastest probes; per round x (c) "
-                  f"{_spread(f['rounds']['x_floor'])}, x (c') {_spread(f['rounds']['x_read_floor'])}")
+                  f"{_spread(f['rounds']['x_floor'])}, x (c') {_spread(f['rounds']['x_read_floor'])}"
+                  + (f"; (c') in units of (c) {_spread(f['rounds']['read_floor_x_floor'])}"
+                     if "read_floor_x_floor" in f["rounds"] else ""))
 
 
 def _spread(values):
