@@ -13,9 +13,9 @@ by the calls; the call period (wall clock per call, block_until_ready included) 
                  and the wait for the result
 
 Prints a table per case and writes benchmarks/results/layer_timeline.json. Written for
-XLA:CPU's trace (op events on threads named `tf_XLA...`); on a GPU the same events are the
-host-side launches. Run it alone (`flock /tmp/expertd-bench.lock ...`); the profiler adds a few
-microseconds per op.
+XLA:CPU's trace, whose op events run on threads named `tf_XLA...`; it has not been run on a GPU,
+whose kernels appear on device streams instead. Run it alone (`flock /tmp/expertd-bench.lock
+...`); the profiler adds a few microseconds per op.
 """
 from __future__ import annotations
 
