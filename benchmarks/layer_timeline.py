@@ -35,7 +35,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_layer  # noqa: E402  (the shapes, configs and results writer of the layer benchmark)
 
-from expertd.kernels import experts, moe, panels  # noqa: E402
+from expertd.kernels import moe  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "layer_timeline.json")
 CALLS = 40
@@ -67,12 +67,7 @@ def op_seconds(events: list[dict], calls: int) -> dict[str, dict]:
 def timeline(e, k, h, i, family, t, dtype_name, calls=CALLS):
     """One case: the layer's call period and its ops, per call."""
     dtype = jnp.dtype(dtype_name)
-    cfg = moe_layer.layer_config(e, k, h, i, family)
-    params = moe.init_params(cfg, jax.random.key(0), dtype)
-    backend = experts.choose_backend(t * k, e, h, i, dtype)
-    served = panels.panel_params(params) if backend == "native_cpu" else params
-    moe_layer.host_memory.advise_huge_pages(jax.tree.leaves(served))
-    x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
+    cfg, _, served, backend, x = moe_layer.served_case(e, k, h, i, family, t, dtype)
     layer = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg),
                     compiler_options=moe.compiler_options(cfg, t, dtype=dtype) or None)
     for _ in range(WARMUP_CALLS):

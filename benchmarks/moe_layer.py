@@ -7,8 +7,8 @@
   (c') read floor: the same bytes / measured read bandwidth (the fastest of XLA's sum and
                  matrix-vector product and numpy's BLAS one over 256 MiB). A layer only reads its
                  weights, so (c') is the floor this machine can reach. The read rate measured
-                 0.7-0.9x the copy rate (r+w) on the Zen 3 dev VM and 0.6-0.75x on the Zen 4 and
-                 Zen 5 ones, so (c') is 1.1-1.65x (c); the paired floors report it per round.
+                 0.7-0.9x the copy rate (r+w) on the Zen 3 dev VM and 0.6-0.8x on the Zen 4 and
+                 Zen 5 ones, so (c') is 1.1-1.7x (c); the paired floors report it per round.
   (d) HF:        transformers' MixtralSparseMoeBlock (E=8) / Qwen3MoeSparseMoeBlock (E=64) on torch
                  CPU with the same weights (skipped with a note when torch is not installed)
 
@@ -183,7 +183,7 @@ def paired_floors(layer_call, touched_bytes, rounds=9, burst=5):
     where its read floor lies in units of its copy floor ("read_floor_x_floor", = copy rate / read
     rate): the x (c) of a layer that reads its weights at the read probe's rate. Above 1.5 the
     T=16 target is out of reach in that round by (c)'s definition (the Zen 4 and Zen 5 VMs' reads
-    ran at 0.6-0.75x their copy rate in some minutes)."""
+    ran at 0.6-0.66x their copy rate in some minutes)."""
     copies, reads = copy_probes(), read_probes(blas=False)  # BLAS's threads spin on after a call
     probes = {**copies, **reads}
     for probe in probes.values():
@@ -314,19 +314,27 @@ def measure_hf(cfg, params, family, dtype_name, x, note):
     return t_small + slope * (len(x_np) - 16), None, f"fit(T=16,{mid})", None
 
 
-def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backends=None, with_hf=True):
-    """One shape: every backend and the baselines; `bandwidth` is the copy rate (r+w) for (c),
-    `read_rate` the read rate for (c'), both in bytes/s."""
-    dtype = jnp.dtype(dtype_name)
+def served_case(e, k, h, i, family, t, dtype):
+    """One shape as the engine serves it: (cfg, params, served, auto_backend, x). `params` are the
+    row-major checkpoint weights; `served` the ones `auto` runs on, panel-major where the native CPU
+    kernel runs (expertd.kernels.panels), else `params`; both on huge pages as the engine places
+    them. x: `[t, h]` random tokens in `dtype`."""
     cfg = layer_config(e, k, h, i, family)
     params = moe.init_params(cfg, jax.random.key(0), dtype)
-    host_memory.advise_huge_pages(params.values())  # as the engine places them
-    # `auto` runs on the weights as the engine serves them: panel-major where the native CPU kernel
-    # runs (expertd.kernels.panels); every other backend on the checkpoint's row-major layout.
+    host_memory.advise_huge_pages(params.values())
     auto_backend = experts.choose_backend(t * k, e, h, i, dtype)
     served = panels.panel_params(params) if auto_backend == "native_cpu" else params
     host_memory.advise_huge_pages(jax.tree.leaves(served))
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
+    return cfg, params, served, auto_backend, x
+
+
+def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backends=None, with_hf=True):
+    """One shape: every backend and the baselines; `bandwidth` is the copy rate (r+w) for (c),
+    `read_rate` the read rate for (c'), both in bytes/s. `auto` runs on the served weights, every
+    other backend on the checkpoint's row-major layout."""
+    dtype = jnp.dtype(dtype_name)
+    cfg, params, served, auto_backend, x = served_case(e, k, h, i, family, t, dtype)
     active_flops = 2 * 3 * t * k * h * i
     row = dict(E=e, k=k, H=h, I=i, T=t, dtype=dtype_name, family=family, active_gflop=active_flops / 1e9,
                backends={}, notes=[])
@@ -470,8 +478,7 @@ def print_table(rows):
                   f"(copy {f['copy_bytes_per_s'] / 1e9:.1f} GB/s), (c') {f['read_floor_s'] * 1e3:.2f} ms "
                   f"(read {f['read_bytes_per_s'] / 1e9:.1f} GB/s) at the fastest probes; per round x (c) "
                   f"{_spread(f['rounds']['x_floor'])}, x (c') {_spread(f['rounds']['x_read_floor'])}"
-                  + (f"; (c') in units of (c) {_spread(f['rounds']['read_floor_x_floor'])}"
-                     if "read_floor_x_floor" in f["rounds"] else ""))
+                  f"; (c') in units of (c) {_spread(f['rounds']['read_floor_x_floor'])}")
 
 
 def _spread(values):
