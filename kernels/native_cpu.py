@@ -60,6 +60,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from expertd.kernels import dispatch, panels
 from expertd.kernels.experts import row_experts
@@ -82,12 +83,22 @@ TARGETS = {TARGET: "ExpertdGroupedMatmul",
 # -ffp-contract=off: the combine rounds its products and sums separately, as XLA's does (the matmul
 # asks for its FMAs explicitly).
 CXXFLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off")
+# EXPERTD_TRACE_PARALLEL_FOR=1 (set before the first call) builds and loads a library that records
+# every ParallelFor call's timing (native/parallel.h; `parallel_for_trace()`,
+# benchmarks/parallel_for_trace.py). Its own build key: the plain library stays as it is.
+TRACE_ENV = "EXPERTD_TRACE_PARALLEL_FOR"
+TRACE_FIELDS = ("start", "caller_done", "helper_start", "helper_done", "returned", "tasks", "caller_tasks")
 BUILD_TIMEOUT_S = 300
 
 
 def cache_dir() -> pathlib.Path:
     env = os.environ.get("EXPERTD_CACHE_DIR")
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "expertd"
+
+
+def cxxflags() -> tuple[str, ...]:
+    """CXXFLAGS, plus the trace define where TRACE_ENV is "1"."""
+    return CXXFLAGS + ((f"-D{TRACE_ENV}",) if os.environ.get(TRACE_ENV) == "1" else ())
 
 
 def _compiler() -> str | None:
@@ -100,7 +111,7 @@ def library_path() -> pathlib.Path:
     key = hashlib.sha256()
     for path in SOURCES + HEADERS:
         key.update(path.read_bytes())
-    for part in (jaxlib.__version__.encode(), " ".join(CXXFLAGS).encode()):
+    for part in (jaxlib.__version__.encode(), " ".join(cxxflags()).encode()):
         key.update(part)
     return cache_dir() / f"grouped_matmul_cpu-{key.hexdigest()[:16]}.so"
 
@@ -112,7 +123,7 @@ def _build(cxx: str, target: pathlib.Path, sources: tuple[pathlib.Path, ...] = S
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", f"-I{NATIVE_DIR}", *map(str, sources), "-o", tmp]
+        cmd = [cxx, *cxxflags(), f"-I{jax.ffi.include_dir()}", f"-I{NATIVE_DIR}", *map(str, sources), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
@@ -228,6 +239,21 @@ def limit_isa(level: str):
     finally:
         lib.expertd_native_cpu_limit_isa(ISA_LEVELS.index(before))
         _isa_limit = before
+
+
+def parallel_for_trace() -> np.ndarray | None:
+    """The ParallelFor calls recorded since the last reading, then cleared: int64 `[n, 7]`, columns
+    TRACE_FIELDS in steady-clock ns and task counts, oldest first: helper_start is when the first
+    helper started (0: none by the time the call returned), helper_done when the last helper that
+    ran a task finished (0: none did). None unless the library was built with
+    EXPERTD_TRACE_PARALLEL_FOR=1."""
+    _require_library()
+    lib = _load()[0]
+    fn = lib.expertd_parallel_for_trace
+    fn.restype, fn.argtypes = ctypes.c_int64, (ctypes.POINTER(ctypes.c_int64), ctypes.c_int64)
+    out = np.zeros((1 << 16, len(TRACE_FIELDS)), np.int64)
+    n = fn(out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), out.size)
+    return None if n < 0 else out[:n].copy()
 
 
 def _require_library():

@@ -797,3 +797,23 @@ extern "C" void expertd_native_cpu_limit_isa(int level) { expertd::IsaLimit().st
 extern "C" int64_t expertd_native_cpu_path_items(int path) {
   return path >= 0 && path < kNumPaths ? path_items[path].load() : -1;
 }
+
+// Copies the ParallelFor records (parallel.h, 7 int64 each) kept since the last call into out, at
+// most capacity / 7 of them, and clears them; -1 unless built with -DEXPERTD_TRACE_PARALLEL_FOR.
+extern "C" int64_t expertd_parallel_for_trace(int64_t* out, int64_t capacity) {
+#ifdef EXPERTD_TRACE_PARALLEL_FOR
+  const int64_t n = std::min({expertd::trace_count.load(), expertd::kTraceCapacity, capacity / 7});
+  for (int64_t i = 0; i < n; ++i) {
+    const expertd::ParallelForRecord& r = expertd::trace_records[i];
+    const int64_t fields[7] = {r.start, r.caller_done, r.helper_start, r.helper_done, r.returned, r.tasks,
+                               r.caller_tasks};
+    std::copy(fields, fields + 7, out + 7 * i);
+  }
+  expertd::trace_count.store(0);
+  return n;
+#else
+  (void)out;
+  (void)capacity;
+  return -1;
+#endif
+}

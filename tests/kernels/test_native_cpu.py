@@ -216,6 +216,38 @@ def test_builds_into_the_cache_dir_and_the_next_process_loads_it(tmp_path):
     assert _fresh_process(code, EXPERTD_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")["ok"] is True
 
 
+
+def test_trace_build_records_every_parallel_for_call_and_computes_the_same(tmp_path):
+    """EXPERTD_TRACE_PARALLEL_FOR=1 builds a separate library whose ParallelFor calls leave
+    records (benchmarks/parallel_for_trace.py); the plain build has none to give."""
+    assert native_cpu.parallel_for_trace() is None
+    code = """
+        import json, jax.numpy as jnp, numpy as np
+        from expertd.kernels import native_cpu
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((40, 64)), jnp.float32)
+        gs, w = jnp.asarray([10, 0, 30], jnp.int32), jnp.ones((3, 64, 256), jnp.bfloat16)
+        native_cpu.parallel_for_trace()
+        ys = [np.asarray(native_cpu.grouped_matmul(x, gs, w)) for _ in range(5)]
+        records = native_cpu.parallel_for_trace()
+        want = np.asarray(native_cpu.grouped_matmul_reference(x, gs, w))
+        print(json.dumps({"records": records.tolist(), "again": len(native_cpu.parallel_for_trace()),
+                          "err": max(float(np.max(np.abs(y - want))) for y in ys),
+                          "fields": list(native_cpu.TRACE_FIELDS)}))
+    """
+    got = _fresh_process(code, EXPERTD_CACHE_DIR=str(tmp_path), EXPERTD_TRACE_PARALLEL_FOR="1")
+    assert got["err"] < 1e-3 and got["again"] == 0
+    assert len(got["records"]) == 5  # one ParallelFor call per grouped matmul
+    for record in got["records"]:
+        r = dict(zip(got["fields"], record))
+        assert r["start"] <= r["caller_done"] <= r["returned"]
+        assert r["tasks"] >= 2 and 0 <= r["caller_tasks"] <= r["tasks"]  # two experts with rows
+        if r["helper_done"]:  # a helper ran tasks: it started after the call did, and the caller waited for it
+            assert r["start"] <= r["helper_start"] <= r["helper_done"] <= r["returned"]
+            assert r["caller_tasks"] < r["tasks"]
+        else:
+            assert r["caller_tasks"] == r["tasks"]
+    assert len(list(tmp_path.glob("grouped_matmul_cpu-*.so"))) == 1  # its own build key
+
 def test_the_build_key_covers_every_header_the_sources_include():
     """A header edit must rebuild the library: library_path() hashes HEADERS, so every local header
     that a source or header includes has to be among them."""
