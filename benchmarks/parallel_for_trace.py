@@ -35,7 +35,7 @@ import moe_layer  # noqa: E402
 
 from expertd.kernels import experts, moe, native_cpu  # noqa: E402
 
-SHAPES = {8: (8, 2, 1024, 2048, "mixtral"), 64: (64, 8, 1024, 512, "qwen3")}
+SHAPES = {shape[0]: shape for shape in moe_layer.SHAPES}  # by E
 CALLS_PER_ROUND = 20
 
 

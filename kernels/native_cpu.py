@@ -139,6 +139,9 @@ def _register(path: pathlib.Path, targets: dict[str, str]) -> ctypes.CDLL:
     lib = ctypes.cdll.LoadLibrary(str(path))
     if hasattr(lib, "expertd_native_cpu_path_items"):  # (benchmark variants of older sources lack it)
         lib.expertd_native_cpu_path_items.restype = ctypes.c_int64
+    if hasattr(lib, "expertd_parallel_for_trace"):
+        trace = lib.expertd_parallel_for_trace
+        trace.restype, trace.argtypes = ctypes.c_int64, (ctypes.POINTER(ctypes.c_int64), ctypes.c_int64)
     for target, symbol in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
@@ -248,11 +251,8 @@ def parallel_for_trace() -> np.ndarray | None:
     ran a task finished (0: none did). None unless the library was built with
     EXPERTD_TRACE_PARALLEL_FOR=1."""
     _require_library()
-    lib = _load()[0]
-    fn = lib.expertd_parallel_for_trace
-    fn.restype, fn.argtypes = ctypes.c_int64, (ctypes.POINTER(ctypes.c_int64), ctypes.c_int64)
-    out = np.zeros((1 << 16, len(TRACE_FIELDS)), np.int64)
-    n = fn(out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), out.size)
+    out = np.zeros((1 << 16, len(TRACE_FIELDS)), np.int64)  # the library keeps at most 1 << 16
+    n = _load()[0].expertd_parallel_for_trace(out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), out.size)
     return None if n < 0 else out[:n].copy()
 
 

@@ -26,8 +26,8 @@ namespace expertd {
 // A build with -DEXPERTD_TRACE_PARALLEL_FOR (EXPERTD_TRACE_PARALLEL_FOR=1, native_cpu.py) keeps one
 // record per ParallelFor call, steady-clock nanoseconds, for benchmarks/parallel_for_trace.py:
 // when the caller started, ran out of tasks and returned; when the first helper started (0: none
-// yet) and the last one that ran a task finished (0: none did); the tasks, and the caller's share. Records past
-// kTraceCapacity are dropped until the next read (expertd_parallel_for_trace).
+// yet) and the last one that ran a task finished (0: none did); the tasks, and the caller's share.
+// Records past kTraceCapacity are dropped until the next read (expertd_parallel_for_trace).
 struct ParallelForRecord {
   int64_t start, caller_done, helper_start, helper_done, returned, tasks, caller_tasks;
 };
@@ -44,6 +44,10 @@ inline int64_t TraceNow() {
 class ParallelForState {
  public:
   ParallelForState(int64_t total, std::function<void(int64_t)> fn) : total_(total), fn_(std::move(fn)) {}
+
+#ifdef EXPERTD_TRACE_PARALLEL_FOR
+  std::atomic<int64_t> helper_start_{0}, helper_done_{0};  // set by Run(helper=true)
+#endif
 
   // Claims and runs tasks until none are left, then reports how many this thread ran.
   int64_t Run(bool helper = false) {
@@ -65,7 +69,7 @@ class ParallelForState {
   }
 
   // Spins up to kSpinNanos for the helpers' last tasks before sleeping on the condition variable:
-  // they finish a median 7-24 us after the caller, and waking from it took another median 22-26 us
+  // they finish a median 2-24 us after the caller, and waking from it took another median 22-26 us
   // on the 2-core Zen 5 VM, where the caller has nothing else to do. A helper that has not started
   // by the time the caller ran out of tasks is never waited for (it claims nothing), so the spin
   // only covers tasks already running. The kernel alone: 1.02x median (BENCHMARKS.md "Spinning
@@ -88,9 +92,6 @@ class ParallelForState {
   std::atomic<int64_t> next_{0};
   static constexpr int64_t kSpinNanos = 100'000;
   std::atomic<int64_t> done_{0};
-
- public:
-  std::atomic<int64_t> helper_start_{0}, helper_done_{0};  // EXPERTD_TRACE_PARALLEL_FOR only
   std::mutex mu_;
   std::condition_variable all_done_;
 };

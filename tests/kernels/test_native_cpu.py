@@ -216,7 +216,6 @@ def test_builds_into_the_cache_dir_and_the_next_process_loads_it(tmp_path):
     assert _fresh_process(code, EXPERTD_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")["ok"] is True
 
 
-
 def test_trace_build_records_every_parallel_for_call_and_computes_the_same(tmp_path):
     """EXPERTD_TRACE_PARALLEL_FOR=1 builds a separate library whose ParallelFor calls leave
     records (benchmarks/parallel_for_trace.py); the plain build has none to give."""
@@ -247,6 +246,7 @@ def test_trace_build_records_every_parallel_for_call_and_computes_the_same(tmp_p
         else:
             assert r["caller_tasks"] == r["tasks"]
     assert len(list(tmp_path.glob("grouped_matmul_cpu-*.so"))) == 1  # its own build key
+
 
 def test_the_build_key_covers_every_header_the_sources_include():
     """A header edit must rebuild the library: library_path() hashes HEADERS, so every local header
