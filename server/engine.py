@@ -28,7 +28,10 @@ What it does, in order:
    `moe.compiler_options(cfg, bucket, dtype=...)` (on CPU, YNNPACK off for few rows per large expert:
    measured faster there); `info()["forward_compiler_options"]` lists where any apply, and
    `info()["forward_expert_backends"]` which expert FFN backend each forward bucket runs.
-4. Results come back to the host as numpy, cut to the valid rows.
+4. Inputs: in one process the padded host tokens and the scalars go to the compiled step as
+   numpy arrays, which it places itself (`placement.step_input`: ~100 us a step less than
+   `jax.device_put` first). Results come back to the host as numpy, cut to the valid rows; on CPU
+   they are read in place with `np.asarray` (`placement.fetch`; `device_get` copies them).
 
 Multi-host (issue 7): every process builds the same Engine and must call `forward` / `route`
 (and `warmup`) with the same arguments in the same order: each step is a pure function of (layer,
@@ -377,15 +380,16 @@ class Engine:
             return self.placement.fetch(step(*self._step_args(layer, kind, tokens, num_valid, coeff)))
 
     def _step_args(self, layer: LoadedLayer, kind: str, tokens, num_valid: int, coeff: float):
-        """Arguments of a compiled step; `tokens` may be abstract (ShapeDtypeStruct) when lowering."""
+        """Arguments of a compiled step: the placed params, then host inputs (`tokens`, the scalars)
+        as `placement.step_input` hands them over; `tokens` is abstract (ShapeDtypeStruct) when lowering."""
         params = self._params[layer.index]
-        if isinstance(tokens, np.ndarray):
-            tokens = self.placement.put(tokens)
-        n = self.placement.put(np.asarray(num_valid, np.int32))
+        inputs = [tokens, np.asarray(num_valid, np.int32)]
         if kind == "forward":
-            return params, tokens, n
-        router = {name: params[name] for name in ROUTER_PARAMS if name in params}
-        return router, tokens, n, self.placement.put(np.asarray(coeff, np.float32))
+            head = params
+        else:
+            head = {name: params[name] for name in ROUTER_PARAMS if name in params}
+            inputs.append(np.asarray(coeff, np.float32))
+        return (head, *(t if isinstance(t, jax.ShapeDtypeStruct) else self.placement.step_input(t) for t in inputs))
 
     def _compile(self, key, layers: tuple[int, ...], bucket: int, kind: str, *, done: int, total: int):
         """Compile step (key, bucket, kind) unless it is compiled; the CompileEvent, or None."""
@@ -402,7 +406,8 @@ class Engine:
         width = cfg.num_experts if kind == "route_logits" else cfg.hidden_size
         token_dtype = np.float32 if kind == "route_logits" else self.dtype
         tokens = jax.ShapeDtypeStruct((bucket, width), token_dtype, sharding=self.replicated)
-        abstract = jax.tree.map(_abstract, self._step_args(layer, kind, tokens, 0, 0.0))
+        abstract = jax.tree.map(functools.partial(_abstract, host_sharding=self.replicated),
+                                self._step_args(layer, kind, tokens, 0, 0.0))
         if kind != "forward":
             step = functools.partial(steps.route_step, cfg=cfg, from_logits=kind == "route_logits")
         elif self._ep is None:
@@ -472,7 +477,8 @@ def _timed_compile(lowered: jax.stages.Lowered, lower_seconds: float):
     return executable, lower_seconds + time.perf_counter() - start
 
 
-def _abstract(value):
+def _abstract(value, host_sharding):
+    """A step argument's abstract value; host (numpy) inputs are replicated over the mesh."""
     if isinstance(value, jax.ShapeDtypeStruct):
         return value
-    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=getattr(value, "sharding", host_sharding))

@@ -74,6 +74,27 @@ def test_forward_equals_moe_layer_fp32(warm_engine, tiny, layer_index, num_token
     assert result.tokens_per_expert.sum() == num_tokens * layer.cfg.topk
 
 
+def test_results_stay_put_when_the_input_is_reused_and_later_steps_run(warm_engine):
+    """Steps take host inputs as they are and CPU results are read in place (MeshPlacement's
+    step_input and fetch): a returned result must not change when the caller overwrites its input
+    or when later steps run on the same executables."""
+    engine, _, _ = warm_engine
+    x = _tokens(8, seed=3)
+    forward, route = engine.forward(0, x), engine.route(0, hidden=x)
+    def arrays():
+        return (forward.output, forward.topk_ids, forward.topk_weights, forward.tokens_per_expert,
+                route.topk_ids, route.topk_weights, route.tokens_per_expert, route.aux_scores)
+
+    kept = [np.array(a) for a in arrays()]
+    x[:] = 1e30
+    for seed in range(4):
+        engine.forward(0, _tokens(8, seed=10 + seed))
+        engine.route(0, hidden=_tokens(8, seed=20 + seed))
+    for before, now in zip(kept, arrays(), strict=True):
+        np.testing.assert_array_equal(now, before)
+    np.testing.assert_array_equal(engine.forward(0, _tokens(8, seed=3)).output, kept[0])
+
+
 def test_padding_rows_are_masked_and_uncounted(warm_engine):
     engine, _, _ = warm_engine
     clean = _tokens(6)
