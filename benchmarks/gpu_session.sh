@@ -9,7 +9,9 @@
 #   bash benchmarks/gpu_session.sh check    # environment, then every backend vs the float64 oracle
 #   bash benchmarks/gpu_session.sh router   # benchmarks/router.py (Pallas router compiled)
 #   bash benchmarks/gpu_session.sh layer    # benchmarks/moe_layer.py --no-hf (issue 3's GPU targets)
-#   bash benchmarks/gpu_session.sh all      # all three (about 10 minutes: one call may not fit)
+#   bash benchmarks/gpu_session.sh engine   # benchmarks/engine_step.py: the engine's step cycle
+#                                           # (host inputs vs device_put, results read back)
+#   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/expertd-gpu}
@@ -35,13 +37,15 @@ step() {
     router) timeout 300 $PY benchmarks/router.py 2>&1 | tee "$OUT/router.log"
             cp benchmarks/results/router.json "$OUT/router_gpu.json" ;;
     layer) timeout 540 $PY benchmarks/moe_layer.py --no-hf --out "$OUT/moe_layer_gpu.json" 2>&1 | tee "$OUT/moe_layer.log" ;;
-    *) echo "unknown step $1 (check | router | layer | all)"; return 2 ;;
+    engine) timeout 300 $PY benchmarks/engine_step.py ${ENGINE_STEP_ARGS:-} --out "$OUT/engine_step_gpu.json" 2>&1 \
+              | tee "$OUT/engine_step.log" ;;
+    *) echo "unknown step $1 (check | router | layer | engine | all)"; return 2 ;;
   esac
 }
 
 setup
 if [ "${1:-check}" = all ]; then
-  for s in check router layer; do step "$s"; done
+  for s in check router layer engine; do step "$s"; done
 else
   step "${1:-check}"
 fi

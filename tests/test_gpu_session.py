@@ -1,6 +1,7 @@
 """The lent-GPU runbook (benchmarks/gpu_session.sh) stays runnable: its correctness step, run here
 on CPU (quick grid), imports the package the way the GPU machine does (links on PYTHONPATH, no
-install) and finds every backend within the oracle's tolerance."""
+install) and finds every backend within the oracle's tolerance; its engine step (one short round)
+times every way of the step cycle."""
 import json
 import os
 import pathlib
@@ -13,15 +14,30 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_gpu_session_check_step_passes_on_cpu(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu",
-           "GPU_CHECK_ARGS": "--quick"}
-    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "check"], env=env, cwd=tmp_path,
+def _run_step(step: str, out: pathlib.Path, **env) -> None:
+    """One runbook step as a GPU session runs it, on CPU, with its results in `out`."""
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", **env}
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), step], env=env, cwd=out,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_check_step_passes_on_cpu(tmp_path):
+    _run_step("check", tmp_path, GPU_CHECK_ARGS="--quick")
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     backends = {r["backend"] for r in rows if r["kind"] == "layer"}
     assert {"pallas", "ragged_dot", "capacity", "expert_loop", "native_cpu", "auto"} <= backends
     assert all(r["ok"] for r in rows) and len(rows) == 54
     assert "CpuDevice" in (tmp_path / "env.txt").read_text()  # the environment step ran, with the package importable
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_engine_step_times_every_way_on_cpu(tmp_path):
+    _run_step("engine", tmp_path, ENGINE_STEP_ARGS="--rows 1,16 --rounds 2 --calls 2")
+    result = json.loads((tmp_path / "engine_step_gpu.json").read_text())
+    assert [r["rows"] for r in result["rows"]] == [1, 16]
+    ways = {"host+asarray", "host+device_get", "device_put+asarray", "device_put+device_get"}
+    for row in result["rows"]:
+        assert set(row["step_us"]) == ways and all(t > 0 for t in row["step_us"].values())
+        assert row["ratio_to_device_put_device_get"]["device_put+device_get"] == 1.0
