@@ -43,11 +43,14 @@ READS = ("asarray", "device_get")
 BASELINE = ("device_put", "device_get")
 
 
+def forward_executable(engine: Engine, rows: int):
+    """Layer 0's compiled forward step for `rows` tokens (warmed up)."""
+    return engine._executables[(engine._shape_key(engine.layers[0]), engine.bucket_for(rows), "forward")]
+
+
 def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
     """A function running one forward step of `rows` tokens the given way; returns its output."""
-    layer = engine.layers[0]
-    step = engine._executables[(engine._shape_key(layer), engine.bucket_for(rows), "forward")]
-    params = engine._params[0]
+    step, params = forward_executable(engine, rows), engine._params[0]
 
     def run(x: np.ndarray) -> np.ndarray:
         padded = steps.pad_tokens(x, engine.bucket_for(rows), engine.dtype)
@@ -62,9 +65,9 @@ def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
 
 def read_only(engine: Engine, rows: int, read: str, calls: int) -> float:
     """Mean time (us) to read back ready results, over `calls` steps."""
-    layer = engine.layers[0]
-    step = engine._executables[(engine._shape_key(layer), engine.bucket_for(rows), "forward")]
-    x = steps.pad_tokens(np.ones((rows, layer.cfg.hidden_size), np.float32), engine.bucket_for(rows), engine.dtype)
+    step = forward_executable(engine, rows)
+    x = steps.pad_tokens(np.ones((rows, engine.layers[0].cfg.hidden_size), np.float32), engine.bucket_for(rows),
+                         engine.dtype)
     total = 0.0
     for _ in range(calls):
         results = jax.block_until_ready(step(engine._params[0], x, np.asarray(rows, np.int32)))

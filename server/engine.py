@@ -378,19 +378,17 @@ class Engine:
         with self._lock:
             self._compile(key, (layer.index,), bucket, kind, done=0, total=0)
             step = self._executables[(key, bucket, kind)]
-            return self.placement.fetch(step(*self._step_args(layer, kind, tokens, num_valid, coeff)))
+            params, *inputs = self._step_args(layer, kind, tokens, num_valid, coeff)
+            return self.placement.fetch(step(params, *map(self.placement.step_input, inputs)))
 
     def _step_args(self, layer: LoadedLayer, kind: str, tokens, num_valid: int, coeff: float):
-        """Arguments of a compiled step: the placed params, then host inputs (`tokens`, the scalars)
-        as `placement.step_input` hands them over; `tokens` is abstract (ShapeDtypeStruct) when lowering."""
+        """Arguments of a compiled step: the placed params it reads, then its host inputs (tokens,
+        num_valid, and coeff for routing); `tokens` is abstract (ShapeDtypeStruct) when lowering."""
         params = self._params[layer.index]
-        inputs = [tokens, np.asarray(num_valid, np.int32)]
         if kind == "forward":
-            head = params
-        else:
-            head = {name: params[name] for name in ROUTER_PARAMS if name in params}
-            inputs.append(np.asarray(coeff, np.float32))
-        return (head, *(t if isinstance(t, jax.ShapeDtypeStruct) else self.placement.step_input(t) for t in inputs))
+            return params, tokens, np.asarray(num_valid, np.int32)
+        router = {name: params[name] for name in ROUTER_PARAMS if name in params}
+        return router, tokens, np.asarray(num_valid, np.int32), np.asarray(coeff, np.float32)
 
     def _compile(self, key, layers: tuple[int, ...], bucket: int, kind: str, *, done: int, total: int):
         """Compile step (key, bucket, kind) unless it is compiled; the CompileEvent, or None."""
