@@ -63,17 +63,30 @@ def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
     return run
 
 
+@jax.jit
+def _packed(results):
+    """The step's results as one uint8 buffer (each viewed as bytes, concatenated)."""
+    return jax.numpy.concatenate([jax.lax.bitcast_convert_type(r.reshape(-1), jax.numpy.uint8).reshape(-1)
+                                  if r.dtype.itemsize > 1 else r.reshape(-1).view(jax.numpy.uint8)
+                                  for r in results])
+
+
 def read_only(engine: Engine, rows: int, read: str, calls: int) -> float:
-    """Mean time (us) to read back ready results, over `calls` steps."""
+    """Mean time (us) to read back ready results, over `calls` steps. READS, and "packed": one
+    device_get of a single buffer holding the same bytes (what one transfer a step would cost)."""
     step = forward_executable(engine, rows)
     x = steps.pad_tokens(np.ones((rows, engine.layers[0].cfg.hidden_size), np.float32), engine.bucket_for(rows),
                          engine.dtype)
     total = 0.0
     for _ in range(calls):
         results = jax.block_until_ready(step(engine._params[0], x, np.asarray(rows, np.int32)))
+        if read == "packed":
+            results = jax.block_until_ready(_packed(tuple(results)))
         start = time.perf_counter()
         if read == "asarray":
             [np.asarray(r) for r in results]
+        elif read == "packed":
+            jax.device_get(results)
         else:
             jax.device_get(tuple(results))
         total += time.perf_counter() - start
@@ -94,7 +107,7 @@ def main(argv=None) -> None:
     ways = list(itertools.product(INPUTS, READS))
     rng = np.random.default_rng(0)
     table = []
-    print(f"{'rows':>5} " + " ".join(f"{i + '+' + r:>22}" for i, r in ways) + "   read alone: asarray / device_get")
+    print(f"{'rows':>5} " + " ".join(f"{i + '+' + r:>22}" for i, r in ways) + "   read alone: asarray / device_get / packed")
     for rows in rows_list:
         x = rng.standard_normal((rows, engine.layers[0].cfg.hidden_size), dtype=np.float32)
         runs = {way: step_cycle(engine, rows, *way) for way in ways}
@@ -109,13 +122,13 @@ def main(argv=None) -> None:
                     run(x)
                 samples[way].append((time.perf_counter() - start) / args.calls * 1e6)
         medians = {way: float(np.median(s)) for way, s in samples.items()}
-        reads = {read: read_only(engine, rows, read, args.rounds * 5) for read in READS}
+        reads = {read: read_only(engine, rows, read, args.rounds * 5) for read in READS + ("packed",)}
         base = medians[BASELINE]
         table.append({"rows": rows, "step_us": {f"{i}+{r}": m for (i, r), m in medians.items()},
                       "ratio_to_device_put_device_get": {f"{i}+{r}": m / base for (i, r), m in medians.items()},
                       "read_alone_us": reads})
         print(f"{rows:>5} " + " ".join(f"{medians[w]:>9.0f} us ({medians[w] / base:4.2f}x)" for w in ways)
-              + f"   {reads['asarray']:.1f} / {reads['device_get']:.1f} us", flush=True)
+              + f"   {reads['asarray']:.1f} / {reads['device_get']:.1f} / {reads['packed']:.1f} us", flush=True)
     moe_layer.write_results(args.out, "engine_step", table, model="mid (serving.py)", dtype=args.dtype,
                             rounds=args.rounds, calls_per_round=args.calls)
 

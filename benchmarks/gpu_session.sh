@@ -36,7 +36,7 @@ step() {
              | tee "$OUT/gpu_check.log" ;;
     router) timeout 300 $PY benchmarks/router.py 2>&1 | tee "$OUT/router.log"
             cp benchmarks/results/router.json "$OUT/router_gpu.json" ;;
-    layer) timeout 540 $PY benchmarks/moe_layer.py --no-hf --out "$OUT/moe_layer_gpu.json" 2>&1 | tee "$OUT/moe_layer.log" ;;
+    layer) timeout 540 $PY benchmarks/moe_layer.py --no-hf ${LAYER_ARGS:-} --out "$OUT/moe_layer_gpu.json" 2>&1 | tee "$OUT/moe_layer.log" ;;
     engine) timeout 300 $PY benchmarks/engine_step.py ${ENGINE_STEP_ARGS:-} --out "$OUT/engine_step_gpu.json" 2>&1 \
               | tee "$OUT/engine_step.log" ;;
     *) echo "unknown step $1 (check | router | layer | engine | all)"; return 2 ;;

@@ -586,6 +586,8 @@ def main(argv=None):
     if args.options_ab:
         name, bandwidth, read_rate, rows = "moe_layer_options_ab", None, None, run_options_ab(args)
         out = AB_RESULTS if args.out == RESULTS else args.out
+        save = _saver(out, name, rows, xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
+                      copy_bandwidth_bytes_per_s=None, read_bandwidth_bytes_per_s=None)
     else:
         bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read bandwidth {read_rate / 1e9:.1f} GB/s; "
@@ -594,16 +596,25 @@ def main(argv=None):
             matmul_rate = dense_matmul_rate()
             print(f"dense bf16 matmul (8192^3, random data): {matmul_rate / 1e12:.0f} TFLOP/s")
         name, out, rows = "moe_layer", args.out, []
+        save = _saver(out, name, rows, xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
+                      copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate,
+                      **({"dense_bf16_matmul_flops_per_s": matmul_rate} if matmul_rate else {}))
         for (e, k, h, i, family), dtype_name, t in selected_cases(args, SHAPES, TOKENS):
             rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, args.backends,
                                  not args.no_hf))
             print_table(rows[-1:])
             sys.stdout.flush()
+            save(complete=False)  # a run stopped by a time limit keeps the shapes it finished
         print()
         print_table(rows)
-    write_results(out, name, rows, xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
-                  copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate,
-                  **({"dense_bf16_matmul_flops_per_s": matmul_rate} if matmul_rate else {}))
+    save(complete=True)
+
+
+def _saver(out, name, rows, **fields):
+    """A function writing the rows so far (`complete=False` while the run goes on)."""
+    def save(complete):
+        write_results(out, name, rows, complete=complete, **fields)
+    return save
 
 
 def write_results(path, benchmark, rows, **fields):

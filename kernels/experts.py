@@ -66,9 +66,19 @@ def activation_fn(name: str):
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 
+def matmul_precision(*operands) -> lax.Precision:
+    """The precision of a product of `operands`: HIGHEST where one is fp32, DEFAULT otherwise.
+
+    fp32 weights are computed in fp32: left at DEFAULT, GPUs run fp32 products as TF32 (or bf16
+    passes), ~1e-3 relative error. bf16 operands are exact in any mode (their products accumulate
+    in fp32 through preferred_element_type). On CPU both settings compute the same fp32 product.
+    """
+    return lax.Precision.HIGHEST if any(jnp.dtype(o.dtype) == jnp.float32 for o in operands) else lax.Precision.DEFAULT
+
+
 def matmul_f32(a, b):
     """a @ b (batched over leading dims of both) with fp32 accumulation and fp32 result."""
-    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32, precision=matmul_precision(a, b))
 
 
 def gated_mlp(x, w_gate, w_up, w_down, activation: str = "silu"):
@@ -124,7 +134,7 @@ def grouped_ffn_ragged_dot(xs, group_sizes, w_gate, w_up, w_down, *, activation=
     act = activation_fn(activation)
 
     def rdot(a, w):
-        return lax.ragged_dot(a, w, gs, preferred_element_type=jnp.float32)
+        return lax.ragged_dot(a, w, gs, preferred_element_type=jnp.float32, precision=matmul_precision(a, w))
 
     h = act(rdot(xs, w_gate)) * rdot(xs, w_up)
     y = rdot(h.astype(xs.dtype), w_down).astype(xs.dtype)
@@ -244,10 +254,13 @@ def grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, *, activation
     _, valid = row_experts(gs, n)
     x32 = jnp.concatenate([jnp.where(valid[:, None], xs, 0).astype(jnp.float32), jnp.zeros((pad, h), jnp.float32)])
 
+    # bf16 operands widened to fp32 are exact at any precision; fp32 ones need HIGHEST (no TF32)
+    precision = matmul_precision(xs, w_gate, w_up, w_down)
+
     def tile(out, weights, start, size, keep):
-        g, u, d = weights
+        g, u, d = (functools.partial(jnp.matmul, b=w, precision=precision) for w in weights)
         x = lax.dynamic_slice(x32, (start, 0), (size, h))
-        y = (act(x @ g) * (x @ u)).astype(xs.dtype).astype(jnp.float32) @ d
+        y = d((act(g(x)) * u(x)).astype(xs.dtype).astype(jnp.float32))
         # a partial tile must not overwrite the next expert's rows
         y = jnp.where(keep[:, None], y, lax.dynamic_slice(out, (start, 0), (size, h)))
         return lax.dynamic_update_slice(out, y, (start, 0))
@@ -331,6 +344,9 @@ SMALL_ROWS_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 SMALL_ROWS_PER_EXPERT = 64
 SMALL_ROWS_MIN_MATRIX_BYTES = 4 << 20
 CAPACITY_MIN_TOUCHED = 0.5
+# GPU, bf16 weights: from this many rows (T*k) on, the Pallas grouped GEMM beats ragged_dot
+# (BENCHMARKS.md, GPU section); below it ragged_dot is faster.
+GPU_PALLAS_MIN_ROWS = 2048
 CAPACITY_ROWS_PER_EXPERT = 16
 
 
@@ -353,11 +369,15 @@ def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: i
     otherwise "expert_loop", measured fastest at every other benchmarked shape when compiled with
     `compiler_options` (benchmarks/moe_layer.py: T in {16, 256, 4096}, E in {8, 64}, bf16 and
     fp32). ragged_dot and the reference do E x the FLOPs on CPU, capacity pays E/k x at large T,
-    and Pallas runs interpreted. GPU / TPU: "ragged_dot", XLA's native grouped GEMM there; the
-    Pallas kernel is written for GPU but has not been compiled or measured on one, so "auto" does
-    not pick it yet.
+    and Pallas runs interpreted. GPU: the Pallas grouped GEMM for bf16 weights from
+    GPU_PALLAS_MIN_ROWS rows on (H and I multiples of 16), "ragged_dot" (XLA's grouped GEMM)
+    below that, for fp32 weights and on other accelerators. "capacity" is never chosen on GPU:
+    its dropless buffer is E x the rows.
     """
     platform = platform or jax.default_backend()
+    if platform == "gpu" and (jnp.dtype(dtype) == jnp.bfloat16 and num_rows >= GPU_PALLAS_MIN_ROWS
+                              and hidden % 16 == 0 and intermediate % 16 == 0):
+        return "pallas"
     if platform != "cpu":
         return "ragged_dot"
     if native_cpu_available():

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from expertd.kernels.experts import activation_fn, check_ffn_args, row_experts
+from expertd.kernels.experts import activation_fn, check_ffn_args, matmul_precision, row_experts
 
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
 
@@ -47,8 +47,9 @@ def _gate_up_kernel(tile_expert_ref, x_ref, wg_ref, wu_ref, h_ref, *, num_expert
             g, u = acc
             xk = x_ref[pl.ds(i * block_m, block_m), pl.ds(kk * block_k, block_k)]
             cols = pl.ds(j * block_n, block_n)
-            g += jnp.dot(xk, wg_ref[e, pl.ds(kk * block_k, block_k), cols], preferred_element_type=jnp.float32)
-            u += jnp.dot(xk, wu_ref[e, pl.ds(kk * block_k, block_k), cols], preferred_element_type=jnp.float32)
+            wg, wu = wg_ref[e, pl.ds(kk * block_k, block_k), cols], wu_ref[e, pl.ds(kk * block_k, block_k), cols]
+            g += jnp.dot(xk, wg, preferred_element_type=jnp.float32, precision=matmul_precision(xk, wg))
+            u += jnp.dot(xk, wu, preferred_element_type=jnp.float32, precision=matmul_precision(xk, wu))
             return g, u
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -70,7 +71,7 @@ def _down_kernel(tile_expert_ref, h_ref, wd_ref, y_ref, *, num_experts, block_k)
         def step(kk, acc):
             hk = h_ref[pl.ds(i * block_m, block_m), pl.ds(kk * block_k, block_k)]
             w = wd_ref[e, pl.ds(kk * block_k, block_k), pl.ds(j * block_n, block_n)]
-            return acc + jnp.dot(hk, w, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(hk, w, preferred_element_type=jnp.float32, precision=matmul_precision(hk, w))
 
         acc = lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
         y_ref[...] = acc.astype(y_ref.dtype)

@@ -265,9 +265,16 @@ def valid_mask(valid_tokens, num_tokens: int):
     return v.astype(bool)
 
 
+def router_logits(params: dict, x):
+    """`x [T, H]` -> fp32 logits `[T, E]`, computed in full fp32 (HIGHEST precision: left at
+    DEFAULT, GPUs round the operands to TF32 / bf16 and near-equal logits swap experts)."""
+    return jnp.matmul(x.astype(jnp.float32), params["router_weight"].astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
 def route(params: dict, x, cfg: MoEConfig, valid=None, *, router_backend: str = "auto"):
     """Router step: `x [T, H]` -> (ids int32 [T, k], weights fp32 [T, k]) in HF semantics."""
-    logits = jnp.matmul(x.astype(jnp.float32), params["router_weight"].astype(jnp.float32))
+    logits = router_logits(params, x)
     probs, routing_map = fused_topk_with_score_function(
         logits, cfg.topk, use_pre_softmax=cfg.use_pre_softmax, num_groups=cfg.num_groups,
         group_topk=cfg.group_topk, scaling_factor=float(cfg.scaling_factor),

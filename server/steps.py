@@ -57,15 +57,14 @@ def route_step(router, tokens, num_valid, coeff, *, cfg, from_logits):
     """
     valid = jnp.arange(tokens.shape[0]) < num_valid
     if from_logits:
-        # moe.route computes its logits as x @ router_weight; with the identity at full fp32
-        # precision that product is the given logits, exactly.
+        # moe.route computes its logits as x @ router_weight in full fp32: with the identity that
+        # product is the given logits, exactly.
         logits = tokens.astype(jnp.float32)
         identity = {"router_weight": jnp.eye(cfg.num_experts, dtype=jnp.float32)}
-        with jax.default_matmul_precision("float32"):
-            ids, weights = moe.route({**router, **identity}, logits, cfg, valid)
+        ids, weights = moe.route({**router, **identity}, logits, cfg, valid)
     else:
         ids, weights = moe.route(router, tokens, cfg, valid)
-        logits = jnp.matmul(tokens.astype(jnp.float32), router["router_weight"].astype(jnp.float32))
+        logits = moe.router_logits(router, tokens)
     counts = jnp.zeros(cfg.num_experts, jnp.int32).at[ids.reshape(-1)].add(
         jnp.repeat(valid, cfg.topk).astype(jnp.int32), mode="drop")
     scores, _ = router_ops.fused_topk_with_score_function(

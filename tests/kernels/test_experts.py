@@ -224,6 +224,11 @@ def test_cpu_auto_picks_capacity_for_fp32_few_rows_per_large_expert_with_most_ex
     assert choose(128 * 16, 128, 2048, 768, jnp.float32) == "expert_loop"  # T=256: measured 0.86x
     assert choose(32, 128, 2048, 768, jnp.float32) == "expert_loop"  # T=4: 22% in use
     assert experts.choose_backend(32, *mixtral, jnp.float32, "gpu") == "ragged_dot"
+    gpu_rows = experts.GPU_PALLAS_MIN_ROWS
+    assert experts.choose_backend(gpu_rows - 1, *mixtral, jnp.bfloat16, "gpu") == "ragged_dot"
+    assert experts.choose_backend(gpu_rows, *mixtral, jnp.bfloat16, "gpu") == "pallas"
+    assert experts.choose_backend(gpu_rows, *mixtral, jnp.float32, "gpu") == "ragged_dot"
+    assert experts.choose_backend(gpu_rows, 8, 1000, 2048, jnp.bfloat16, "gpu") == "ragged_dot"  # H % 16
     assert experts.expected_touched_fraction(8, 8) == pytest.approx(1 - (7 / 8) ** 8)
 
 

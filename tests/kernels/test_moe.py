@@ -11,6 +11,7 @@ the grid (see grid_cases); tests/kernels/test_experts.py covers the grouped FFN 
 import itertools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -265,3 +266,28 @@ def test_from_hf_config_families():
 def test_from_hf_config_errors(config, match):
     with pytest.raises(ValueError, match=match):
         moe.MoEConfig.from_hf_config(config)
+
+
+def _fp32_products(jaxpr):
+    """(primitive name, precision) of every product in `jaxpr` (sub-jaxprs included) with an fp32 operand."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "ragged_dot_general", "ragged_dot") and any(
+                v.aval.dtype == jnp.float32 for v in eqn.invars):
+            found.append((eqn.primitive.name, eqn.params.get("precision")))
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        found += _fp32_products(sub)
+    return found
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "native_cpu"])
+def test_fp32_products_run_at_highest_precision(backend):
+    """The router's logits and fp32 expert weights are multiplied in full fp32: at DEFAULT precision
+    GPUs run fp32 products as TF32 (~1e-3 off; an H100 swapped experts at E=64 that way)."""
+    cfg, params, x = make_case("deepseek_v3", 8, 2, 16, jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda p, v: moe.moe_layer(p, v, cfg, backend=backend))(params, x).jaxpr
+    products = _fp32_products(jaxpr)
+    assert products, "no fp32 product found"
+    highest = jax.lax.Precision.HIGHEST
+    for name, precision in products:
+        assert precision is not None and all(p == highest for p in precision), (name, precision)
