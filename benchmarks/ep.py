@@ -37,9 +37,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
+from router import machine  # noqa: E402  (benchmarks/router.py: one machine description for all)
 
 from expertd.kernels import ep, moe, ragged  # noqa: E402
-from router import machine  # noqa: E402  (benchmarks/router.py: one machine description for all)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "ep.json"
 NVLINK_BYTES_PER_S = 450e9  # H100 / H200 SXM: 900 GB/s total = 450 GB/s per direction per GPU

@@ -26,13 +26,14 @@ import statistics
 import sys
 import time
 
-from expertd.server import host_allocator
-
 import jax  # noqa: E402  (after host_allocator: see main)
 import jax.numpy as jnp  # noqa: E402
 
 from expertd.kernels import moe  # noqa: E402
-from expertd.server import host_memory  # noqa: E402
+from expertd.server import (
+    host_allocator,
+    host_memory,  # noqa: E402
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import SHAPES, layer_config, write_results  # noqa: E402

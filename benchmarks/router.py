@@ -30,7 +30,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from expertd.kernels.router import fused_topk_with_score_function

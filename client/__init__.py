@@ -20,7 +20,7 @@ from expertd.client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from expertd.client.messages import ExpertLoad, ForwardResult, Routing, RouteResult, StreamResult
+from expertd.client.messages import ExpertLoad, ForwardResult, RouteResult, Routing, StreamResult
 
 __all__ = [
     "AsyncExpertClient",

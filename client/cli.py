@@ -35,9 +35,17 @@ import numpy as np
 
 from expertd.client import errors, loadtest, loadtest_report
 from expertd.client.channel import TlsOptions
+from expertd.client.cli_output import (
+    array_summary,
+    expert_load_table,
+    import_pyplot,
+    info_dict,
+    info_table,
+    load_dict,
+    routing_table,
+    write_load_plot,
+)
 from expertd.client.client import ExpertClient
-from expertd.client.cli_output import (array_summary, expert_load_table, import_pyplot, info_dict, info_table, load_dict,
-                                       routing_table, write_load_plot)
 
 EXIT_OK, EXIT_ERROR, EXIT_INVALID_ARGUMENT, EXIT_UNAVAILABLE = 0, 1, 2, 3
 _INVALID = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE}

@@ -13,7 +13,7 @@ exceptions of :mod:`expertd.client.errors`, carrying the server's message.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 import numpy as np

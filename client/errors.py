@@ -7,7 +7,7 @@ seconds, or ``None``).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2

@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import math
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import ml_dtypes
@@ -288,7 +288,7 @@ async def run_step(call: Call, config: LoadTestConfig, mode: str, load: float, p
     ticker = asyncio.ensure_future(progress.run(stats, window)) if progress is not None else None
     try:
         await asyncio.wait_for(loop, timeout=limit)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         window.stopped = True
     finally:
         if ticker is not None:

@@ -71,8 +71,9 @@ def generate(out_root: pathlib.Path, proto_root: pathlib.Path = PROTO_ROOT) -> l
 
     Returns the written files (stubs and package ``__init__.py`` files), relative to ``out_root``.
     """
-    from grpc_tools import protoc  # dev-only dependency; imported here so the client never needs it
     import importlib.resources
+
+    from grpc_tools import protoc  # dev-only dependency; imported here so the client never needs it
 
     files = proto_files(proto_root)
     if not files:

@@ -93,7 +93,7 @@ def _check_args(x, topk_ids, num_experts, align_size, valid):
     check_layout_args(topk_ids, num_experts, align_size, valid)
 
 
-def check_unpermute_args(rows, perm: "Permutation", topk_weights) -> tuple[int, int]:
+def check_unpermute_args(rows, perm: Permutation, topk_weights) -> tuple[int, int]:
     """Validate `unpermute`'s arguments (native_cpu.combine shares this); returns (T, k)."""
     t, k = perm.dest.shape
     if rows.ndim != 2 or rows.shape[0] != perm.token_of_row.shape[0]:

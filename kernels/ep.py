@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from expertd.kernels import dispatch as dispatch_ops
 from expertd.kernels import experts, moe, panels, ragged

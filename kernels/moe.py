@@ -124,7 +124,7 @@ class MoEConfig:
         return self.num_shared_experts > 0
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "MoEConfig":
+    def from_hf_config(cls, config: dict) -> MoEConfig:
         """From a Hugging Face config.json dict (model_type mixtral, qwen2_moe, qwen3_moe, deepseek_v3)."""
         if not isinstance(config, dict):
             raise ValueError(f"config must be a dict (a parsed config.json), got {type(config).__name__}")

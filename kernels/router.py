@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import router_xla
-from expertd.kernels.router_reference import SCORE_FUNCTIONS, RouterConfig, routing_weights, router_reference
+from expertd.kernels.router_reference import SCORE_FUNCTIONS, RouterConfig, router_reference, routing_weights
 
 BACKENDS = ("auto", "reference", "xla", "pallas")
 # Chosen from benchmarks/router.py (BENCHMARKS.md, "Router"). GPU: the Pallas kernel is written for

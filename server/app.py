@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import logging
 import importlib.util
+import logging
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -237,7 +237,7 @@ class ServerHandle:
         # stops accepting and delivers the last answers within what is left of the grace.
         try:
             await asyncio.wait_for(parts.batcher.drain(), timeout=self._grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("drain grace of %ss passed with %d requests unanswered", self._grace, parts.batcher.pending)
         await parts.server.stop(max(0.0, deadline - loop.time()))
         await parts.batcher.close()

@@ -33,7 +33,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -296,7 +296,7 @@ class Batcher:
             wakeup.clear()
             try:
                 await asyncio.wait_for(wakeup.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     def _take(self, queue: collections.deque[_Part]) -> list[_Part]:

@@ -111,7 +111,7 @@ def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, dtype=No
                 for index in chosen]
 
 
-def _load_layer(files: "_TensorFiles", family: str, index: int, cfg: MoEConfig, dtype) -> dict:
+def _load_layer(files: _TensorFiles, family: str, index: int, cfg: MoEConfig, dtype) -> dict:
     _arch, block_name, expert_names, shared_name = FAMILIES[family]
     block = f"model.layers.{index}.{block_name}"
     shapes = param_shapes(cfg)

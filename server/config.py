@@ -23,7 +23,8 @@ import dataclasses
 import os
 import pathlib
 import tomllib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 AUTH_TOKEN_ENV = "EXPERTD_AUTH_TOKEN"
 DTYPES = ("float32", "bfloat16")

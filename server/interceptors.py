@@ -17,7 +17,7 @@ import asyncio
 import hmac
 import inspect
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 

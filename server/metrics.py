@@ -31,7 +31,7 @@ labels of low cardinality (``rpc``, ``code``, ``kind``, ``layer``, ``expert``). 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -155,7 +155,7 @@ class Metrics:
         self.build_info.labels(version, jax_version, grpc_version, platform).set(1)
 
     # -- gRPC (interceptor) --------------------------------------------------------------------
-    def grpc_method(self, labels: tuple[str, str, str]) -> "GrpcMethodMetrics":
+    def grpc_method(self, labels: tuple[str, str, str]) -> GrpcMethodMetrics:
         """The grpc_server_* children of one method (``labels()`` looked up once, not per call)."""
         children = self._grpc_children.get(labels)
         if children is None:

@@ -29,7 +29,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy)
 import numpy as np
@@ -177,7 +177,7 @@ class _Link:
         while True:
             try:
                 header, arrays = recv_frame(self.sock)
-            except socket.timeout:
+            except TimeoutError:
                 return self._lost(f"{self.name} sent nothing for {self.timeout_s:.1f} s")
             except (OSError, ValueError) as exc:  # PeerLost is an OSError; ValueError: bad JSON
                 return self._lost(f"{self.name}: {exc}")
@@ -225,7 +225,7 @@ class LeaderChannel:
             self._listener.settimeout(remaining)
             try:
                 sock, address = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             sock.settimeout(self.peer_timeout_s)
             try:
@@ -290,7 +290,7 @@ class FollowerChannel:
         sock.settimeout(max(deadline - time.monotonic(), self.peer_timeout_s))
         try:
             welcome, _ = recv_frame(sock)
-        except socket.timeout:
+        except TimeoutError:
             sock.close()
             raise TimeoutError(f"multi-host: leader {self.address[0]}:{self.address[1]} did not accept this "
                                f"process within {timeout_s:.0f} s") from None

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer, SeededParams
 

@@ -19,7 +19,7 @@ import time
 import grpc
 import numpy as np
 from google.protobuf import any_pb2, duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from expertd.client import codec

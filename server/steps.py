@@ -6,7 +6,6 @@ B is the bucket (padded token count); the other shape letters are as everywhere 
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -11,10 +11,9 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-
 from cli_support import free_port, running_server
-from expertd.client import ExpertClient
-from expertd.client import cli
+
+from expertd.client import ExpertClient, cli
 
 H, E, K = 64, 8, 2
 EXPERTD = pathlib.Path(sys.executable).with_name("expertd")

@@ -5,8 +5,16 @@ import pytest
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from expertd.client import (Backoff, ExpertClient, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
-                            UnavailableError, errors, messages)
+from expertd.client import (
+    Backoff,
+    ExpertClient,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+    errors,
+    messages,
+)
 from expertd.client.channel import auth_metadata
 
 

@@ -9,10 +9,11 @@ import sys
 
 import numpy as np
 import pytest
-
 from cli_support import forward_ok_count, free_port, model_infer_ok_count, running_server
+
 from expertd.client import cli
 from expertd.client.loadtest import TokenDistribution
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

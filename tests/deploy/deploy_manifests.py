@@ -5,12 +5,11 @@ from __future__ import annotations
 import copy
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
-from dockerfile_parse import DockerfileParser
-
 import deploy_render
+from dockerfile_parse import DockerfileParser
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -24,7 +23,7 @@ def kustomizations() -> list[str]:
     return sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rendered(name: str) -> tuple:
     return tuple(deploy_render.build(K8S / name))
 

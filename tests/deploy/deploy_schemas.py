@@ -7,7 +7,7 @@ LeaderWorkerSet, which that schema leaves open, are validated as core/v1 PodTemp
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import jsonschema
@@ -24,7 +24,7 @@ CUSTOM_SCHEMA_FILES = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _custom_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
     document = yaml.safe_load((SCHEMAS / CUSTOM_SCHEMA_FILES[api_version]).read_text())
     schema = document if document.get("title") == kind else {**document, "$ref": f"#/$defs/{kind}"}

@@ -10,9 +10,8 @@ import tomllib
 from fnmatch import fnmatch
 
 import yaml
-from packaging.requirements import Requirement
-
 from deploy_manifests import DOCKERFILE, K8S, ROOT, container_ports, dockerfile, pod_templates, rendered
+from packaging.requirements import Requirement
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 CPU_BUILD = {"BASE_IMAGE": "ubuntu:24.04", "EXPERTD_EXTRAS": ""}

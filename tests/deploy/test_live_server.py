@@ -18,12 +18,25 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+from deploy_manifests import (
+    ADAPTER_RULES,
+    K8S,
+    TARGET_LABELS,
+    by_kind,
+    container,
+    container_ports,
+    dashboard_panels,
+    dockerfile,
+    flag,
+    one,
+    pod_templates,
+    promql_grouping_labels,
+    promql_metrics,
+    rendered,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy_manifests import (ADAPTER_RULES, K8S, TARGET_LABELS, by_kind, container, container_ports, dashboard_panels,
-                              dockerfile, flag, one, pod_templates, promql_grouping_labels, promql_metrics,
-                              rendered)
 from expertd.client import ExpertClient
 from expertd.server import cli as server_cli
 from expertd.server import config as config_module

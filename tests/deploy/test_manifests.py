@@ -11,15 +11,27 @@ import shutil
 import subprocess
 import tomllib
 
+import deploy_render
+import deploy_schemas
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
-import deploy_render
-import deploy_schemas
-from deploy_manifests import (ADAPTER_RULES, K8S, by_kind, container, container_ports, dockerfile,
-                              flag, kustomizations, one, pod_templates, pods, rendered, selects)
+from deploy_manifests import (
+    ADAPTER_RULES,
+    K8S,
+    by_kind,
+    container,
+    container_ports,
+    dockerfile,
+    flag,
+    kustomizations,
+    one,
+    pod_templates,
+    pods,
+    rendered,
+    selects,
+)
 
 VARIANTS = {
     "base": {"Deployment"},

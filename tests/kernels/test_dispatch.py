@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import compile_all, compile_fast
 
 from expertd.kernels import dispatch
-from oracle import compile_all, compile_fast
 
 H = 8
 ALIGNS = (0, 8, 128)

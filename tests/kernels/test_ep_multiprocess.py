@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ep_multiprocess import MODES, case, run_case, run_workers
 from jax.sharding import AxisType
 
-from ep_multiprocess import MODES, case, run_case, run_workers
 from expertd.kernels import moe
 
 pytestmark = pytest.mark.multiprocess

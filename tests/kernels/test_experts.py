@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import compile_all, compile_fast
 
 from expertd.kernels import dispatch, experts
 from expertd.kernels.experts import BACKENDS, grouped_ffn
-from oracle import compile_all, compile_fast
 
 H, I = 16, 32
 DTYPES = (jnp.float32, jnp.bfloat16)

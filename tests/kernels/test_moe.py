@@ -15,10 +15,10 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import FAMILIES, assert_close_to_oracle, compile_all, compile_fast, family_config, moe_oracle
 
 from expertd.kernels import experts, moe
 from expertd.kernels.experts import BACKENDS
-from oracle import FAMILIES, assert_close_to_oracle, compile_all, compile_fast, family_config, moe_oracle
 
 H, I = 16, 32
 DTYPES = (jnp.float32, jnp.bfloat16)

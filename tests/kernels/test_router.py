@@ -3,11 +3,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from router_cases import (
-    np_aux_loss, np_aux_scores, np_router, te_bias, te_logits, tie_free_logits)
+from router_cases import np_aux_loss, np_aux_scores, np_router, te_bias, te_logits, tie_free_logits
 
-from expertd.kernels.router import (
-    fused_moe_aux_loss, fused_topk_with_score_function, topk_ids_and_weights)
+from expertd.kernels.router import fused_moe_aux_loss, fused_topk_with_score_function, topk_ids_and_weights
 
 BACKENDS = ("reference", "xla", "pallas")
 

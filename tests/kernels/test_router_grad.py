@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from router_cases import np_aux_scores, np_router, np_router_grad, te_bias, tie_free_logits
 
 from expertd.kernels import router_pallas

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from expertd.kernels import experts, moe, native_cpu, panels, router
-from expertd.server.engine import CompileEvent, Engine, UnknownLayerError, enable_compile_cache
 from expertd.server import steps
+from expertd.server.engine import CompileEvent, Engine, UnknownLayerError, enable_compile_cache
 from expertd.server.model import LoadedLayer, load_preset
 
 BUCKETS = (8, 32)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
+from service_support import sample, scrape, server_config
 from tritonclient.utils import InferenceServerException
 
 from expertd.client import ExpertClient
 from expertd.client.kserve_protos import service_grpc, service_pb2
 from expertd.server.app import create_server
-from service_support import sample, scrape, server_config
 
 H, K = 64, 2
 MODEL = "moe-layer-0"

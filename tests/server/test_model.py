@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 
 from expertd.kernels.moe import MoEConfig, param_shapes
-from expertd.server.model import (PRESETS, LoadedLayer, SeededParams, describe_indices, load_preset,
-                                  moe_layer_indices, parse_layers, preset_hf_config)
+from expertd.server.model import (
+    PRESETS,
+    LoadedLayer,
+    SeededParams,
+    describe_indices,
+    load_preset,
+    moe_layer_indices,
+    parse_layers,
+    preset_hf_config,
+)
 
 
 @pytest.mark.parametrize("spec, expected", [

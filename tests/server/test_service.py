@@ -11,16 +11,15 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
 from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from service_support import host_params, reference_aux_loss, reference_forward, sample, scrape, server_config
 
-from expertd.client import AsyncExpertClient, ExpertClient, InvalidArgumentError, NotFoundError
-from expertd.client import codec
+from expertd.client import AsyncExpertClient, ExpertClient, InvalidArgumentError, NotFoundError, codec
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server.app import create_server
-from service_support import host_params, reference_aux_loss, reference_forward, sample, scrape, server_config
 
 H, E, K = 64, 8, 2
 

@@ -107,6 +107,7 @@ def test_serve_reports_a_missing_checkpoint_and_exits_1(tmp_path, capsys):
 
 def test_num_layers_takes_the_first_moe_layers_of_a_checkpoint(tmp_path):
     import hf_fixtures
+
     from expertd.server.app import load_layers
 
     hf_fixtures.write_checkpoint(tmp_path, "deepseek_v3", num_layers=5)  # MoE layers 2, 3, 4

@@ -17,14 +17,20 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
+from service_support import cache_dir, sample, scrape, server_config
 
-from expertd.client import (AsyncExpertClient, Backoff, DeadlineExceededError, ExpertClient,
-                            ResourceExhaustedError, UnavailableError)
-from expertd.client.pb.v1 import expert_pb2_grpc
+from expertd.client import (
+    AsyncExpertClient,
+    Backoff,
+    DeadlineExceededError,
+    ExpertClient,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from expertd.client.messages import forward_request
+from expertd.client.pb.v1 import expert_pb2_grpc
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
-from service_support import cache_dir, sample, scrape, server_config
 
 H = 64
 QUEUE_DELAY_MS = 1000.0

@@ -1,16 +1,16 @@
 """Every model family end to end: a synthetic Hugging Face checkpoint (tests/hf_fixtures.py) served
 over gRPC; Forward and Route equal the in-process kernels on the checkpoint's own weights."""
+import hf_fixtures
 import ml_dtypes
 import numpy as np
 import pytest
+from service_support import reference_forward, server_config
 
-import hf_fixtures
 from expertd.client import ExpertClient
 from expertd.client.pb.v1 import expert_pb2
 from expertd.kernels.moe import MoEConfig
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
-from service_support import reference_forward, server_config
 
 # (family, storage dtype, sharded, server dtype, --layers)
 CASES = [

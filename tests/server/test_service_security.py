@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
+from service_support import make_pki, sample, scrape, server_config
 
 from expertd.client import ExpertClient, TlsOptions, UnauthenticatedError, UnavailableError
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig, SecurityConfig
-from service_support import make_pki, sample, scrape, server_config
 
 TOKEN = "s3cret-token"
 ONE_LAYER = ModelConfig(preset="tiny", num_layers=1, dtype="float32", num_devices=1)
