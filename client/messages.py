@@ -1,4 +1,6 @@
-"""Request building and response decoding shared by the sync and asyncio clients.
+"""The expertd.v1 messages as Python types, both ways: request building and response decoding
+for the sync and asyncio clients, and response encoding for the server (which answers with these
+same result types: ``forward_response``, ``route_response``).
 
 Shapes: T tokens, H hidden size, E routed experts, k experts per token.
 """
@@ -92,6 +94,28 @@ def routing(message: expert_pb2.Routing) -> Routing:
         topk_weights=codec.decode(message.topk_weights, field="routing.topk_weights"),
         tokens_per_expert=np.asarray(message.tokens_per_expert, dtype=np.int64),
     )
+
+
+def routing_message(decoded: Routing) -> expert_pb2.Routing:
+    """The inverse of ``routing``: ids int32 and weights float32 as tensors, counts as integers."""
+    return expert_pb2.Routing(topk_ids=codec.encode(decoded.topk_ids), topk_weights=codec.encode(decoded.topk_weights),
+                              tokens_per_expert=decoded.tokens_per_expert.tolist())
+
+
+def forward_response(result: ForwardResult, request_id: str = "",
+                     return_routing: bool = False) -> expert_pb2.ForwardResponse:
+    """The inverse of ``forward_result``: the output, and the routing when asked for (and present)."""
+    response = expert_pb2.ForwardResponse(output=codec.encode(result.output), request_id=request_id)
+    if return_routing and result.routing is not None:
+        response.routing.CopyFrom(routing_message(result.routing))
+    return response
+
+
+def route_response(result: RouteResult, request_id: str = "") -> expert_pb2.RouteResponse:
+    """The inverse of ``route_result``."""
+    return expert_pb2.RouteResponse(
+        routing=routing_message(Routing(result.topk_ids, result.topk_weights, result.tokens_per_expert)),
+        aux_loss=result.aux_loss, request_id=request_id)
 
 
 def forward_result(response: expert_pb2.ForwardResponse) -> ForwardResult:

@@ -1,16 +1,18 @@
 """Server assembly and lifecycle: ``create_server(config)`` -> a running server handle.
 
 Start-up, in order:
-1. Load the model (preset or checkpoint; ValueError on bad input) and build the Engine (weights
-   placed on the mesh once, persistent compilation cache on).
-2. Start a grpc.aio server on its own thread and event loop: ``expertd.v1.ExpertService``, the
-   KServe v2 service when ``expertd.server.kserve`` is present, ``grpc.health.v1`` (services "",
-   each served service, "liveness", "readiness"), reflection (optional), the metrics and
-   bearer-token wrappers (applied once per method: ``expertd.server.interceptors``), TLS /
-   mutual TLS, message limits sized from the request limit.
+1. ``expertd.server.startup.build``: load the model (preset or checkpoint; ValueError on bad
+   input), place and prepare the weights once, build the Engine; its ModelDescription is what the
+   front ends see.
+2. Start a grpc.aio server on its own thread and event loop: ``expertd.v1.ExpertService`` and the
+   KServe v2 service (both over the Batcher and the ModelDescription, never the engine),
+   ``grpc.health.v1`` (services "", each served service, "liveness", "readiness"), reflection
+   (optional), the metrics and bearer-token wrappers (applied once per method:
+   ``expertd.server.interceptors``), TLS / mutual TLS, message limits sized from the request limit.
    Prometheus ``/metrics`` listens on its own HTTP port. Port 0 binds a free port.
-3. Warm up (compile every bucket) on the device-worker thread while health says NOT_SERVING
-   ("liveness" is SERVING from the start); then SERVING and ``expertd_model_ready`` 1.
+3. Warm up (``expertd.server.warmup``: compile every bucket) on the device-worker thread while
+   health says NOT_SERVING ("liveness" is SERVING from the start); then SERVING and
+   ``expertd_model_ready`` 1.
 
 Drain (``handle.stop()``, SIGTERM in ``expertd serve``): health NOT_SERVING and new calls get
 UNAVAILABLE while accepted requests (queued ones included) finish, then the gRPC server stops
@@ -21,57 +23,32 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib.util
 import logging
-import os
 import threading
 from collections.abc import Callable
 
 import grpc
+import jax
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+from expertd.server import kserve, startup, warmup
 from expertd.server.batcher import Batcher
 from expertd.server.config import ServerConfig
 from expertd.server.interceptors import wrapping
 from expertd.server.metrics import Metrics
 from expertd.server.reflection import enable_reflection
 from expertd.server.servicer import ExpertServicer
+from expertd.server.version import VERSION
 
 log = logging.getLogger(__name__)
 
 EXPERT_SERVICE = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
 PROBE_SERVICES = ("liveness", "readiness")
-VERSION = "0.1.0"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def load_layers(config: ServerConfig):
-    """The LoadedLayers the config asks for (ValueError naming the option on bad input)."""
-    from expertd.server.checkpoint import load_checkpoint, read_config
-    from expertd.server.model import load_preset, moe_layer_indices, select_layers
-
-    model = config.model
-    if model.checkpoint is not None:
-        layers = model.layers
-        if model.num_layers is not None:  # the first N MoE layers of the checkpoint
-            layers = select_layers(moe_layer_indices(read_config(model.checkpoint)), layers=None,
-                                   num_layers=model.num_layers, what=f"checkpoint {model.checkpoint}")
-        return load_checkpoint(model.checkpoint, layers=layers, dtype=model.dtype)
-    return load_preset(model.preset or "tiny", num_layers=model.num_layers, layers=model.layers,
-                       dtype=model.dtype, seed=model.seed)
-
-
-def max_message_bytes(engine, max_request_tokens: int) -> int:
-    """Largest message of a request of ``max_request_tokens`` tokens, in or out, plus framing headroom.
-
-    Per token: fp32 hidden states or logits in, output plus fp32 routing ids/weights out.
-    """
-    per_token = max(4 * max(c.hidden_size, c.num_experts) + 8 * c.topk for c in (l.cfg for l in engine.layers.values()))
-    return max_request_tokens * per_token + (1 << 20)
 
 
 @dataclasses.dataclass
@@ -88,21 +65,26 @@ class _Parts:
 class ServerHandle:
     """A running server (see module docstring). Thread-safe; every test and ``expertd serve`` use it.
 
-    Attributes: ``port`` and ``metrics_port`` (the bound ports), ``config``, ``engine``,
-    ``metrics`` (the Metrics on ``registry``), ``registry``.
+    Attributes: ``port`` and ``metrics_port`` (the bound ports), ``config``, ``served`` (what
+    start-up built: ``served.info()``, ``served.notes()``), ``engine`` (its Engine), ``model`` (the
+    ModelDescription the front ends see), ``metrics`` (the Metrics on ``registry``), ``registry``.
     """
 
-    def __init__(self, config: ServerConfig, engine, registry: CollectorRegistry,
-                 progress: Callable | None):
+    def __init__(self, config: ServerConfig, served: startup.Served, registry: CollectorRegistry,
+                 progress: Callable | None, step_runner=None, on_warm: Callable[[], None] | None = None):
         self.config = config
-        self.engine = engine
+        self.served = served
+        self.engine = served.engine
+        self.model = served.describe(config.model.name, config.batching)
         self.registry = registry
-        self.metrics = Metrics(registry, token_buckets=engine.buckets)
-        self.metrics.set_build_info(version=VERSION, jax_version=_jax_version(), grpc_version=grpc.__version__,
-                                    platform=engine.devices[0].platform)
+        self.metrics = Metrics(registry, token_buckets=self.model.buckets)
+        self.metrics.set_build_info(version=VERSION, jax_version=jax.__version__, grpc_version=grpc.__version__,
+                                    platform=self.model.mesh.platform)
         self.metrics.set_ready(False)
-        engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
+        self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
         self.port = self.metrics_port = 0
+        self._step_runner = step_runner or self.engine
+        self._on_warm = on_warm
         self._progress = progress
         self._started = threading.Event()
         self._ready = threading.Event()
@@ -185,19 +167,20 @@ class ServerHandle:
             httpd.server_close()
 
     async def _build(self) -> _Parts:
-        config = self.config
-        limit = max_message_bytes(self.engine, config.batching.max_request_tokens)
+        config, model = self.config, self.model
+        limit = model.max_message_bytes()
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0)])
         # Every service registers through this stand-in: metrics and auth wrap each method once.
         registrar = wrapping(server, self.metrics, config.security.token())
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
-        batcher = Batcher(self.engine, config.batching, self.metrics, executor)
-        servicer = ExpertServicer(batcher, model_name=config.model.name, aux_loss_coeff=config.aux_loss_coeff,
-                                  max_request_tokens=config.batching.max_request_tokens, version=VERSION)
+        batcher = Batcher(self._step_runner, model, config.batching, self.metrics, executor)
+        servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION)
         expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, registrar)
-        services = [EXPERT_SERVICE, *_add_kserve(registrar, batcher, config)]
+        services = [EXPERT_SERVICE, *kserve.add_to_server(registrar, model=model, batcher=batcher,
+                                                          statistics=self.metrics.statistics,
+                                                          batching=config.batching, version=VERSION)]
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, registrar)
         for name in ("", *services, "readiness"):
@@ -214,7 +197,7 @@ class ServerHandle:
     async def _warm_up(self) -> None:
         parts = self._parts
         try:
-            await parts.batcher.run_on_device(self.engine.warmup, self._progress)
+            await parts.batcher.run_on_device(self._warm)
         except Exception as exc:  # noqa: BLE001 - the server stays NOT_SERVING; wait_ready raises it
             log.exception("warm-up failed")
             self._failure = exc
@@ -225,6 +208,12 @@ class ServerHandle:
             await parts.health.set(name, SERVING)
         self.metrics.set_ready(True)
         self._ready.set()
+
+    def _warm(self) -> None:
+        """Device-worker thread: compile every step, then ``on_warm`` (multi-host: the group joins)."""
+        warmup.warm_up(self.engine, self._progress)
+        if self._on_warm is not None:
+            self._on_warm()
 
     async def _drain(self) -> None:
         parts = self._parts
@@ -244,29 +233,26 @@ class ServerHandle:
 
 
 def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = None,
-                  progress: Callable | None = None, layers=None, wrap_engine: Callable | None = None) -> ServerHandle:
-    """Load the model, start serving (health NOT_SERVING) and begin warm-up; returns at once.
+                  progress: Callable | None = None, layers=None, step_runner: Callable | None = None,
+                  on_warm: Callable[[], None] | None = None) -> ServerHandle:
+    """Build the model (``startup.build``), start serving (health NOT_SERVING) and begin warm-up;
+    returns at once.
 
     Args:
       config: the parsed configuration (ports may be 0: the handle has the bound ones).
       registry: Prometheus registry for the metrics (default: a fresh one).
       progress: called with each ``expertd.server.engine.CompileEvent`` during warm-up.
       layers: LoadedLayers to serve instead of loading ``config.model`` (tests, benchmarks).
-      wrap_engine: ``engine -> engine-like`` applied to the Engine before serving (multi-host:
-        ``expertd.server.multihost.LeaderEngine``).
+      step_runner: ``engine -> what runs the batcher's steps`` (default: the Engine itself;
+        multi-host: ``expertd.server.multihost.LeaderEngine``, which first sends each step to the
+        other processes).
+      on_warm: called on the device-worker thread after warm-up, before the server says SERVING
+        (multi-host: waits for the group); a failure there is a warm-up failure.
     """
-    from expertd.server.engine import Engine
-
     disable_created_metrics()  # the *_created series only add noise to every scrape
-    if layers is None:
-        layers = load_layers(config)
-    cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
-    engine = Engine(layers, buckets=config.batching.bucket_sizes, dtype=config.model.dtype,
-                    devices=config.model.num_devices, backend=config.model.backend, compile_cache_dir=cache,
-                    huge_pages=config.model.huge_pages, panel_weights=config.model.panel_weights)
-    if wrap_engine is not None:
-        engine = wrap_engine(engine)
-    handle = ServerHandle(config, engine, registry or CollectorRegistry(), progress)
+    served = startup.build(config, layers)
+    runner = None if step_runner is None else step_runner(served.engine)
+    handle = ServerHandle(config, served, registry or CollectorRegistry(), progress, runner, on_warm)
     handle._start()
     return handle
 
@@ -281,18 +267,4 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
             client_ca = ca.read()
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
-
-def _add_kserve(server, batcher: Batcher, config: ServerConfig) -> list[str]:
-    """Register the KServe v2 service when its module is present; returns the service names added."""
-    if importlib.util.find_spec("expertd.server.kserve") is None:
-        return []
-    from expertd.server import kserve
-
-    return list(kserve.add_to_server(server, batcher=batcher, config=config) or [])
-
-
-def _jax_version() -> str:
-    import jax
-
-    return jax.__version__
 

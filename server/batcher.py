@@ -1,22 +1,25 @@
 """The batcher: merges concurrent requests for one layer into engine steps, off the asyncio loop.
 
-How a request flows (T tokens, H hidden, E experts, k top-k):
+How a request flows (T tokens, H hidden, E experts, k top-k); requests arrive decoded, validated
+and in the engine dtype (``expertd.server.requests``), and nothing here checks them again:
 
 1. ``forward`` / ``route`` check capacity (``Overloaded`` past ``max_queue_size`` accepted
    requests; ``NotReady`` while warming up or draining), split the tokens into parts of at most
-   ``max_batch_tokens`` rows (so requests bigger than the largest bucket are served, not refused)
-   and queue the parts on the queue of their (layer, step kind).
+   ``max_batch_tokens`` rows (views, no copies; requests bigger than the largest bucket are
+   served, not refused) and queue the parts on the queue of their (layer, step kind).
 2. One scheduler task per queue waits (``_gather``) until the queued rows fill a bucket exactly
    or ``max_batch_tokens``, or ``max_queue_delay`` has passed since the first part arrived or the
-   previous step ended, then takes parts in arrival order up to ``max_batch_tokens`` rows. Parts whose request was cancelled or whose deadline passed are
-   dropped here, before compute.
-3. The parts are concatenated (cast to the engine dtype) and run as one engine step on the single
-   device-worker thread (``run_in_executor``): the loop never blocks on device work. The engine
-   pads the rows to the smallest bucket that fits and masks the padding out of routing.
-4. Results are cut back per part and cast to each request's dtype. If a merged step fails, its
-   parts are re-run one by one, so one bad request never fails the others in its batch.
-5. Per-expert token counts feed the load tracker (GetExpertLoad) and the metrics. Each answered
-   request carries its own ``compute_seconds`` (the engine steps that computed its parts) and
+   previous step ended, then takes parts in arrival order up to ``max_batch_tokens`` rows. Parts
+   whose request was cancelled or whose deadline passed are dropped here, before compute.
+3. The step's bucket is chosen once, and the parts are copied once into one buffer of that many
+   rows (``steps.pad_rows``; no copy when one part fills it), which the engine runs as one step on
+   the single device-worker thread (``run_in_executor``): the loop never blocks on device work.
+4. Results are cut back per part (views); each request's output is cast once to its caller's dtype
+   (``requests.cast``) and answered as the client's own result types (``ForwardResult``,
+   ``RouteResult`` of ``expertd.client.messages``) with its ``Timing``. If a merged step fails,
+   its parts are re-run one by one, so one bad request never fails the others in its batch.
+5. Per-expert token counts feed the load tracker (GetExpertLoad) and the metrics. Each request's
+   ``Timing`` has its ``compute_seconds`` (the engine steps that computed its parts) and
    ``queue_seconds`` (the rest of its time until its last step ended); the latter is observed in
    ``expertd_queue_duration_seconds`` once per request, the steps in the compute histogram.
 
@@ -33,16 +36,26 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable
 
 import numpy as np
 
+from expertd.client.messages import ForwardResult, RouteResult, Routing
 from expertd.server import steps
 from expertd.server.config import BatchingConfig
+from expertd.server.description import ModelDescription
 from expertd.server.errors import DeadlineExpired, NotReady, Overloaded
+from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.metrics import Metrics
+from expertd.server.requests import ForwardRequest, RouteRequest, cast
 
-FORWARD, ROUTE_HIDDEN, ROUTE_LOGITS = "forward", "route_hidden", "route_logits"
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One request's seconds in the batcher: waiting (for its batch to form and for earlier steps)
+    and in the engine steps that computed its parts."""
+
+    queue_seconds: float
+    compute_seconds: float
 
 
 @dataclasses.dataclass
@@ -59,112 +72,34 @@ class _Part:
 
     request: _Request
     tokens: np.ndarray          # [n, H] (engine dtype) or [n, E] fp32 logits
-    out_dtype: np.dtype
     future: asyncio.Future
 
 
-@dataclasses.dataclass(frozen=True)
-class _Served:
-    """How one request's parts were served: its own parts' results in order, the seconds of the
-    engine steps that computed them (``compute_seconds``) and the rest of its time in the batcher,
-    from arrival to the end of its last step (``queue_seconds``; waiting for the batch to form and
-    for earlier steps)."""
-
-    parts: list
-    queue_seconds: float
-    compute_seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardOutput:
-    """output [T, H] in the request dtype; topk_ids int32 [T, k]; topk_weights fp32 [T, k];
-    tokens_per_expert int64 [E] over the request's tokens (counted when first read);
-    queue_seconds / compute_seconds: this request's time waiting in the batcher / in engine steps."""
-
-    output: np.ndarray
-    topk_ids: np.ndarray
-    topk_weights: np.ndarray
-    num_experts: int
-    queue_seconds: float = 0.0
-    compute_seconds: float = 0.0
-
-    @property
-    def tokens_per_expert(self) -> np.ndarray:
-        return _counts(self.topk_ids, self.num_experts)
-
-
-@dataclasses.dataclass(frozen=True)
-class RouteOutput:
-    """topk_ids int32 [T, k]; topk_weights fp32 [T, k]; tokens_per_expert int64 [E]; aux_loss;
-    queue_seconds / compute_seconds as in ForwardOutput."""
-
-    topk_ids: np.ndarray
-    topk_weights: np.ndarray
-    tokens_per_expert: np.ndarray
-    aux_loss: float
-    queue_seconds: float = 0.0
-    compute_seconds: float = 0.0
-
-
-class ExpertLoadTracker:
-    """Tokens routed to each expert per layer: since start and over a sliding window.
-
-    The window is kept as one-second slots with a running sum, so recording a step and reading
-    the window cost O(E) whatever the request rate.
-    """
-
-    def __init__(self, num_experts: dict[int, int], window_s: float, clock: Callable[[], float] = time.monotonic):
-        self.window_s = window_s
-        self._clock = clock
-        self._total = {layer: np.zeros(e, np.int64) for layer, e in num_experts.items()}
-        self._recent_sum = {layer: np.zeros(e, np.int64) for layer, e in num_experts.items()}
-        self._slots: dict[int, collections.deque] = {layer: collections.deque() for layer in num_experts}
-
-    def add(self, layer: int, tokens_per_expert: np.ndarray) -> float:
-        """Record one step's counts ``[E]``; returns the layer's recent max/mean imbalance."""
-        counts = np.asarray(tokens_per_expert, np.int64)
-        self._total[layer] += counts
-        slots, second = self._slots[layer], int(self._clock())
-        if slots and slots[-1][0] == second:
-            slots[-1][1] += counts
-        else:
-            slots.append([second, counts.copy()])
-        self._recent_sum[layer] += counts
-        recent = self.recent(layer)
-        mean = recent.mean()
-        return float(recent.max() / mean) if mean > 0 else 1.0
-
-    def total(self, layer: int) -> np.ndarray:
-        return self._total[layer].copy()
-
-    def recent(self, layer: int) -> np.ndarray:
-        slots, horizon = self._slots[layer], self._clock() - self.window_s
-        while slots and slots[0][0] + 1 <= horizon:  # the slot ended before the window began
-            self._recent_sum[layer] -= slots.popleft()[1]
-        return self._recent_sum[layer].copy()
-
-
 class Batcher:
-    """Per-(layer, step kind) queues in front of one Engine (see module docstring).
+    """Per-(layer, step kind) queues in front of one engine (see module docstring).
 
     Args:
-      engine: ``expertd.server.engine.Engine`` (called only from the device-worker thread).
+      engine: runs the steps (``expertd.server.engine.Engine``, or the multi-host leader's wrapper);
+        called only from the device-worker thread.
+      model: the served layers and buckets.
       config: batching limits.
       metrics: where batches, queue times and routing are recorded.
       executor: the single device-worker thread (created here when not given).
     """
 
-    def __init__(self, engine, config: BatchingConfig, metrics: Metrics,
+    def __init__(self, engine, model: ModelDescription, config: BatchingConfig, metrics: Metrics,
                  executor: concurrent.futures.ThreadPoolExecutor | None = None):
         self.engine = engine
+        self.model = model
         self.config = config
         self.metrics = metrics
         self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
-        self.max_part_tokens = min(config.batch_tokens, engine.buckets[-1])
-        self.loads = ExpertLoadTracker({i: layer.cfg.num_experts for i, layer in engine.layers.items()},
+        self.max_part_tokens = model.max_batch_tokens
+        self.loads = ExpertLoadTracker({i: cfg.num_experts for i, cfg in model.layers.items()},
                                        config.expert_load_window_s)
         self.accepting = False
         self.draining = False
+        self._buckets = frozenset(model.buckets)
         self._pending = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -174,33 +109,24 @@ class Batcher:
         self._schedulers: dict[tuple[int, str], asyncio.Task] = {}
 
     # -- public API (called from servicers on the event loop) -----------------------------------
-    async def forward(self, layer: int, x: np.ndarray, *, deadline: float | None = None) -> ForwardOutput:
-        """The layer output for ``x [T, H]`` (any T >= 1), in x's dtype, with the routing."""
-        served = await self._submit(layer, FORWARD, x, self.engine.dtype, deadline)
-        parts = served.parts
+    async def forward(self, request: ForwardRequest) -> tuple[ForwardResult, Timing]:
+        """The layer output for ``request.tokens [T, H]`` (any T >= 1) in the caller's dtype, with the routing."""
+        parts, timing = await self._submit(request.layer, steps.FORWARD, request.tokens, request.deadline)
         output, ids, weights = parts[0] if len(parts) == 1 else (np.concatenate(p) for p in zip(*parts))
-        return ForwardOutput(output, ids, weights, self.engine.layers[layer].cfg.num_experts,
-                             served.queue_seconds, served.compute_seconds)
+        counts = _counts(ids, self.model.layers[request.layer].num_experts)
+        return ForwardResult(cast(output, request.out_dtype), Routing(ids, weights, counts)), timing
 
-    async def route(self, layer: int, *, hidden: np.ndarray | None = None, logits: np.ndarray | None = None,
-                    aux_loss_coeff: float = 1.0, deadline: float | None = None) -> RouteOutput:
-        """Top-k routing of ``hidden [T, H]`` or ``logits [T, E]``; aux loss times ``aux_loss_coeff``."""
-        kind, tokens, dtype = (ROUTE_HIDDEN, hidden, self.engine.dtype) if hidden is not None \
-            else (ROUTE_LOGITS, logits, np.dtype(np.float32))
-        served = await self._submit(layer, kind, tokens, dtype, deadline)
-        parts = served.parts
+    async def route(self, request: RouteRequest) -> tuple[RouteResult, Timing]:
+        """Top-k routing of hidden states ``[T, H]`` or logits ``[T, E]``; aux loss times the request's coefficient."""
+        kind = steps.ROUTE_LOGITS if request.from_logits else steps.ROUTE_HIDDEN
+        parts, timing = await self._submit(request.layer, kind, request.tokens, request.deadline)
         ids = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
-        cfg = self.engine.layers[layer].cfg
+        weights = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
+        cfg = self.model.layers[request.layer]
         counts = _counts(ids, cfg.num_experts)
         score_sums = sum(p[2] for p in parts)
-        return RouteOutput(
-            topk_ids=ids,
-            topk_weights=parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts]),
-            tokens_per_expert=counts,
-            aux_loss=steps.aux_loss_of(score_sums, counts, len(ids), cfg.topk, aux_loss_coeff),
-            queue_seconds=served.queue_seconds,
-            compute_seconds=served.compute_seconds,
-        )
+        aux_loss = steps.aux_loss_of(score_sums, counts, len(ids), cfg.topk, request.aux_loss_coeff)
+        return RouteResult(ids, weights, counts, aux_loss), timing
 
     @property
     def pending(self) -> int:
@@ -223,11 +149,12 @@ class Batcher:
         self.executor.shutdown(wait=True)
 
     async def run_on_device(self, fn, *args):
-        """Run ``fn(*args)`` on the device-worker thread (warm-up, engine info)."""
+        """Run ``fn(*args)`` on the device-worker thread (warm-up, engine steps)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # -- queueing -------------------------------------------------------------------------------
-    async def _submit(self, layer: int, kind: str, tokens: np.ndarray, dtype, deadline: float | None) -> _Served:
+    async def _submit(self, layer: int, kind: str, tokens: np.ndarray, deadline: float | None) -> tuple[list, Timing]:
+        """Queue ``tokens`` in parts; (each part's result in order, the request's Timing)."""
         if not self.accepting:
             raise NotReady("draining: not accepting new requests" if self.draining else "warming up: the model is "
                            "still compiling; retry when health reports SERVING")
@@ -245,9 +172,8 @@ class Batcher:
             self._schedulers[key] = asyncio.ensure_future(self._schedule(key))
         futures = []
         for start in range(0, len(tokens), self.max_part_tokens):
-            chunk = np.asarray(tokens[start:start + self.max_part_tokens]).astype(dtype, copy=False)
             future = loop.create_future()
-            queue.append(_Part(request, chunk, np.asarray(tokens).dtype, future))
+            queue.append(_Part(request, tokens[start:start + self.max_part_tokens], future))
             futures.append(future)
         self._wakeups[key].set()
         self._pending += 1
@@ -256,9 +182,9 @@ class Batcher:
             # each part's future gives (its result, its step's seconds, its step's end)
             done = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
             compute = sum(seconds for _, seconds, _ in done)
-            queue = max(max(end for _, _, end in done) - request.arrived - compute, 0.0)
-            self.metrics.observe_queue("forward" if kind == FORWARD else "route", queue)
-            return _Served([result for result, _, _ in done], queue, compute)
+            queued = max(max(end for _, _, end in done) - request.arrived - compute, 0.0)
+            self.metrics.observe_queue("forward" if kind == steps.FORWARD else "route", queued)
+            return [result for result, _, _ in done], Timing(queued, compute)
         finally:
             self._pending -= 1
             if self._pending == 0:
@@ -280,15 +206,15 @@ class Batcher:
     async def _gather(self, queue: collections.deque[_Part], wakeup: asyncio.Event, last_step_end: float) -> None:
         """Wait, at most the queue delay, for more requests to join the batch at the queue's head.
 
-        No wait when the queued rows fill their bucket exactly (nothing to gain) or the largest
-        one. The delay counts from the first request's arrival or the end of the previous step,
+        No wait when the queued rows fill a bucket exactly (nothing to gain) or the largest batch.
+        The delay counts from the first request's arrival or the end of the previous step,
         whichever is later, so callers just answered by that step can come back and fill the
         padding of the next one (closed-loop clients otherwise settle into half-full batches).
         """
         delay = self.config.max_queue_delay_ms / 1000.0
         while not self.draining:
             rows = sum(len(p.tokens) for p in queue)
-            if rows >= self.max_part_tokens or rows == self.engine.bucket_for(rows):
+            if rows >= self.max_part_tokens or rows in self._buckets:
                 return
             remaining = max(queue[0].request.arrived, last_step_end) + delay - time.monotonic()
             if remaining <= 0:
@@ -326,10 +252,11 @@ class Batcher:
     # -- execution ------------------------------------------------------------------------------
     async def _execute(self, key: tuple[int, str], batch: list[_Part]) -> None:
         layer, kind = key
+        rows = sum(len(p.tokens) for p in batch)
+        bucket = self.model.bucket_for(rows)
         started = time.monotonic()
-        tokens = batch[0].tokens if len(batch) == 1 else np.concatenate([p.tokens for p in batch])
         try:
-            result = await self.run_on_device(self._step, layer, kind, tokens)
+            result = await self.run_on_device(self._step, layer, kind, [p.tokens for p in batch], bucket, rows)
         except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
             if len(batch) > 1:
                 for part in batch:  # isolate the failing request; the others still get answers
@@ -339,40 +266,39 @@ class Batcher:
             return
         ended = time.monotonic()
         seconds = ended - started
-        self._record(layer, kind, len(tokens), len(batch), seconds, result)
+        self._record(layer, kind, rows, bucket, len(batch), seconds, result)
         offset = 0
         for part in batch:
-            rows = slice(offset, offset + len(part.tokens))
+            span = slice(offset, offset + len(part.tokens))
             offset += len(part.tokens)
             if part.future.done():
                 continue
-            if kind == FORWARD:
-                part.future.set_result(((result.output[rows].astype(part.out_dtype, copy=False),
-                                         result.topk_ids[rows], result.topk_weights[rows]), seconds, ended))
+            if kind == steps.FORWARD:
+                part.future.set_result(((result.output[span], result.topk_ids[span], result.topk_weights[span]),
+                                        seconds, ended))
             else:
                 # the part's own score sums [E], in fp64: the request's aux loss is computed from them
-                part.future.set_result(((result.topk_ids[rows], result.topk_weights[rows],
-                                         result.aux_scores[rows].sum(axis=0, dtype=np.float64)), seconds, ended))
+                part.future.set_result(((result.topk_ids[span], result.topk_weights[span],
+                                         result.aux_scores[span].sum(axis=0, dtype=np.float64)), seconds, ended))
 
-    def _step(self, layer: int, kind: str, tokens: np.ndarray):
-        """Device-worker thread: one engine step over the concatenated parts."""
-        if kind == FORWARD:
-            return self.engine.forward(layer, tokens)
-        if kind == ROUTE_HIDDEN:
-            return self.engine.route(layer, hidden=tokens, aux_loss_coeff=1.0)
-        return self.engine.route(layer, logits=tokens, aux_loss_coeff=1.0)
+    def _step(self, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int):
+        """Device-worker thread: the parts padded to ``bucket`` rows, run as one engine step."""
+        tokens = steps.pad_rows(parts, bucket)
+        if kind == steps.FORWARD:
+            return self.engine.forward(layer, tokens, rows)
+        return self.engine.route(layer, tokens, rows, from_logits=kind == steps.ROUTE_LOGITS)
 
-    def _record(self, layer: int, kind: str, rows: int, num_parts: int, seconds: float, result) -> None:
-        metric_kind = "forward" if kind == FORWARD else "route"
-        self.metrics.observe_batch(layer=layer, kind=metric_kind, num_valid=rows, bucket=self.engine.bucket_for(rows),
+    def _record(self, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float, result) -> None:
+        metric_kind = "forward" if kind == steps.FORWARD else "route"
+        self.metrics.observe_batch(layer=layer, kind=metric_kind, num_valid=rows, bucket=bucket,
                                    num_requests=num_parts, seconds=seconds)
         counts = np.asarray(result.tokens_per_expert, np.int64)
         imbalance = self.loads.add(layer, counts)
         self.metrics.observe_routing(layer, counts, imbalance)
-        if kind != FORWARD:
+        if kind != steps.FORWARD:
             self.metrics.set_aux_loss(layer, result.aux_loss)
 
 
 def _counts(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
     """tokens_per_expert ``[E]`` int64 from ``topk_ids [T, k]``."""
-    return np.bincount(topk_ids.reshape(-1), minlength=num_experts).astype(np.int64)
+    return np.bincount(topk_ids.reshape(-1), minlength=num_experts)

@@ -1,96 +1,47 @@
-"""The engine: MoE layers on a device mesh, one pre-compiled step per (layer shape, token bucket).
+"""The engine: compiles and runs the steps of MoE layers whose weights are already placed.
 
-What it does, in order:
-1. Mesh: the devices given (default: all of `jax.devices()`; an int n takes the first n) form a
-   1-D mesh with axis "ep". One device runs `expertd.kernels.moe.moe_layer`; more run
-   `expertd.kernels.ep.ep_moe_layer` over "ep" (E / R experts per rank).
-2. Weights (`expertd.server.placement`): each layer's params are placed once (`jax.device_put`,
-   or `ep.shard_params` on a mesh); expert weights in the engine dtype, router weight and expert
-   bias in fp32. Seeded preset weights are generated straight into their device layout. Where the
-   native CPU kernel runs every forward (one CPU process, no expert parallelism, backend auto or
-   native_cpu), the routed expert matrices are then relaid out panel-major (`expertd.kernels.panels`;
-   same outputs, faster reads; `panel_weights=False` keeps the row-major layout, and
-   `info()["weight_layout"]` says which is served, `info()["panel_columns"]` the panels' width). On CPU
-   devices their buffers are then moved onto transparent huge pages (`expertd.server.host_memory`,
-   `huge_pages=False` skips it); `info()["huge_pages"]` reports how many bytes made it, and
-   `info()["host_allocator"]` whether this process keeps freed host buffers for reuse
-   (`expertd.server.host_allocator`, applied by `expertd serve --retain-freed-memory` before JAX starts).
-3. Steps (`expertd.server.steps`): three pure functions of (params, tokens padded to a bucket, number of valid tokens):
-   forward (gate matmul, router, dispatch, experts, combine, shared experts), route from hidden
-   states (router logits = x @ router_weight in fp32) and route from given logits [T, E]. Layers
-   with the same config and param shapes share executables. `warmup()` AOT-compiles every
-   (config, bucket, step) with a progress callback; steps not warmed compile on first use.
-   The number of valid tokens is a runtime scalar, so it never causes a recompilation; rows at
-   and after it are padding: masked out of routing, counts and the aux loss, their outputs zero.
-   On a mesh, the forward step is `steps.ep_forward_step` (`ep_moe_layer` traced under the same
-   jit: tokens sharded over "ep" inside, expert weights split), AOT-compiled per bucket like the
-   others and counted in the same compile metrics. Forward steps compile with
-   `moe.compiler_options(cfg, bucket, dtype=...)` (on CPU, YNNPACK off for few rows per large expert:
-   measured faster there); `info()["forward_compiler_options"]` lists where any apply, and
-   `info()["forward_expert_backends"]` which expert FFN backend each forward bucket runs.
-4. Inputs: in one process the padded host tokens and the scalars go to the compiled step as
-   numpy arrays, which it places itself (`placement.step_input`: ~100 us a step less than
-   `jax.device_put` first). Results come back to the host as numpy, cut to the valid rows; on CPU
-   they are read where they are with `np.asarray` (`placement.fetch`: 20-60 us a step less
-   than `device_get`).
+Its inputs are trusted: the batcher hands it tokens already decoded, validated, cast to the engine
+dtype and padded to a bucket (``[B, W]``, B the bucket: the token array's row count), and the
+number of valid rows. Nothing is checked or copied again here. Start-up (``expertd.server.startup``)
+builds what it needs: the mesh (``placement``), the placed and prepared weights (``weights``), the
+huge pages (``host_memory``); ``warmup`` compiles every step ahead of time.
 
-Multi-host (issue 7): every process builds the same Engine and must call `forward` / `route`
-(and `warmup`) with the same arguments in the same order: each step is a pure function of (layer,
-bucket, tokens, num_valid). Host inputs become global arrays with `make_array_from_callback`
-(every process passes the same values) and results that span processes are gathered with
-`process_allgather`, so every process gets the full result.
+Steps (``expertd.server.steps``): forward (gate matmul, router, dispatch, experts, combine, shared
+experts; ``steps.ep_forward_step`` on a mesh of several devices), route from hidden states and
+route from given logits ``[B, E]``. Layers with the same config and param shapes share
+executables; a step not compiled yet compiles on first use. ``num_valid`` is a runtime scalar, so
+it never causes a recompilation; rows at and after it are padding (masked out of routing, counts
+and the aux loss, their outputs zero). Forward steps compile with ``moe.compiler_options``.
 
-Interface notes for callers (the batcher / servicer):
-- `forward(layer, x, num_valid=None)`: x `[n, H]` float32 / bfloat16 / float16 with n <= the
-  largest bucket (rows past n up to the bucket are padded here); only the first `num_valid`
-  (default n) rows are real. Computes in the engine dtype; returns the output in x's dtype, every
-  result cut to `num_valid` rows.
-- `route(layer, hidden=None, logits=None, num_valid=None, aux_loss_coeff=None)`: exactly one of
-  hidden `[n, H]` / logits `[n, E]`; the aux-loss coefficient defaults to 1.0 (the unscaled
-  Switch loss: 1.0 is perfectly balanced). The result also carries the per-token aux scores
-  `[n, E]`, from which the batcher computes each merged request's own aux loss.
-- Unknown layers raise `UnknownLayerError` (a LookupError: NOT_FOUND); bad shapes / dtypes /
-  counts raise ValueError naming the argument (INVALID_ARGUMENT).
-- Metrics without prometheus here: `compilations` and `compile_seconds` attributes, and
-  `add_compile_listener(fn)`, called with a `CompileEvent` after every compilation.
-- One worker thread calls the engine; an internal lock makes concurrent calls safe but serial.
+Host inputs go to the compiled step as numpy arrays (``placement.step_input``: the step places them
+itself) and results come back as numpy (``placement.fetch``), cut to the valid rows. Multi-host:
+every process builds the same Engine and runs the same steps in the same order
+(``expertd.server.multihost``).
+
+One device-worker thread calls the engine; ``lock`` makes concurrent calls safe but serial.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import experts, moe, panels
-from expertd.server import host_allocator, host_memory, steps
+from expertd.kernels import experts, moe
+from expertd.server import steps
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer
-from expertd.server.placement import AXIS, MeshPlacement, pick_devices, split_over_ep
-
-STEP_KINDS = ("route_hidden", "route_logits", "forward")
-# Route's aux loss unscaled by default: 1.0 is perfectly balanced routing, E / k the worst.
-DEFAULT_AUX_LOSS_COEFF = 1.0
-INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
-
-log = logging.getLogger(__name__)
+from expertd.server.placement import AXIS, MeshPlacement
 
 
-class UnknownLayerError(LookupError):
-    """The engine holds no layer with this index (the servicer answers NOT_FOUND)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardResult:
-    """output [n, H] in the input dtype; topk_ids int32 [n, k] (descending weight); topk_weights
-    fp32 [n, k]; tokens_per_expert int32 [E] over the n valid tokens."""
+class ForwardOutput(NamedTuple):
+    """A forward step's results, cut to the valid rows n: output ``[n, H]`` in the engine dtype,
+    topk_ids int32 ``[n, k]`` (descending weight), topk_weights fp32 ``[n, k]``, tokens_per_expert
+    int32 ``[E]`` over the n rows."""
 
     output: np.ndarray
     topk_ids: np.ndarray
@@ -98,12 +49,11 @@ class ForwardResult:
     tokens_per_expert: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
-class RouteResult:
-    """topk_ids int32 [n, k]; topk_weights fp32 [n, k]; tokens_per_expert int32 [E]; aux_loss
-    (Switch load-balancing loss over the n valid tokens, times the coefficient); aux_scores fp32
-    [n, E]: the router's dense per-token aux scores, so that callers merging several requests
-    into one step get each request's own loss exactly (`steps.aux_loss_of`)."""
+class RouteOutput(NamedTuple):
+    """A route step's results, cut to the valid rows n: topk_ids ``[n, k]``, topk_weights ``[n, k]``,
+    tokens_per_expert ``[E]``, aux_loss (Switch loss over the n rows times the coefficient) and the
+    router's dense per-token aux scores fp32 ``[n, E]`` (so that callers merging requests into one
+    step get each request's own loss exactly: ``steps.aux_loss_of``)."""
 
     topk_ids: np.ndarray
     topk_weights: np.ndarray
@@ -114,9 +64,9 @@ class RouteResult:
 
 @dataclasses.dataclass(frozen=True)
 class CompileEvent:
-    """One compiled step: `layers` share it; `done` of `total` during warm-up (total 0 outside);
-    `compiler_options` are the XLA options it was compiled with (see `moe.compiler_options`);
-    `expert_backend` is the expert FFN backend a forward step runs (None for routing steps)."""
+    """One compiled step: ``layers`` share it; ``done`` of ``total`` during warm-up (total 0 outside);
+    ``compiler_options`` are the XLA options it was compiled with (see ``moe.compiler_options``);
+    ``expert_backend`` is the expert FFN backend a forward step runs (None for routing steps)."""
 
     layers: tuple[int, ...]
     bucket: int
@@ -128,348 +78,156 @@ class CompileEvent:
     expert_backend: str | None = None
 
 
-def enable_compile_cache(directory) -> None:
-    """Turn on JAX's persistent compilation cache in `directory` for this process.
-
-    The thresholds are lowered so that it also stores the small, fast CPU compilations (by default
-    JAX skips anything compiled in under a second); `reset_cache` makes a process that already
-    compiled something pick up the new directory.
-    """
-    from jax.experimental.compilation_cache import compilation_cache
-
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    compilation_cache.reset_cache()
-
-
 class Engine:
-    """MoE layers placed on devices with compiled steps per token bucket (see module docstring).
+    """Compiled steps of placed layers (see module docstring).
 
-    Attributes read by the service: `layers` (index -> LoadedLayer, its params now the placed
-    device arrays), `buckets`, `dtype`, `devices`, `mesh`, `warm`, `compilations`,
-    `compile_seconds`.
+    Args:
+      layers: the served layers, their params the placed (and prepared) device arrays.
+      placement: the mesh they are placed on.
+      dtype: the compute dtype (expert weights and hidden states).
+      buckets: the token buckets, ascending (what warm-up compiles).
+      backend: the expert FFN backend, "auto" or one of ``experts.BACKENDS``.
     """
 
-    def __init__(self, layers: Sequence[LoadedLayer], *, buckets: Sequence[int], dtype="bfloat16",
-                 devices=None, backend: str = "auto", compile_cache_dir=None, huge_pages: bool = True,
-                 panel_weights: bool = True):
-        if not layers:
-            raise ValueError("layers: the engine needs at least one layer")
-        self.layers = {}
-        for layer in layers:
-            if layer.index in self.layers:
-                raise ValueError(f"layers: layer {layer.index} is given twice")
-            self.layers[layer.index] = layer
-        self.buckets = _check_buckets(buckets)
-        try:
-            self.dtype = jnp.dtype(dtype)
-        except TypeError:
-            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}") from None
-        if self.dtype not in INPUT_DTYPES:
-            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype.name}")
-        if backend != "auto" and backend not in experts.BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {experts.BACKENDS}, got {backend!r}")
+    def __init__(self, layers: Sequence[LoadedLayer], placement: MeshPlacement, *, dtype, buckets: Sequence[int],
+                 backend: str = "auto"):
+        self.layers = {layer.index: layer for layer in layers}
+        self.placement = placement
+        self.devices, self.mesh = placement.devices, placement.mesh
+        self.platform = self.devices[0].platform
+        self.dtype = np.dtype(dtype)
+        self.buckets = tuple(buckets)
         self.backend = backend
-        if compile_cache_dir is not None:
-            enable_compile_cache(compile_cache_dir)
-        self.compile_cache_dir = compile_cache_dir
-        self.placement = MeshPlacement(pick_devices(devices))
-        self.devices, self.mesh = self.placement.devices, self.placement.mesh
-        self.replicated = self.placement.replicated
-        self._ep = self.placement.ep
-        for layer in layers:
-            self.placement.check_layer(layer)
-
         self.compilations = 0
         self.compile_seconds = 0.0
-        self._listeners: list[Callable[[CompileEvent], None]] = []
-        self._lock = threading.RLock()
-        self._executables: dict[tuple, object] = {}
         self.warm = False
-        self._params = {index: self.placement.place_layer(layer, self.dtype)
-                        for index, layer in self.layers.items()}
-        self.weight_layout = "panels" if panel_weights and self._native_cpu_runs_every_forward() else "row_major"
-        if self.weight_layout == "panels":  # once, at load: the layout the native CPU kernel reads fastest
-            self._params = {index: panels.panel_params(params) for index, params in self._params.items()}
-        # From here on the layers carry their placed device arrays: the host copies (a real model's
-        # whole weights, for a checkpoint) are released once the caller drops its own references.
-        self.layers = {index: dataclasses.replace(layer, params=self._params[index])
-                       for index, layer in self.layers.items()}
-        self.huge_pages = self._advise_huge_pages() if huge_pages else None
-        self._keys = {index: (layer.cfg, tuple(sorted((name, p.shape, str(p.dtype))
-                                                       for name, p in self._params[index].items())))
+        self.lock = threading.RLock()
+        self._listeners: list[Callable[[CompileEvent], None]] = []
+        self._executables: dict[tuple, object] = {}
+        self._keys = {index: (layer.cfg, tuple(sorted((name, p.shape, str(p.dtype)) for name, p in layer.params.items())))
                       for index, layer in self.layers.items()}
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ running steps
 
-    def bucket_for(self, num_tokens: int) -> int:
-        """The smallest bucket >= num_tokens; ValueError past the largest bucket."""
-        if int(num_tokens) < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        for bucket in self.buckets:
-            if bucket >= num_tokens:
-                return bucket
-        raise ValueError(f"num_tokens={num_tokens} exceeds the largest bucket {self.buckets[-1]}; split the batch")
+    def forward(self, layer: int, tokens: np.ndarray, num_valid: int) -> ForwardOutput:
+        """The MoE layer's output for the first ``num_valid`` rows of ``tokens [B, H]`` (engine dtype)."""
+        out, ids, weights, counts = self._run(layer, steps.FORWARD, tokens, num_valid)
+        return ForwardOutput(out[:num_valid], ids[:num_valid], weights[:num_valid], counts)
 
-    def add_compile_listener(self, listener: Callable[[CompileEvent], None]) -> None:
-        """Call `listener(CompileEvent)` after every compilation (metrics hook)."""
-        self._listeners.append(listener)
+    def route(self, layer: int, tokens: np.ndarray, num_valid: int, *, from_logits: bool = False,
+              aux_loss_coeff: float = 1.0) -> RouteOutput:
+        """Top-k routing of the first ``num_valid`` rows of hidden states ``[B, H]`` (engine dtype) or,
+        ``from_logits``, router logits ``[B, E]`` (fp32)."""
+        kind = steps.ROUTE_LOGITS if from_logits else steps.ROUTE_HIDDEN
+        ids, weights, counts, aux, scores = self._run(layer, kind, tokens, num_valid, aux_loss_coeff)
+        return RouteOutput(ids[:num_valid], weights[:num_valid], counts, float(aux), scores[:num_valid])
 
-    def warmup(self, progress: Callable[[CompileEvent], None] | None = None, *,
-               threads: int | None = None) -> None:
-        """Compile every (layer config, bucket, step kind); `progress(event)` after each one.
-
-        Steps are traced one after the other (in plan order, identical on every process of a
-        multi-host mesh) and compiled by `threads` worker threads (default: one per CPU core; XLA
-        compiles outside the GIL), so `compile_seconds` can exceed the wall time.
-        """
-        groups = self._shape_groups()
-        plan = [(key, bucket, kind) for key in groups for bucket in self.buckets for kind in STEP_KINDS]
-        todo = [item for item in plan if item not in self._executables]
-        done = len(plan) - len(todo)
-        pending: dict[concurrent.futures.Future, tuple] = {}
-
-        def finish(futures):
-            nonlocal done
-            for future in futures:
-                key, bucket, kind = pending.pop(future)
-                executable, seconds = future.result()
-                done += 1
-                event = self._record(key, groups[key], bucket, kind, executable, seconds, done, len(plan))
-                if progress is not None:
-                    progress(event)
-
-        with self._lock, concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            for key, bucket, kind in todo:
-                start = time.perf_counter()
-                lowered = self._lower(key, groups[key], bucket, kind)
-                pending[pool.submit(_timed_compile, lowered, time.perf_counter() - start)] = (key, bucket, kind)
-                finish([f for f in pending if f.done()])  # report what finished while tracing
-            finish(list(concurrent.futures.as_completed(pending)))
-            self.warm = True
-
-    def forward(self, layer: int, x, num_valid: int | None = None) -> ForwardResult:
-        """The MoE layer's output for the first `num_valid` rows of x `[n, H]` (see module docstring)."""
-        loaded = self._layer(layer)
-        x = _check_tokens(x, "x", loaded.cfg.hidden_size, "H")
-        n, bucket, num_valid = self._sizes(x, num_valid)
-        padded = steps.pad_tokens(x, bucket, self.dtype)
-        out, ids, weights, counts = self._run(loaded, bucket, "forward", padded, num_valid)
-        return ForwardResult(out[:num_valid].astype(x.dtype), ids[:num_valid], weights[:num_valid], counts)
-
-    def route(self, layer: int, hidden=None, logits=None, num_valid: int | None = None,
-              aux_loss_coeff: float | None = None) -> RouteResult:
-        """Top-k routing of the first `num_valid` rows of hidden `[n, H]` or logits `[n, E]`."""
-        loaded = self._layer(layer)
-        if (hidden is None) == (logits is None):
-            raise ValueError("route: give exactly one of hidden [n, H] or logits [n, E]")
-        if hidden is not None:
-            tokens = _check_tokens(hidden, "hidden", loaded.cfg.hidden_size, "H")
-            kind, dtype = "route_hidden", self.dtype
-        else:
-            tokens = _check_tokens(logits, "logits", loaded.cfg.num_experts, "E")
-            kind, dtype = "route_logits", np.dtype(np.float32)
-        coeff = DEFAULT_AUX_LOSS_COEFF if aux_loss_coeff is None else float(aux_loss_coeff)
-        if not np.isfinite(coeff):
-            raise ValueError(f"aux_loss_coeff must be finite, got {aux_loss_coeff}")
-        n, bucket, num_valid = self._sizes(tokens, num_valid)
-        padded = steps.pad_tokens(tokens, bucket, dtype)
-        ids, weights, counts, aux, scores = self._run(loaded, bucket, kind, padded, num_valid, coeff)
-        return RouteResult(ids[:num_valid], weights[:num_valid], counts, float(aux), scores[:num_valid])
-
-    def info(self) -> dict:
-        """Layers (index, source, full config), dtype, buckets, mesh, backend, compile counters, the
-        native CPU expert kernel's status, the weights' huge pages and the process's host_allocator
-        state (CPU only), the XLA compiler options of forward steps that have any and each forward
-        bucket's expert backend."""
-        return {
-            "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
-                        "params": {name: {"shape": list(np.shape(p)), "dtype": str(p.dtype),
-                                          "split_over_ep": split_over_ep(p)}
-                                   for name, p in self._params[index].items()}}
-                       for index, layer in sorted(self.layers.items())],
-            "dtype": self.dtype.name,
-            "buckets": list(self.buckets),
-            "mesh": {"axis": AXIS, "size": len(self.devices), "platform": self.devices[0].platform,
-                     "devices": [str(d) for d in self.devices],
-                     "expert_parallel": self._ep is not None},
-            "backend": self.backend,
-            "weight_layout": self.weight_layout,
-            "panel_columns": self._panel_columns(),
-            "warm": self.warm,
-            "compilations": self.compilations,
-            "compile_seconds": self.compile_seconds,
-            "compile_cache_dir": None if self.compile_cache_dir is None else str(self.compile_cache_dir),
-            "native_cpu_kernel": self._native_cpu_kernel(),
-            "huge_pages": None if self.huge_pages is None else self.huge_pages.as_dict(),
-            "host_allocator": host_allocator.state().as_dict() if self.devices[0].platform == "cpu" else None,
-            "forward_compiler_options": [
-                {"layers": list(layers), "bucket": bucket, "options": options}
-                for key, layers in self._shape_groups().items() for bucket in self.buckets
-                if (options := self._step_options(key[0], bucket, "forward"))],
-            "forward_expert_backends": [
-                {"layers": list(layers), "bucket": bucket, "backend": self._step_backend(key[0], bucket, "forward")}
-                for key, layers in self._shape_groups().items() for bucket in self.buckets],
-        }
-
-    # ------------------------------------------------------------------ internals
-
-    def _advise_huge_pages(self) -> host_memory.HugePageReport | None:
-        """Weights on CPU devices onto huge pages (None on other platforms)."""
-        if self.devices[0].platform != "cpu":
-            return None
-        report = host_memory.advise_huge_pages(jax.tree.leaves(list(self._params.values())))
-        log.info("weights: %s", host_memory.summary(report.as_dict()))
-        return report
-
-    def _native_cpu_runs_every_forward(self) -> bool:
-        """Whether every forward step runs its experts through the native CPU kernel (one CPU
-        process, no expert parallelism, backend auto or native_cpu, the kernel built): then the
-        expert weights are made panel-major at load (expertd.kernels.panels)."""
-        if self.devices[0].platform != "cpu" or self._ep is not None or jax.process_count() > 1:
-            return False
-        return self.backend in ("auto", "native_cpu") and experts.native_cpu_available()
-
-    def _panel_columns(self) -> int | None:
-        """The served expert weights' panel width (None: row-major)."""
-        w_gate = next(iter(self._params.values()))["w_gate"]
-        return w_gate.panel_columns if panels.is_panels(w_gate) else None
-
-    def _native_cpu_kernel(self) -> dict | None:
-        """On CPU, whether the C++ expert kernel (`auto`'s choice there) is usable and, if not,
-        why, and the instruction-set level it runs at (`native_cpu.isa()`: avx512_bf16 runs bf16
-        layers on the bf16 dot product); None on other platforms, which never run it."""
-        if self.devices[0].platform != "cpu":
-            return None
-        from expertd.kernels import native_cpu
-
-        return {"available": native_cpu.available(), "reason": native_cpu.unavailable_reason() or None,
-                "isa": native_cpu.isa()}
-
-    def _layer(self, index) -> LoadedLayer:
-        try:
-            return self.layers[int(index)]
-        except (KeyError, TypeError, ValueError):
-            raise UnknownLayerError(
-                f"layer {index!r} is not served; layers: {sorted(self.layers)}") from None
-
-    def _sizes(self, tokens: np.ndarray, num_valid):
-        n = tokens.shape[0]
-        num_valid = n if num_valid is None else int(num_valid)
-        if not 1 <= num_valid <= n:
-            raise ValueError(f"num_valid must be between 1 and the {n} rows given, got {num_valid}")
-        return n, self.bucket_for(n), num_valid
-
-    def _shape_key(self, layer: LoadedLayer) -> tuple:
-        """Layers with equal keys share compiled steps: same config, param shapes and dtypes."""
-        return self._keys[layer.index]
-
-    def _shape_groups(self) -> dict[tuple, tuple[int, ...]]:
-        groups: dict[tuple, list[int]] = {}
-        for index, layer in sorted(self.layers.items()):
-            groups.setdefault(self._shape_key(layer), []).append(index)
-        return {key: tuple(indices) for key, indices in groups.items()}
-
-    def _run(self, layer: LoadedLayer, bucket: int, kind: str, tokens: np.ndarray, num_valid: int,
-             coeff: float = 0.0) -> list[np.ndarray]:
-        """Run step `kind` of `layer` on host tokens padded to `bucket`; results on the host."""
-        key = self._shape_key(layer)
-        with self._lock:
-            self._compile(key, (layer.index,), bucket, kind, done=0, total=0)
-            step = self._executables[(key, bucket, kind)]
-            params, *inputs = self._step_args(layer, kind, tokens, num_valid, coeff)
+    def _run(self, index: int, kind: str, tokens: np.ndarray, num_valid: int, coeff: float = 0.0) -> list[np.ndarray]:
+        key, bucket = self._keys[index], tokens.shape[0]
+        with self.lock:
+            step = self._executables.get((key, bucket, kind))
+            if step is None:
+                step = self._compile(key, (index,), bucket, kind)
+            params, *inputs = self._step_args(index, kind, tokens, num_valid, coeff)
             return self.placement.fetch(step(params, *map(self.placement.step_input, inputs)))
 
-    def _step_args(self, layer: LoadedLayer, kind: str, tokens, num_valid: int, coeff: float):
-        """Arguments of a compiled step: the placed params it reads, then its host inputs (tokens,
-        num_valid, and coeff for routing); `tokens` is abstract (ShapeDtypeStruct) when lowering."""
-        params = self._params[layer.index]
-        if kind == "forward":
+    def _step_args(self, index: int, kind: str, tokens, num_valid: int, coeff: float):
+        """A compiled step's arguments: the placed params it reads, then its host inputs (tokens,
+        num_valid, and coeff for routing); ``tokens`` is abstract (ShapeDtypeStruct) when lowering."""
+        params = self.layers[index].params
+        if kind == steps.FORWARD:
             return params, tokens, np.asarray(num_valid, np.int32)
         router = {name: params[name] for name in ROUTER_PARAMS if name in params}
         return router, tokens, np.asarray(num_valid, np.int32), np.asarray(coeff, np.float32)
 
-    def _compile(self, key, layers: tuple[int, ...], bucket: int, kind: str, *, done: int, total: int):
-        """Compile step (key, bucket, kind) unless it is compiled; the CompileEvent, or None."""
-        if (key, bucket, kind) in self._executables:
-            return None
-        start = time.perf_counter()
-        lowered = self._lower(key, layers, bucket, kind)
-        executable, seconds = _timed_compile(lowered, time.perf_counter() - start)
-        return self._record(key, layers, bucket, kind, executable, seconds, done, total)
+    # ------------------------------------------------------------------ compiling steps
 
-    def _lower(self, key, layers: tuple[int, ...], bucket: int, kind: str) -> jax.stages.Lowered:
-        """Trace and lower one step for abstract tokens [bucket, H] (or [bucket, E] logits)."""
-        cfg, layer = key[0], self.layers[layers[0]]
-        width = cfg.num_experts if kind == "route_logits" else cfg.hidden_size
-        token_dtype = np.float32 if kind == "route_logits" else self.dtype
-        tokens = jax.ShapeDtypeStruct((bucket, width), token_dtype, sharding=self.replicated)
-        abstract = jax.tree.map(functools.partial(_abstract, host_sharding=self.replicated),
-                                self._step_args(layer, kind, tokens, 0, 0.0))
-        if kind != "forward":
-            step = functools.partial(steps.route_step, cfg=cfg, from_logits=kind == "route_logits")
-        elif self._ep is None:
+    def add_compile_listener(self, listener: Callable[[CompileEvent], None]) -> None:
+        """Call ``listener(CompileEvent)`` after every compilation (metrics hook)."""
+        self._listeners.append(listener)
+
+    def shape_groups(self) -> dict[tuple, tuple[int, ...]]:
+        """Shape key -> the layers sharing its compiled steps (same config, param shapes and dtypes)."""
+        groups: dict[tuple, list[int]] = {}
+        for index in sorted(self.layers):
+            groups.setdefault(self._keys[index], []).append(index)
+        return {key: tuple(indices) for key, indices in groups.items()}
+
+    def is_compiled(self, key, bucket: int, kind: str) -> bool:
+        return (key, bucket, kind) in self._executables
+
+    def lower(self, key, layers: tuple[int, ...], bucket: int, kind: str) -> jax.stages.Lowered:
+        """Trace and lower step ``kind`` of the layers of ``key`` for abstract tokens ``[bucket, H]``
+        (``[bucket, E]`` fp32 logits for route_logits)."""
+        cfg = key[0]
+        replicated = self.placement.replicated
+        width = cfg.num_experts if kind == steps.ROUTE_LOGITS else cfg.hidden_size
+        token_dtype = np.float32 if kind == steps.ROUTE_LOGITS else self.dtype
+        tokens = jax.ShapeDtypeStruct((bucket, width), token_dtype, sharding=replicated)
+        abstract = jax.tree.map(functools.partial(_abstract, host_sharding=replicated),
+                                self._step_args(layers[0], kind, tokens, 0, 0.0))
+        if kind != steps.FORWARD:
+            step = functools.partial(steps.route_step, cfg=cfg, from_logits=kind == steps.ROUTE_LOGITS)
+        elif self.placement.ep is None:
             step = functools.partial(steps.forward_step, cfg=cfg, backend=self.backend)
         else:
             step = functools.partial(steps.ep_forward_step, cfg=cfg, backend=self.backend, mesh=self.mesh,
-                                     ep=self._ep, axis=AXIS)
-        options = self._step_options(cfg, bucket, kind)
-        return jax.jit(step, out_shardings=self.replicated, compiler_options=options or None).lower(*abstract)
+                                     ep=self.placement.ep, axis=AXIS)
+        options = self.step_options(cfg, bucket, kind)
+        return jax.jit(step, out_shardings=replicated, compiler_options=options or None).lower(*abstract)
 
-    def _step_options(self, cfg, bucket: int, kind: str) -> dict:
-        """XLA compiler options of a step: `moe.compiler_options` for forward, none for routing."""
-        if kind != "forward":
-            return {}
-        return moe.compiler_options(cfg, bucket, dtype=self.dtype, backend=self.backend,
-                                   platform=self.devices[0].platform)
-
-    def _step_backend(self, cfg, bucket: int, kind: str) -> str | None:
-        """The expert FFN backend a forward step runs: the engine's, or what `auto` picks for the
-        bucket's rows (`experts.choose_backend`; EP ranks pick by their receive buffer, and no
-        platform's rule depends on the row count today). None for routing steps."""
-        if kind != "forward":
-            return None
-        if self.backend != "auto":
-            return self.backend
-        return experts.choose_backend(bucket * cfg.topk, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
-                                      self.dtype, self.devices[0].platform)
-
-    def _record(self, key, layers, bucket, kind, executable, seconds, done, total) -> CompileEvent:
+    def record(self, key, layers: tuple[int, ...], bucket: int, kind: str, executable, seconds: float,
+               done: int = 0, total: int = 0) -> CompileEvent:
+        """Keep a compiled step, count it and tell the listeners."""
         self._executables[(key, bucket, kind)] = executable
         self.compilations += 1
         self.compile_seconds += seconds
-        event = CompileEvent(layers, bucket, kind, seconds, done, total, self._step_options(key[0], bucket, kind),
-                             self._step_backend(key[0], bucket, kind))
+        event = CompileEvent(layers, bucket, kind, seconds, done, total, self.step_options(key[0], bucket, kind),
+                             self.step_backend(key[0], bucket, kind))
         for listener in self._listeners:
             listener(event)
         return event
 
+    def _compile(self, key, layers: tuple[int, ...], bucket: int, kind: str):
+        start = time.perf_counter()
+        executable, seconds = timed_compile(self.lower(key, layers, bucket, kind), time.perf_counter() - start)
+        self.record(key, layers, bucket, kind, executable, seconds)
+        return executable
 
-# ---------------------------------------------------------------------- helpers
+    def step_options(self, cfg, bucket: int, kind: str) -> dict:
+        """XLA compiler options of a step: ``moe.compiler_options`` for forward, none for routing."""
+        if kind != steps.FORWARD:
+            return {}
+        return moe.compiler_options(cfg, bucket, dtype=self.dtype, backend=self.backend, platform=self.platform)
 
-def _check_buckets(buckets) -> tuple[int, ...]:
-    try:
-        values = [int(b) for b in buckets]
-    except (TypeError, ValueError):
-        raise ValueError(f"buckets must be positive integers, got {buckets!r}") from None
-    if not values or min(values) < 1 or any(int(b) != b for b in buckets):
-        raise ValueError(f"buckets must be a non-empty list of positive integers, got {list(buckets)!r}")
-    return tuple(sorted(set(values)))
+    def step_backend(self, cfg, bucket: int, kind: str) -> str | None:
+        """The expert FFN backend a forward step runs: the engine's, or what ``auto`` picks for the
+        bucket's rows (``experts.choose_backend``; EP ranks pick by their receive buffer, and no
+        platform's rule depends on the row count today). None for routing steps."""
+        if kind != steps.FORWARD:
+            return None
+        if self.backend != "auto":
+            return self.backend
+        return experts.choose_backend(bucket * cfg.topk, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
+                                      self.dtype, self.platform)
+
+    def compile_info(self) -> dict:
+        """Compile counters, and per (layers, bucket) of the forward steps their XLA options (where
+        any apply) and expert backend."""
+        groups = self.shape_groups()
+        return {
+            "warm": self.warm, "compilations": self.compilations, "compile_seconds": self.compile_seconds,
+            "forward_compiler_options": [
+                {"layers": list(layers), "bucket": bucket, "options": options}
+                for key, layers in groups.items() for bucket in self.buckets
+                if (options := self.step_options(key[0], bucket, steps.FORWARD))],
+            "forward_expert_backends": [
+                {"layers": list(layers), "bucket": bucket, "backend": self.step_backend(key[0], bucket, steps.FORWARD)}
+                for key, layers in groups.items() for bucket in self.buckets],
+        }
 
 
-def _check_tokens(array, name: str, width: int, width_name: str) -> np.ndarray:
-    array = np.asarray(array)
-    if array.ndim != 2 or array.shape[1] != width:
-        raise ValueError(f"{name} must have shape [n, {width_name}={width}], got {list(array.shape)}")
-    if array.shape[0] < 1:
-        raise ValueError(f"{name} has no rows")
-    if array.dtype not in INPUT_DTYPES:
-        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {array.dtype}")
-    return array
-
-
-def _timed_compile(lowered: jax.stages.Lowered, lower_seconds: float):
+def timed_compile(lowered: jax.stages.Lowered, lower_seconds: float):
     """(compiled executable, seconds spent lowering and compiling it)."""
     start = time.perf_counter()
     executable = lowered.compile()

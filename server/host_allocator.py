@@ -5,9 +5,8 @@ Why: XLA:CPU allocates each execution's temporaries and outputs with malloc. gli
 above its mmap threshold (32 MiB at most) with a fresh mmap and gives it back with munmap when it is
 freed, and a thread's own arena holds no block over 64 MiB, so every call of a large layer has the
 kernel fault its big buffers in again, 4 KiB at a time, zero-filled. On the 2-core dev VM a
-T=4096 layer took 41-66 thousand page faults per call (E=8 bf16, E=64 fp32) and ran 1.02-1.17x
-slower for them (29-42 thousand and 1.01-1.11x once the layer's dispatch ran in C++), and an XLA
-elementwise op with a 128 MiB output 4.7x (62 against 13 ms; BENCHMARKS.md).
+T=4096 layer takes tens of thousands of page faults per call (BENCHMARKS.md has the counts and what
+they cost).
 
 `retain_freed_memory()` sets glibc's malloc to one arena (M_ARENA_MAX=1), no mmap'd blocks
 (M_MMAP_MAX=0) and no trimming of the heap's top (M_TRIM_THRESHOLD at its int maximum, 2 GiB): every
@@ -19,18 +18,16 @@ It must run before any thread other than the main one has allocated, i.e. before
 computation (which starts its thread pools): a thread keeps the arena it first got, and a second
 arena cannot hold the large blocks. It checks that (glibc's malloc_info lists the arenas) and
 otherwise changes nothing and says why; likewise off Linux/glibc or with another malloc preloaded.
-`expertd serve --retain-freed-memory` (multi-host processes included) calls it first thing, and
-the MoE benchmarks do. It is off by default: in the serving benchmark (buckets up to 256 tokens,
-which never faulted per step) single-token requests took ~1.8x the latency with it (p50 over
-loopback 7.2-7.3 ms against 3.6-4.5) and 35-75% more server CPU per request, likely the one
-arena's lock shared by gRPC, Python and XLA threads (not verified further). So it pays where
-buckets of 1024 tokens or more dominate. `state()` is what this process did.
+`expertd serve --retain-freed-memory` (multi-host processes included) calls it first thing
+(`expertd.server.startup.prepare_process`), and the MoE benchmarks do. It is off by default: the one
+arena is shared by gRPC, Python and XLA threads, and small requests pay for that in latency and CPU
+(BENCHMARKS.md, Serving), so it pays only where buckets of 1024 tokens or more dominate. `state()` is
+what this process did.
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 import re
 import sys
 
@@ -60,6 +57,11 @@ _state = AllocatorState()
 def state() -> AllocatorState:
     """What `retain_freed_memory` did in this process (off, applied, or why not)."""
     return _state
+
+
+def note(state_dict: dict | None) -> str | None:
+    """The start-up line about host malloc (``state().as_dict()``); None off CPU (no state given)."""
+    return None if state_dict is None else "host memory: " + summary(state_dict)
 
 
 def summary(state_dict: dict) -> str:
@@ -93,8 +95,7 @@ def malloc_arenas(libc: ctypes.CDLL) -> int:
         libc.free(buffer)
 
 
-def _why_not(libc: ctypes.CDLL | None) -> str | None:
-    preload = os.environ.get("LD_PRELOAD", "")
+def _why_not(libc: ctypes.CDLL | None, preload: str) -> str | None:
     if any(name in preload for name in OTHER_ALLOCATORS):
         return f"another malloc is preloaded (LD_PRELOAD={preload})"
     if libc is None:
@@ -106,13 +107,16 @@ def _why_not(libc: ctypes.CDLL | None) -> str | None:
     return None
 
 
-def retain_freed_memory() -> AllocatorState:
-    """Apply SETTINGS if this process can still take them (see the module docstring); idempotent."""
+def retain_freed_memory(ld_preload: str = "") -> AllocatorState:
+    """Apply SETTINGS if this process can still take them (see the module docstring); idempotent.
+
+    ``ld_preload``: the process's LD_PRELOAD (the config reads it); another malloc there is left alone.
+    """
     global _state
     if _state.applied:
         return _state
     libc = _glibc()
-    reason = _why_not(libc)
+    reason = _why_not(libc, ld_preload)
     if reason is None:
         failed = [name for name, (param, value) in SETTINGS.items() if libc.mallopt(param, value) != 1]
         reason = f"mallopt refused {', '.join(failed)}" if failed else None

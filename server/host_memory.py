@@ -3,15 +3,12 @@
 Decode-size batches stream every touched expert matrix from DRAM once per call, so their speed is
 the machine's read rate. XLA:CPU allocates with malloc, on 4 KiB pages (where THP is in "madvise"
 mode, the common default); on 2 MiB pages the same reads need 512x fewer TLB entries and page
-walks. Measured on the 2-core dev VM
-(interleaved A/B in one process, weights cycled past L3): the native CPU kernel a median 1.04x at
-1-8 rows per expert (0.94-1.23x; 1.00x from 16 rows, compute-bound), the T=16 layer 0.98-1.07x
-(BENCHMARKS.md). numpy does the same for its own large
-arrays; torch has THP_MEM_ALLOC_ENABLE.
+walks (what that is worth: BENCHMARKS.md). numpy does the same for its own large arrays; torch has
+THP_MEM_ALLOC_ENABLE.
 
 `advise_huge_pages(arrays)` marks the 2 MiB-aligned interior of every CPU buffer MADV_HUGEPAGE and
-asks the kernel to collapse it now (MADV_COLLAPSE, Linux 6.1+: 0.5-1.4 s per GB on the dev VM, once
-at load) rather than leaving it to khugepaged's slow background scan. Neither call changes the data;
+asks the kernel to collapse it now (MADV_COLLAPSE, Linux 6.1+; its time per GB is in the report),
+once at load, rather than leaving it to khugepaged's slow background scan. Neither call changes the data;
 the buffers stay XLA's. Where it cannot apply (not Linux, THP "never", GPU arrays) it does
 nothing, and without MADV_COLLAPSE (Linux < 6.1) it only marks the ranges; the report says why.
 """
@@ -59,6 +56,14 @@ def summary(report: dict) -> str:
     line = (f"{report['huge_bytes'] / mib:.0f} of {report['eligible_bytes'] / mib:.0f} MiB on huge pages "
             f"({report['seconds']:.2f}s)")
     return line + (f"; {report['reason']}" if report["reason"] else "")
+
+
+def note(report: dict | None) -> str | None:
+    """The start-up line about the weights' pages (``HugePageReport.as_dict()``); None without a
+    report (not on CPU, or huge pages off) or without weights big enough for a huge page."""
+    if not report or not report["eligible_bytes"]:
+        return None
+    return "weights: " + summary(report)
 
 
 def thp_setting() -> str | None:

@@ -1,33 +1,34 @@
-"""Every Prometheus metric of expertd, defined once on an injected registry.
+"""Every Prometheus metric of expertd, defined once on an injected registry; one observation per event.
 
 Names follow Prometheus conventions: the ``expertd_`` prefix, base units (seconds, ratios),
 ``_total`` on counters, histograms rather than summaries (aggregatable across replicas), and few
-labels of low cardinality (``rpc``, ``code``, ``kind``, ``layer``, ``expert``). The standard
-``grpc_server_*`` families (as go-grpc-prometheus / py-grpc-prometheus name them) are fed by
-``expertd.server.interceptors.with_metrics`` for every service on the server.
+labels of low cardinality (``code``, ``kind``, ``layer``, ``expert``). Per-call counts and
+latency are the standard ``grpc_server_*`` families (as go-grpc-prometheus / py-grpc-prometheus
+name them), fed by ``expertd.server.interceptors.with_metrics`` for every service on the server;
+nothing else counts calls. ``expertd_executions_total`` is read from ``expertd.server.statistics``,
+the store KServe's ModelStatistics reads too.
 
-| metric | type | labels |
-|---|---|---|
-| expertd_requests_total | counter | rpc, code |
-| expertd_request_duration_seconds | histogram | rpc |
-| expertd_queue_duration_seconds | histogram | kind (forward, route) |
-| expertd_compute_duration_seconds | histogram | kind |
-| expertd_batch_tokens | histogram (buckets = token buckets) | kind |
-| expertd_batch_padding_ratio | histogram | kind |
-| expertd_batch_requests | histogram | kind |
-| expertd_executions_total | counter | layer, kind |
-| expertd_tokens_total | counter | kind |
-| expertd_pending_requests | gauge | - |
-| expertd_dropped_requests_total | counter | reason (deadline, cancelled) |
-| expertd_routed_tokens_total | counter | layer, expert |
-| expertd_expert_load_imbalance | gauge (max/mean over the recent window) | layer |
-| expertd_aux_loss | gauge (last Route batch) | layer |
-| expertd_compilations_total | counter | - |
-| expertd_compile_duration_seconds | histogram | - |
-| expertd_model_ready | gauge (1 after warm-up, 0 while warming up or draining) | - |
-| expertd_build_info | gauge (1) | version, jax_version, grpc_version, platform |
-| grpc_server_started_total, grpc_server_handled_total, grpc_server_msg_received_total, grpc_server_msg_sent_total | counter | grpc_type, grpc_service, grpc_method (+ grpc_code) |
-| grpc_server_handling_seconds | histogram | grpc_type, grpc_service, grpc_method |
+| metric | type | labels | observed by |
+|---|---|---|---|
+| grpc_server_started_total, grpc_server_handled_total, grpc_server_msg_received_total, grpc_server_msg_sent_total | counter | grpc_type, grpc_service, grpc_method (+ grpc_code) | each call (interceptors) |
+| grpc_server_handling_seconds | histogram | grpc_type, grpc_service, grpc_method | each call (interceptors) |
+| expertd_stream_messages_total | counter | code | each ForwardStream message (its in-band status) |
+| expertd_queue_duration_seconds | histogram | kind (forward, route) | each request leaving the batcher |
+| expertd_compute_duration_seconds | histogram | kind | each engine step |
+| expertd_batch_tokens | histogram (buckets = token buckets) | kind | each engine step |
+| expertd_batch_padding_ratio | histogram | kind | each engine step |
+| expertd_batch_requests | histogram | kind | each engine step |
+| expertd_executions_total | counter | layer, kind | each engine step |
+| expertd_tokens_total | counter | kind | each engine step |
+| expertd_routed_tokens_total | counter | layer, expert | each engine step |
+| expertd_expert_load_imbalance | gauge (max/mean over the recent window) | layer | each engine step |
+| expertd_aux_loss | gauge (last Route batch) | layer | each Route step |
+| expertd_pending_requests | gauge | - | read at scrape time |
+| expertd_dropped_requests_total | counter | reason (deadline, cancelled) | each dropped request |
+| expertd_compilations_total | counter | - | each compilation |
+| expertd_compile_duration_seconds | histogram | - | each compilation |
+| expertd_model_ready | gauge (1 after warm-up, 0 while warming up or draining) | - | readiness changes |
+| expertd_build_info | gauge (1) | version, jax_version, grpc_version, platform | start-up |
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from collections.abc import Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from expertd.server.statistics import Statistics
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 COMPILE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -44,7 +47,8 @@ _GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 
 
 class Metrics:
-    """expertd's metrics on ``registry``; one method per observation.
+    """expertd's metrics on ``registry``; one method per observation; ``statistics`` is the store
+    of the executions and of KServe's per-model statistics.
 
     Args:
       registry: where the metrics are registered (tests pass a fresh CollectorRegistry).
@@ -54,10 +58,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry, *, token_buckets: Sequence[int] = (1, 4, 16, 64, 256)):
         self.registry = registry
         r = registry
-        self.requests = Counter("expertd_requests", "Finished expertd.v1 requests by RPC and gRPC status code.",
-                                ["rpc", "code"], registry=r)
-        self.request_seconds = Histogram("expertd_request_duration_seconds", "Time from receiving a request to "
-                                         "answering it.", ["rpc"], buckets=LATENCY_BUCKETS, registry=r)
+        self.statistics = Statistics()
+        r.register(self.statistics)  # expertd_executions_total
+        self.stream_messages = Counter("expertd_stream_messages", "ForwardStream messages answered, by the gRPC "
+                                       "status code of their in-band answer.", ["code"], registry=r)
         self.queue_seconds = Histogram("expertd_queue_duration_seconds", "Time a request waited in the batcher "
                                        "queue before its batch started computing.", ["kind"],
                                        buckets=LATENCY_BUCKETS, registry=r)
@@ -69,7 +73,6 @@ class Metrics:
                                        ["kind"], buckets=RATIO_BUCKETS, registry=r)
         self.batch_requests = Histogram("expertd_batch_requests", "Requests (or parts of split requests) merged "
                                         "into one engine step.", ["kind"], buckets=REQUESTS_BUCKETS, registry=r)
-        self.executions = Counter("expertd_executions", "Engine steps run.", ["layer", "kind"], registry=r)
         self.tokens = Counter("expertd_tokens", "Valid tokens computed.", ["kind"], registry=r)
         self.pending = Gauge("expertd_pending_requests", "Requests accepted and not yet answered (queued or "
                              "computing); an autoscaling signal.", registry=r)
@@ -99,16 +102,11 @@ class Metrics:
                                  registry=r)
         self._expert_counters: dict[int, list] = {}
         self._grpc_children: dict[tuple[str, str, str], GrpcMethodMetrics] = {}
-        self._request_children: dict[tuple[str, str], tuple] = {}
 
-    # -- requests (servicer) -------------------------------------------------------------------
-    def observe_request(self, rpc: str, code: str, seconds: float) -> None:
-        children = self._request_children.get((rpc, code))
-        if children is None:
-            children = self._request_children[(rpc, code)] = (self.requests.labels(rpc, code),
-                                                              self.request_seconds.labels(rpc))
-        children[0].inc()
-        children[1].observe(seconds)
+    # -- requests (servicers, batcher) ---------------------------------------------------------
+    def observe_stream_message(self, code: str) -> None:
+        """One ForwardStream message answered with in-band status ``code`` (the call itself is a grpc_server_* call)."""
+        self.stream_messages.labels(code).inc()
 
     def observe_dropped(self, reason: str) -> None:
         self.dropped.labels(reason).inc()
@@ -117,10 +115,15 @@ class Metrics:
     def observe_queue(self, kind: str, seconds: float) -> None:
         self.queue_seconds.labels(kind).observe(seconds)
 
+    def observe_execution(self, layer: int, kind: str, seconds: float) -> None:
+        """One engine step (a multi-host follower's steps are observed here alone)."""
+        self.statistics.add_execution(layer, kind)
+        self.compute_seconds.labels(kind).observe(seconds)
+
     def observe_batch(self, *, layer: int, kind: str, num_valid: int, bucket: int, num_requests: int,
                       seconds: float) -> None:
-        self.executions.labels(str(layer), kind).inc()
-        self.compute_seconds.labels(kind).observe(seconds)
+        """One batched engine step of ``num_valid`` rows padded to ``bucket``."""
+        self.observe_execution(layer, kind, seconds)
         self.batch_tokens.labels(kind).observe(num_valid)
         self.padding_ratio.labels(kind).observe((bucket - num_valid) / bucket)
         self.batch_requests.labels(kind).observe(num_requests)

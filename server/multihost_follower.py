@@ -9,15 +9,17 @@ that make sense without a front end: readiness, build info, compilations, steps 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 
 import grpc
+import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
-from expertd.server.app import PROBE_SERVICES, VERSION, load_layers
-from expertd.server.engine import Engine
+from expertd.server import startup
+from expertd.server.app import PROBE_SERVICES
+from expertd.server.config import ServerConfig
 from expertd.server.metrics import Metrics
+from expertd.server.version import VERSION
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -29,17 +31,12 @@ class FollowerServer:
     Attributes: `engine`, `metrics`, `port` (gRPC health) and `metrics_port`, as bound.
     """
 
-    def __init__(self, config):
+    def __init__(self, config: ServerConfig):
         disable_created_metrics()
-        cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
-        self.engine = Engine(load_layers(config), buckets=config.batching.bucket_sizes, dtype=config.model.dtype,
-                             backend=config.model.backend, compile_cache_dir=cache,
-                             huge_pages=config.model.huge_pages, panel_weights=config.model.panel_weights)
+        self.engine = startup.build(config).engine
         self.metrics = Metrics(CollectorRegistry(), token_buckets=self.engine.buckets)
-        import jax
-
         self.metrics.set_build_info(version=VERSION, jax_version=jax.__version__, grpc_version=grpc.__version__,
-                                    platform=self.engine.devices[0].platform)
+                                    platform=self.engine.platform)
         self.metrics.set_ready(False)
         self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
         host = config.host.strip("[]")

@@ -1,10 +1,13 @@
 """The engine's steps: pure functions of (layer params, tokens padded to a bucket, valid count).
 
 The engine jit-compiles each of them per (layer config, bucket) with the config static. Rows at
-and after `num_valid` are padding: not routed, not counted, not in the aux loss, zero outputs.
-B is the bucket (padded token count); the other shape letters are as everywhere (T, H, E, k).
+and after `num_valid` are padding: not routed, not counted, not in the aux loss, zero outputs (the
+kernels mask them; the steps do not mask again). B is the bucket (padded token count); the other
+shape letters are as everywhere (T, H, E, k).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,19 +16,29 @@ from expertd.kernels import moe
 from expertd.kernels import router as router_ops
 from expertd.server.model import ROUTER_PARAMS
 
+FORWARD, ROUTE_HIDDEN, ROUTE_LOGITS = "forward", "route_hidden", "route_logits"
+STEP_KINDS = (ROUTE_HIDDEN, ROUTE_LOGITS, FORWARD)
 
-def pad_tokens(tokens: np.ndarray, bucket: int, dtype) -> np.ndarray:
-    """tokens [n, W] -> [bucket, W] in dtype, zero rows after n."""
-    padded = np.zeros((bucket, tokens.shape[1]), dtype)
-    padded[: tokens.shape[0]] = tokens.astype(dtype, copy=False)
+
+def pad_rows(rows: Sequence[np.ndarray], bucket: int) -> np.ndarray:
+    """Arrays [n_i, W] of one dtype, sum(n_i) <= bucket, stacked into [bucket, W] with zero rows
+    after them: one copy, and none when a single array fills the bucket. Never changes a dtype."""
+    if len(rows) == 1 and len(rows[0]) == bucket:
+        return rows[0]
+    first = rows[0]
+    padded = np.zeros((bucket, first.shape[1]), first.dtype)
+    offset = 0
+    for part in rows:
+        if part.dtype != first.dtype:
+            raise TypeError(f"pad_rows: rows of {part.dtype} and {first.dtype} (the caller casts, not this)")
+        padded[offset:offset + len(part)] = part
+        offset += len(part)
     return padded
 
 
 def forward_step(params, x, num_valid, *, cfg, backend):
     """x [B, H], num_valid int32 scalar -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E])."""
     out, routing = moe.moe_layer(params, x, cfg, backend=backend, valid_tokens=num_valid, return_routing=True)
-    valid = jnp.arange(x.shape[0]) < num_valid
-    out = jnp.where(valid[:, None], out, jnp.zeros_like(out))
     return out, routing["topk_ids"], routing["topk_weights"], routing["tokens_per_expert"]
 
 
@@ -35,14 +48,15 @@ def ep_forward_step(params, x, num_valid, *, cfg, backend, mesh, ep, axis):
 
     params: placed as `ep.shard_params` lays them out (expert weights split over `axis`); x [B, H]
     -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E]). The ids and weights are
-    `moe.route`'s on the same tokens: the per-token routing each rank computes inside the layer.
+    `moe.route`'s on the same tokens: the per-token routing each rank computes inside the layer,
+    computed here a second time because `ep_moe_layer` does not return it (it needs a
+    `return_routing` like `moe.moe_layer`'s to drop this).
     """
     out, stats = ep.ep_moe_layer(params, x, cfg, mesh, axis=axis, valid_tokens=num_valid, return_stats=True,
                                  backend=backend)
     valid = jnp.arange(x.shape[0]) < num_valid
     router = {name: params[name] for name in ROUTER_PARAMS if name in params}
     ids, weights = moe.route(router, x, cfg, valid)
-    out = jnp.where(valid[:, None], out, jnp.zeros_like(out))
     return out, ids, weights, stats["tokens_per_expert"]
 
 

@@ -37,15 +37,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _ok_count(handle, rpc: str) -> float:
-    return handle.registry.get_sample_value("expertd_requests_total", {"rpc": rpc, "code": "OK"}) or 0.0
+def _ok_count(handle, service: str, method: str) -> float:
+    labels = {"grpc_type": "unary", "grpc_service": service, "grpc_method": method, "grpc_code": "OK"}
+    return handle.registry.get_sample_value("grpc_server_handled_total", labels) or 0.0
 
 
 def forward_ok_count(handle) -> float:
     """expertd.v1 Forward requests the server answered OK (its own counter)."""
-    return _ok_count(handle, "Forward")
+    return _ok_count(handle, "expertd.v1.ExpertService", "Forward")
 
 
 def model_infer_ok_count(handle) -> float:
     """KServe ModelInfer requests the server answered OK."""
-    return _ok_count(handle, "ModelInfer")
+    return _ok_count(handle, "inference.GRPCInferenceService", "ModelInfer")

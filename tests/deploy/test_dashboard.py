@@ -40,9 +40,10 @@ def test_covers_what_an_operator_watches():
     """Latency, throughput, batch size, queue, per-layer expert-load heat map, imbalance, errors."""
     panels = dashboard_panels()
     read = {name for p in panels for e in exprs(p) for name in promql_metrics(e)}
-    assert {"expertd_request_duration_seconds_bucket", "expertd_queue_duration_seconds_bucket",
+    assert {"grpc_server_handling_seconds_bucket", "expertd_queue_duration_seconds_bucket",
             "expertd_compute_duration_seconds_bucket"} <= read, "latency"
-    assert {"expertd_requests_total", "expertd_tokens_total", "expertd_executions_total"} <= read, "throughput"
+    assert {"grpc_server_handled_total", "expertd_tokens_total", "expertd_executions_total"} <= read, "throughput"
+    assert not {name for name in read if name.startswith("expertd_request")}, "calls are counted by grpc_server_* only"
     assert {"expertd_batch_tokens_sum", "expertd_batch_tokens_count"} <= read, "batch size"
     assert "expertd_pending_requests" in read, "queue"
     assert "expertd_expert_load_imbalance" in read, "imbalance"

@@ -40,7 +40,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from expertd.client import ExpertClient
 from expertd.server import cli as server_cli
 from expertd.server import config as config_module
-from expertd.server import multihost
 from expertd.server.app import create_server
 
 LWS_ENV = {"LWS_LEADER_ADDRESS": "expertd-0.expertd.default", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
@@ -53,16 +52,15 @@ def serve_parser() -> argparse.ArgumentParser:
     """The flags `expertd serve` accepts (server/cli.py builds the same parser)."""
     parser = argparse.ArgumentParser(prog="expertd serve", exit_on_error=False)
     config_module.add_arguments(parser)
-    multihost.add_arguments(parser)
     return parser
 
 
 def parse_serve(argv: list[str], environ: dict[str, str]):
-    """(ServerConfig, MultihostConfig) for a container's args, $(VAR) expanded as the kubelet does."""
+    """(ServerConfig, its MultihostConfig) for a container's args, $(VAR) expanded as the kubelet does,
+    with the container's environment."""
     argv = [re.sub(r"\$\((\w+)\)", lambda m: environ[m.group(1)], arg) for arg in argv]
-    args = serve_parser().parse_args(argv)
-    group = multihost.pop_args(args, environ)
-    return config_module.from_args(args, environ={}), group
+    config = config_module.from_args(serve_parser().parse_args(argv), environ=environ)
+    return config, config.multihost
 
 
 def configmap_file(name: str = "base") -> str:
@@ -154,6 +152,7 @@ def scrape(server) -> dict[str, set[str]]:
         assert reply.status == 200
         text = reply.read().decode()
     declared = {c._name: set(c._labelnames) for c in vars(server.metrics).values() if hasattr(c, "_labelnames")}
+    declared.update({f.name: set(f._labelnames) for f in server.metrics.statistics.describe()})  # a collector's
     series: dict[str, set[str]] = {}
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     for family in text_string_to_metric_families(text):

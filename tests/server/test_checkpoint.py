@@ -9,7 +9,8 @@ from hf_fixtures import FAMILIES, hf_moe_block_reference, write_checkpoint
 
 from expertd.kernels.moe import param_shapes
 from expertd.server.checkpoint import CheckpointError, load_checkpoint, read_config
-from expertd.server.engine import Engine
+from expertd.server.startup import build_engine
+from expertd.server.steps import pad_rows
 
 
 def _assert_layers_equal(layers, expected):
@@ -155,7 +156,7 @@ def test_quantized_weights_are_refused_by_name(tmp_path):
 def test_served_checkpoint_reproduces_the_hf_moe_block(tmp_path, family):
     expected = write_checkpoint(tmp_path, family, num_layers=3, sharded=family == "qwen2_moe")
     layer = max(expected)
-    engine = Engine(load_checkpoint(tmp_path, layers=[layer]), buckets=(8,), dtype="float32", devices=1)
+    engine = build_engine(load_checkpoint(tmp_path, layers=[layer]), buckets=(8,), dtype="float32", devices=1).engine
     x = np.random.default_rng(1).standard_normal((6, 16), dtype=np.float32)
-    np.testing.assert_allclose(engine.forward(layer, x).output, hf_moe_block_reference(tmp_path, layer, x),
-                               rtol=1e-4, atol=1e-5)
+    served = engine.forward(layer, pad_rows([x], 8), 6).output
+    np.testing.assert_allclose(served, hf_moe_block_reference(tmp_path, layer, x), rtol=1e-4, atol=1e-5)

@@ -1,4 +1,5 @@
-"""Engine: compiled steps per bucket equal the kernels on the same weights; padding; compile cache."""
+"""Engine (built by start-up): compiled steps per bucket equal the kernels on the same weights;
+padding; warm-up; compile cache; what start-up reports."""
 import dataclasses
 import functools
 import gc
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 
 from expertd.kernels import experts, moe, native_cpu, panels, router
-from expertd.server import steps
-from expertd.server.engine import CompileEvent, Engine, UnknownLayerError, enable_compile_cache
+from expertd.server import console, host_allocator, host_memory, steps, weights
+from expertd.server.engine import CompileEvent
 from expertd.server.model import LoadedLayer, load_preset
+from expertd.server.startup import build_engine
+from expertd.server.warmup import enable_compile_cache, warm_up
 
 BUCKETS = (8, 32)
 # The kernels the engine must agree with, jitted once (cheaper than op-by-op on a loaded CPU).
@@ -21,6 +24,24 @@ moe_layer = jax.jit(moe.moe_layer, static_argnames=("cfg", "backend", "return_ro
 
 def _tokens(n, hidden=64, seed=0, dtype=np.float32):
     return np.random.default_rng(seed).standard_normal((n, hidden), dtype=np.float32).astype(dtype)
+
+
+def _bucket(engine, n):
+    return next(b for b in engine.buckets if b >= n)
+
+
+def forward(engine, layer, x, num_valid=None):
+    """The engine's forward of x [n, H] as the batcher calls it: cast to the engine dtype, padded to
+    the smallest bucket, the first num_valid (default n) rows valid."""
+    padded = steps.pad_rows([x.astype(engine.dtype)], _bucket(engine, len(x)))
+    return engine.forward(layer, padded, len(x) if num_valid is None else num_valid)
+
+
+def route(engine, layer, hidden=None, logits=None, num_valid=None, aux_loss_coeff=1.0):
+    tokens = hidden.astype(engine.dtype) if logits is None else logits.astype(np.float32)
+    padded = steps.pad_rows([tokens], _bucket(engine, len(tokens)))
+    return engine.route(layer, padded, len(tokens) if num_valid is None else num_valid,
+                        from_logits=logits is not None, aux_loss_coeff=aux_loss_coeff)
 
 
 def _device_params(layer, dtype):
@@ -34,12 +55,17 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def warm_engine(tiny):
+def served(tiny):
+    return build_engine(tiny, buckets=BUCKETS, dtype="float32", devices=1)
+
+
+@pytest.fixture(scope="module")
+def warm_engine(served):
     events = []
-    engine = Engine(tiny, buckets=BUCKETS, dtype="float32", devices=1)
+    engine = served.engine
     listened = []
     engine.add_compile_listener(listened.append)
-    engine.warmup(progress=events.append)
+    warm_up(engine, progress=events.append)
     return engine, events, listened
 
 
@@ -53,8 +79,10 @@ def test_warmup_compiles_every_config_bucket_and_step_with_progress(warm_engine)
     assert listened == events and all(isinstance(e, CompileEvent) and e.seconds > 0 for e in events)
     assert engine.compilations == total and engine.compile_seconds == pytest.approx(sum(e.seconds for e in events))
     assert engine.warm
-    engine.forward(0, _tokens(3))
+    forward(engine, 0, _tokens(3))
     assert engine.compilations == total  # warm: serving compiles nothing
+    warm_up(engine)  # compiles nothing more
+    assert engine.compilations == total
 
 
 @pytest.mark.parametrize("layer_index", [0, 1])
@@ -63,7 +91,7 @@ def test_forward_equals_moe_layer_fp32(warm_engine, tiny, layer_index, num_token
     engine, _, _ = warm_engine
     layer = tiny[layer_index]
     x = _tokens(num_tokens, seed=num_tokens)
-    result = engine.forward(layer_index, x)
+    result = forward(engine, layer_index, x)
     expected, routing = moe_layer(_device_params(layer, jnp.float32), jnp.asarray(x), cfg=layer.cfg,
                                    return_routing=True)
     assert result.output.dtype == np.float32 and result.output.shape == (num_tokens, 64)
@@ -80,19 +108,19 @@ def test_results_stay_put_when_the_input_is_reused_and_later_steps_run(warm_engi
     or when later steps run on the same executables."""
     engine, _, _ = warm_engine
     x = _tokens(8, seed=3)
-    forward, route = engine.forward(0, x), engine.route(0, hidden=x)
+    forwarded, routed = engine.forward(0, x, 8), engine.route(0, x, 8)  # 8 rows: the bucket, not copied
     def arrays():
-        return (forward.output, forward.topk_ids, forward.topk_weights, forward.tokens_per_expert,
-                route.topk_ids, route.topk_weights, route.tokens_per_expert, route.aux_scores)
+        return (forwarded.output, forwarded.topk_ids, forwarded.topk_weights, forwarded.tokens_per_expert,
+                routed.topk_ids, routed.topk_weights, routed.tokens_per_expert, routed.aux_scores)
 
     kept = [np.array(a) for a in arrays()]
     x[:] = 1e30
     for seed in range(4):
-        engine.forward(0, _tokens(8, seed=10 + seed))
-        engine.route(0, hidden=_tokens(8, seed=20 + seed))
+        forward(engine, 0, _tokens(8, seed=10 + seed))
+        route(engine, 0, hidden=_tokens(8, seed=20 + seed))
     for before, now in zip(kept, arrays(), strict=True):
         np.testing.assert_array_equal(now, before)
-    np.testing.assert_array_equal(engine.forward(0, _tokens(8, seed=3)).output, kept[0])
+    np.testing.assert_array_equal(forward(engine, 0, _tokens(8, seed=3)).output, kept[0])
 
 
 def test_padding_rows_are_masked_and_uncounted(warm_engine):
@@ -100,15 +128,15 @@ def test_padding_rows_are_masked_and_uncounted(warm_engine):
     clean = _tokens(6)
     garbage = np.concatenate([clean, np.full((10, 64), 1e30, np.float32)])  # 16 rows -> bucket 32
     for layer_index in (0, 1):
-        result = engine.forward(layer_index, garbage, num_valid=6)
-        alone = engine.forward(layer_index, clean)
+        result = forward(engine, layer_index, garbage, num_valid=6)
+        alone = forward(engine, layer_index, clean)
         assert result.output.shape == (6, 64) and np.all(np.isfinite(result.output))
         np.testing.assert_allclose(result.output, alone.output, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(result.tokens_per_expert, alone.tokens_per_expert)
         assert result.tokens_per_expert.sum() == 6 * 2
-        routed = engine.route(layer_index, hidden=garbage, num_valid=6)
+        routed = route(engine, layer_index, hidden=garbage, num_valid=6)
         np.testing.assert_array_equal(routed.tokens_per_expert, alone.tokens_per_expert)
-        assert routed.aux_loss == pytest.approx(engine.route(layer_index, hidden=clean).aux_loss, rel=1e-5)
+        assert routed.aux_loss == pytest.approx(route(engine, layer_index, hidden=clean).aux_loss, rel=1e-5)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -134,8 +162,8 @@ def test_route_equals_the_router(warm_engine, tiny, layer_index):
     logits = jnp.asarray(x) @ params["router_weight"]
     ids, weights, counts, aux = (np.asarray(v) for v in _router_reference(logits, params.get("expert_bias"), cfg))
 
-    for result in (engine.route(layer_index, hidden=x, aux_loss_coeff=0.01),
-                   engine.route(layer_index, logits=np.asarray(logits), aux_loss_coeff=0.01)):
+    for result in (route(engine, layer_index, hidden=x, aux_loss_coeff=0.01),
+                   route(engine, layer_index, logits=np.asarray(logits), aux_loss_coeff=0.01)):
         np.testing.assert_array_equal(result.topk_ids, ids)
         np.testing.assert_allclose(result.topk_weights, weights, rtol=1e-5)
         np.testing.assert_array_equal(result.tokens_per_expert, counts)
@@ -145,15 +173,15 @@ def test_route_equals_the_router(warm_engine, tiny, layer_index):
         host = steps.aux_loss_of(result.aux_scores.sum(axis=0), counts, 20, cfg.topk, 0.01)
         assert host == pytest.approx(0.01 * aux, rel=1e-5)
     # Route agrees with Forward's routing, and the default coefficient is 1 (1.0 = balanced).
-    np.testing.assert_array_equal(engine.forward(layer_index, x).topk_ids, ids)
-    assert engine.route(layer_index, hidden=x).aux_loss == pytest.approx(aux, rel=1e-5)
+    np.testing.assert_array_equal(forward(engine, layer_index, x).topk_ids, ids)
+    assert route(engine, layer_index, hidden=x).aux_loss == pytest.approx(aux, rel=1e-5)
 
 
 def test_forward_equals_moe_layer_bf16(tiny):
     # Plain host arrays this time (as from a checkpoint): cast to bf16 when placed.
     host_layer = dataclasses.replace(tiny[1], params=dict(tiny[1].params))
     host_w_up = weakref.ref(host_layer.params["w_up"])
-    engine = Engine([host_layer], buckets=(8,), dtype="bfloat16", devices=1)
+    engine = build_engine([host_layer], buckets=(8,), dtype="bfloat16", devices=1).engine
     del host_layer
     gc.collect()
     assert host_w_up() is None  # the engine keeps the device copy only
@@ -161,24 +189,17 @@ def test_forward_equals_moe_layer_bf16(tiny):
     assert isinstance(w_up, panels.PanelWeights) and isinstance(w_up.panels, jax.Array)
     assert w_up.dtype == jnp.bfloat16 and w_up.shape == tiny[1].params["w_up"].shape
     x = _tokens(7, seed=5, dtype=jnp.bfloat16)
-    result = engine.forward(1, x)
+    result = forward(engine, 1, x)
     expected = moe_layer(_device_params(tiny[1], jnp.bfloat16), jnp.asarray(x), cfg=tiny[1].cfg)
     assert result.output.dtype == jnp.bfloat16
     np.testing.assert_allclose(result.output.astype(np.float32), np.asarray(expected, np.float32),
                                rtol=2e-2, atol=2e-2)
-    # fp32 input on a bf16 engine: computed in bf16, answered in fp32.
-    as_fp32 = engine.forward(1, x.astype(np.float32))
-    assert as_fp32.output.dtype == np.float32
-    np.testing.assert_array_equal(as_fp32.output, result.output.astype(np.float32))
+    assert forward(engine, 1, x[:5]).output.shape == (5, 64)
     assert engine.compilations == 1 and not engine.warm  # compiled on first use, once
 
 
-def test_buckets_and_info(warm_engine):
-    engine, _, _ = warm_engine
-    assert [engine.bucket_for(n) for n in (1, 8, 9, 32)] == [8, 8, 32, 32]
-    with pytest.raises(ValueError, match="exceeds the largest bucket 32"):
-        engine.bucket_for(33)
-    info = engine.info()
+def test_info(served, warm_engine):
+    info = served.info()
     assert info["buckets"] == [8, 32] and info["dtype"] == "float32" and info["warm"]
     assert info["mesh"] == {"axis": "ep", "size": 1, "platform": "cpu", "devices": [str(jax.devices()[0])],
                             "expert_parallel": False}
@@ -200,19 +221,20 @@ def test_panel_weights_serve_the_same_outputs_as_row_major(tiny):
     """The panel-major layout (the default on CPU) changes how the weights lie, not what comes out:
     forward and route equal an engine that keeps the checkpoint's row-major layout, bit for bit,
     at few rows per expert (streaming path) and many (packed path)."""
-    both = {layout: Engine(tiny, buckets=(8, 512), dtype="bfloat16", devices=1, panel_weights=layout == "panels")
-            for layout in ("panels", "row_major")}
-    assert {layout: engine.info()["weight_layout"] for layout, engine in both.items()} == {
+    built = {layout: build_engine(tiny, buckets=(8, 512), dtype="bfloat16", devices=1,
+                                  panel_weights=layout == "panels") for layout in ("panels", "row_major")}
+    assert {layout: b.info()["weight_layout"] for layout, b in built.items()} == {
         "panels": "panels", "row_major": "row_major"}
+    both = {layout: b.engine for layout, b in built.items()}
     assert isinstance(both["row_major"].layers[0].params["w_gate"], jax.Array)
     for layer in (0, 1):
         for n in (3, 100, 150, 500):
             x = _tokens(n, seed=n + layer, dtype=jnp.bfloat16)
-            got, want = (both[layout].forward(layer, x) for layout in ("panels", "row_major"))
+            got, want = (forward(both[layout], layer, x) for layout in ("panels", "row_major"))
             np.testing.assert_array_equal(got.output, want.output)
             np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
-        np.testing.assert_array_equal(both["panels"].route(layer, hidden=x).topk_ids,
-                                      both["row_major"].route(layer, hidden=x).topk_ids)
+        np.testing.assert_array_equal(route(both["panels"], layer, hidden=x).topk_ids,
+                                      route(both["row_major"], layer, hidden=x).topk_ids)
 
 
 def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypatch):
@@ -223,102 +245,78 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
     cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=1024, intermediate_size=1024)
     params = {name: np.asarray(value) for name, value in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
-    engine = Engine([layer], buckets=(8, 128), dtype="float32", devices=1)
-    assert engine.info()["weight_layout"] == "row_major"  # no native kernel: the XLA backends' layout
+    served = build_engine([layer], buckets=(8, 128), dtype="float32", devices=1)
+    engine = served.engine
+    assert served.info()["weight_layout"] == "row_major"  # no native kernel: the XLA backends' layout
     events = []
     engine.add_compile_listener(events.append)
-    assert engine.info()["forward_compiler_options"] == [
+    assert served.info()["forward_compiler_options"] == [
         {"layers": [0], "bucket": 8, "options": experts.SMALL_ROWS_CPU_OPTIONS}]
-    assert engine.info()["forward_expert_backends"] == [
+    assert served.info()["forward_expert_backends"] == [
         {"layers": [0], "bucket": 8, "backend": "capacity"}, {"layers": [0], "bucket": 128, "backend": "expert_loop"}]
     for n in (5, 100):
         x = _tokens(n, hidden=1024, seed=n)
         expected = moe_layer(_device_params(layer, jnp.float32), jnp.asarray(x), cfg=cfg)
-        np.testing.assert_allclose(engine.forward(0, x).output, np.asarray(expected), rtol=1e-4, atol=1e-4)
-    engine.route(0, hidden=_tokens(5, hidden=1024))
+        np.testing.assert_allclose(forward(engine, 0, x).output, np.asarray(expected), rtol=1e-4, atol=1e-4)
+    route(engine, 0, hidden=_tokens(5, hidden=1024))
     assert [(e.kind, e.bucket, e.compiler_options, e.expert_backend) for e in events] == [
         ("forward", 8, experts.SMALL_ROWS_CPU_OPTIONS, "capacity"), ("forward", 128, {}, "expert_loop"),
         ("route_hidden", 8, {}, None)]
 
 
-def test_serve_notes_the_native_kernel_level_or_why_it_is_missing():
-    from expertd.server import cli
-
-    assert cli._native_kernel_note(None) is None  # not a CPU engine
-    assert cli._native_kernel_note({"available": True, "reason": None, "isa": "avx512_bf16"}) == (
+def test_serve_notes_the_native_kernel_level_or_why_it_is_missing(served):
+    assert weights.native_cpu_note(None) is None  # not a CPU engine
+    assert weights.native_cpu_note({"available": True, "reason": None, "isa": "avx512_bf16"}) == (
         "native CPU expert kernel: avx512_bf16 instructions")
-    assert cli._native_kernel_note({"available": True, "reason": None, "isa": "avx512_bf16"}, 64) == (
+    assert weights.native_cpu_note({"available": True, "reason": None, "isa": "avx512_bf16"}, 64) == (
         "native CPU expert kernel: avx512_bf16 instructions, expert weights in 64-column panels")
-    note = cli._native_kernel_note({"available": False, "reason": "no C++ compiler found (set CXX)", "isa": None})
+    note = weights.native_cpu_note({"available": False, "reason": "no C++ compiler found (set CXX)", "isa": None})
     assert "unavailable (no C++ compiler found (set CXX))" in note
+    # start-up's summary: the native kernel's line and host malloc's (tiny's weights fit no huge page)
+    assert served.notes() == [weights.native_cpu_note(served.info()["native_cpu_kernel"], panels.panel_columns()),
+                              host_allocator.note(host_allocator.state().as_dict())]
 
 
 def test_serve_notes_the_weights_pages():
-    from expertd.server import cli
-
-    assert cli._huge_pages_note(None) is None  # not a CPU engine, or --no-huge-pages
-    assert cli._huge_pages_note({"eligible_bytes": 0, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
-                                 "reason": "no CPU buffer spans a whole 2 MiB page"}) is None
-    assert cli._huge_pages_note({"eligible_bytes": 2 << 30, "huge_bytes": 1 << 30, "seconds": 1.25,
-                                 "collapse_errors": 3, "reason": None}) == "weights: 1024 of 2048 MiB on huge pages (1.25s)"
-    assert cli._huge_pages_note({"eligible_bytes": 1 << 30, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
-                                 "reason": "transparent huge pages are never on this system"}).endswith(
+    assert host_memory.note(None) is None  # not a CPU engine, or --no-huge-pages
+    assert host_memory.note({"eligible_bytes": 0, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
+                             "reason": "no CPU buffer spans a whole 2 MiB page"}) is None
+    assert host_memory.note({"eligible_bytes": 2 << 30, "huge_bytes": 1 << 30, "seconds": 1.25,
+                             "collapse_errors": 3, "reason": None}) == "weights: 1024 of 2048 MiB on huge pages (1.25s)"
+    assert host_memory.note({"eligible_bytes": 1 << 30, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
+                             "reason": "transparent huge pages are never on this system"}).endswith(
         "0 of 1024 MiB on huge pages (0.00s); transparent huge pages are never on this system")
 
 
 def test_serve_notes_the_host_allocator():
-    from expertd.server import cli
-
-    assert cli._host_allocator_note(None) is None  # not a CPU engine
-    assert cli._host_allocator_note({"applied": True, "reason": None}).startswith(
+    assert host_allocator.note(None) is None  # not a CPU engine
+    assert host_allocator.note({"applied": True, "reason": None}).startswith(
         "host memory: freed buffers kept for reuse")
-    assert cli._host_allocator_note({"applied": False, "reason": "not glibc on Linux"}) == (
+    assert host_allocator.note({"applied": False, "reason": "not glibc on Linux"}) == (
         "host memory: large freed buffers go back to the system (not glibc on Linux)")
 
 
 def test_serve_progress_line_names_the_expert_backend_and_compiler_options(capsys):
-    from expertd.server import cli
-
-    cli._print_progress(CompileEvent((0, 1), 8, "forward", 1.5, 1, 3, {"xla_cpu_experimental_ynn_fusion_type": ""},
-                                     "expert_loop"))
-    cli._print_progress(CompileEvent((0,), 32, "route_hidden", 0.25, 2, 3))
+    console.print_progress(CompileEvent((0, 1), 8, "forward", 1.5, 1, 3,
+                                        {"xla_cpu_experimental_ynn_fusion_type": ""}, "expert_loop"))
+    console.print_progress(CompileEvent((0,), 32, "route_hidden", 0.25, 2, 3))
     assert capsys.readouterr().out.splitlines() == [
         "expertd: compiled 1/3: forward bucket 8 for layers 0,1 in 1.50s (experts: expert_loop) "
         "(XLA options: xla_cpu_experimental_ynn_fusion_type='')",
         "expertd: compiled 2/3: route_hidden bucket 32 for layers 0 in 0.25s"]
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda e: e.forward(7, _tokens(2)), UnknownLayerError, r"layer 7 is not served; layers: \[0, 1\]"),
-    (lambda e: e.forward(0, _tokens(2, hidden=32)), ValueError, r"x must have shape \[n, H=64\], got \[2, 32\]"),
-    (lambda e: e.forward(0, _tokens(33)), ValueError, "exceeds the largest bucket 32"),
-    (lambda e: e.forward(0, _tokens(4), num_valid=5), ValueError, "num_valid must be between 1 and the 4 rows"),
-    (lambda e: e.forward(0, _tokens(4).astype(np.float64)), ValueError, "x must be float32, bfloat16 or float16"),
-    (lambda e: e.route(0), ValueError, "exactly one of hidden"),
-    (lambda e: e.route(0, hidden=_tokens(2), logits=np.zeros((2, 8), np.float32)), ValueError, "exactly one"),
-    (lambda e: e.route(0, logits=np.zeros((2, 7), np.float32)), ValueError, r"logits must have shape \[n, E=8\]"),
-])
-def test_bad_calls_raise_clear_errors(warm_engine, call, error, message):
-    engine, _, _ = warm_engine
-    with pytest.raises(error, match=message):
-        call(engine)
-
-
-def test_constructor_rejects_bad_settings(tiny):
-    with pytest.raises(ValueError, match="buckets must be a non-empty list of positive integers"):
-        Engine(tiny, buckets=[0, 8], devices=1)
+def test_start_up_rejects_bad_layers_and_meshes(tiny):
+    """(Buckets, dtype and backend are the config's to check: test_service_config.py; requests are
+    checked once, when decoded: test_requests.py.)"""
     with pytest.raises(ValueError, match="layer 0 is given twice"):
-        Engine([tiny[0], tiny[0]], buckets=[8], devices=1)
-    with pytest.raises(ValueError, match="dtype must be one of"):
-        Engine(tiny, buckets=[8], dtype="int8", devices=1)
-    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16, got 'fp33'"):
-        Engine(tiny, buckets=[8], dtype="fp33", devices=1)
-    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
-        Engine(tiny, buckets=[8], backend="cuda", devices=1)
+        build_engine([tiny[0], tiny[0]], buckets=[8], devices=1)
+    with pytest.raises(ValueError, match="the engine needs at least one layer"):
+        build_engine([], buckets=[8], devices=1)
     with pytest.raises(ValueError, match="devices: asked for 9, 8 available"):
-        Engine(tiny, buckets=[8], devices=9)
+        build_engine(tiny, buckets=[8], devices=9)
     with pytest.raises(ValueError, match="8 experts cannot be split evenly over 3 devices"):
-        Engine(tiny, buckets=[8], devices=3)
+        build_engine(tiny, buckets=[8], devices=3)
 
 
 @pytest.fixture
@@ -335,36 +333,37 @@ def restore_compile_cache():
 
 def test_compile_cache_dir_gets_entries(tiny, tmp_path, restore_compile_cache):
     cache = tmp_path / "jax-cache"
-    engine = Engine(tiny[:1], buckets=(4,), dtype="float32", devices=1, compile_cache_dir=cache)
-    engine.route(0, hidden=_tokens(2))  # compiles one step
-    assert engine.compilations == 1
+    served = build_engine(tiny[:1], buckets=(4,), dtype="float32", devices=1, compile_cache_dir=cache)
+    route(served.engine, 0, hidden=_tokens(2))  # compiles one step
+    assert served.engine.compilations == 1
     assert [p for p in cache.rglob("*") if p.is_file()]
-    assert engine.info()["compile_cache_dir"] == str(cache)
+    assert served.info()["compile_cache_dir"] == str(cache)
     enable_compile_cache(cache)  # idempotent
 
 
 def test_expert_parallel_engine_equals_single_device(tiny, warm_engine):
     single, _, _ = warm_engine
     # Layer 1 (sigmoid, expert bias, groups, shared expert) exercises the most of the EP path.
-    engine = Engine(tiny[1:], buckets=(8,), dtype="float32", devices=4)
+    served = build_engine(tiny[1:], buckets=(8,), dtype="float32", devices=4)
+    engine = served.engine
     events = []
-    engine.warmup(progress=events.append)
+    warm_up(engine, progress=events.append)
     # the expert-parallel forward is an AOT-compiled step like the others, counted the same way
     assert [(e.done, e.total) for e in events] == [(1, 3), (2, 3), (3, 3)]
     assert sorted(e.kind for e in events) == ["forward", "route_hidden", "route_logits"]
-    info = engine.info()
+    info = served.info()
     assert info["mesh"]["size"] == 4 and info["mesh"]["expert_parallel"]
     params = info["layers"][0]["params"]
     assert params["w_gate"]["shape"] == [8, 64, 128] and params["w_gate"]["split_over_ep"]
     assert not params["router_weight"]["split_over_ep"] and not params["shared_w_up"]["split_over_ep"]
     x = np.concatenate([_tokens(5, seed=9), np.full((2, 64), np.nan, np.float32)])
-    sharded = engine.forward(1, x, num_valid=5)
-    alone = single.forward(1, x[:5])
+    sharded = forward(engine, 1, x, num_valid=5)
+    alone = forward(single, 1, x[:5])
     np.testing.assert_allclose(sharded.output, alone.output, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(sharded.topk_ids, alone.topk_ids)
     np.testing.assert_allclose(sharded.topk_weights, alone.topk_weights, rtol=1e-6)
     np.testing.assert_array_equal(sharded.tokens_per_expert, alone.tokens_per_expert)
-    routed = engine.route(1, hidden=x, num_valid=5)
+    routed = route(engine, 1, hidden=x, num_valid=5)
     np.testing.assert_array_equal(routed.topk_ids, alone.topk_ids)
     assert engine.compilations == 3  # all compiled at warm-up
     # The expert weights live split over the 4 devices: 2 experts each.

@@ -98,10 +98,8 @@ def test_malloc_arenas_counts_this_process_threads_arenas():
 def test_other_mallocs_and_other_libcs_are_left_alone(monkeypatch):
     """Refused before any mallopt call, so safe to run in this process (its state is restored)."""
     monkeypatch.setattr(host_allocator, "_state", host_allocator.AllocatorState())
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
-    state = host_allocator.retain_freed_memory()
+    state = host_allocator.retain_freed_memory(ld_preload="/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
     assert not state.applied and state.reason.startswith("another malloc is preloaded (LD_PRELOAD=")
-    monkeypatch.delenv("LD_PRELOAD")
     monkeypatch.setattr(host_allocator, "_glibc", lambda: None)
     assert host_allocator.retain_freed_memory().reason == "not glibc on Linux"
     assert host_allocator.state().reason == "not glibc on Linux"
@@ -113,21 +111,21 @@ def test_summary_lines():
         "large freed buffers go back to the system (not glibc on Linux)")
 
 
-def test_engine_info_reports_the_process_state():
+def test_start_up_info_reports_the_process_state():
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from expertd.kernels import moe
-    from expertd.server.engine import Engine
     from expertd.server.model import LoadedLayer
+    from expertd.server.startup import build_engine
 
     cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=32, intermediate_size=64)
     params = {name: np.asarray(v) for name, v in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
-    engine = Engine([LoadedLayer(index=0, cfg=cfg, params=params, source="test")], buckets=(8,), dtype="float32",
-                    devices=1)
-    assert engine.info()["host_allocator"] == host_allocator.state().as_dict()
-    assert engine.info()["host_allocator"]["applied"] is False  # this test process never asked
+    served = build_engine([LoadedLayer(index=0, cfg=cfg, params=params, source="test")], buckets=(8,),
+                          dtype="float32", devices=1)
+    assert served.info()["host_allocator"] == host_allocator.state().as_dict()
+    assert served.info()["host_allocator"]["applied"] is False  # this test process never asked
 
 
 def host_thp_mode() -> str | None:

@@ -6,8 +6,8 @@ import pytest
 
 from expertd.kernels import moe
 from expertd.server import host_memory
-from expertd.server.engine import Engine
 from expertd.server.model import LoadedLayer
+from expertd.server.startup import build_engine
 
 MIB = 1 << 20
 # What the dev VM and CI run: Linux 6.x with THP in "madvise" (or "always") mode.
@@ -76,12 +76,12 @@ def test_engine_reports_its_weights_on_huge_pages():
     cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=512, intermediate_size=1024)  # 8 MiB per expert matrix
     params = {name: np.asarray(v) for name, v in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
-    info = Engine([layer], buckets=(8,), dtype="float32", devices=1).info()["huge_pages"]
+    info = build_engine([layer], buckets=(8,), dtype="float32", devices=1).info()["huge_pages"]
     assert info["eligible_bytes"] >= 3 * 6 * MIB  # w_gate, w_up, w_down: 8 MiB each, 6+ in whole pages
     if CAN_COLLAPSE:
         assert info["reason"] is None
         assert info["huge_bytes"] == info["eligible_bytes"] - info["collapse_errors"] * host_memory.HUGE_PAGE > 0
-    assert Engine([layer], buckets=(8,), dtype="float32", devices=1, huge_pages=False).info()["huge_pages"] is None
+    assert build_engine([layer], buckets=(8,), dtype="float32", devices=1, huge_pages=False).info()["huge_pages"] is None
 
 
 def test_without_thp_nothing_is_advised_and_the_report_says_why(monkeypatch):

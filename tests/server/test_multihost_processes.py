@@ -21,8 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertd.client import ExpertClient
 from expertd.server import multihost
-from expertd.server.engine import Engine
 from expertd.server.model import load_preset
+from expertd.server.startup import build_engine
+from expertd.server.steps import pad_rows
 
 BUCKETS = (8,)
 
@@ -124,8 +125,8 @@ def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_die
     processes = _start_group(tmp_path_factory)
     try:
         # The single-process reference: the same model on a 4-device mesh in this process.
-        reference = Engine(load_preset("tiny", num_layers=1, dtype="float32"), buckets=BUCKETS, dtype="float32",
-                           devices=4)
+        reference = build_engine(load_preset("tiny", num_layers=1, dtype="float32"), buckets=BUCKETS,
+                                 dtype="float32", devices=4).engine
         rng = np.random.default_rng(0)
         x = rng.standard_normal((13, 64), dtype=np.float32)  # 13 > bucket 8: two steps
         leader, follower = processes
@@ -140,12 +141,14 @@ def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_die
             logits_route = client.route(layer=0, logits=x[:, :8])
 
         for rows in (slice(0, 8), slice(8, 13)):  # the batcher's two steps, checked one by one
-            expected = reference.forward(0, x[rows])
+            n = rows.stop - rows.start
+            expected = reference.forward(0, pad_rows([x[rows]], 8), n)
             np.testing.assert_allclose(forward.output[rows], expected.output, rtol=2e-5, atol=2e-6)
             np.testing.assert_array_equal(forward.routing.topk_ids[rows], expected.topk_ids)
             np.testing.assert_array_equal(route.topk_ids[rows], expected.topk_ids)
             np.testing.assert_allclose(route.topk_weights[rows], expected.topk_weights, rtol=1e-6)
-            by_logits = reference.route(0, logits=x[rows, :8])
+            by_logits = reference.route(0, pad_rows([np.ascontiguousarray(x[rows, :8])], 8), n,
+                                        from_logits=True)
             np.testing.assert_array_equal(logits_route.topk_ids[rows], by_logits.topk_ids)
         with urllib.request.urlopen(f"http://127.0.0.1:{follower_metrics}/metrics", timeout=10) as reply:
             scraped = reply.read().decode()

@@ -20,6 +20,7 @@ from service_support import host_params, reference_aux_loss, reference_forward, 
 from expertd.client import AsyncExpertClient, ExpertClient, InvalidArgumentError, NotFoundError, codec
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server.app import create_server
+from expertd.server.version import VERSION
 
 H, E, K = 64, 8, 2
 
@@ -140,7 +141,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_result(server, par
     results, delta = call_together(server, [lambda c, x=x: c.forward(x, layer=0) for x in xs])
     for i in range(n):
         np.testing.assert_allclose(results[i], expected[i:i + 1], rtol=2e-5, atol=2e-6)
-    assert delta("expertd_requests_total", rpc="Forward", code="OK") == n
+    assert delta("grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Forward", grpc_code="OK") == n
     executions = delta("expertd_executions_total", layer="0", kind="forward")
     assert 1 <= executions < n
     assert delta("expertd_batch_requests_sum", kind="forward") == n
@@ -270,7 +271,7 @@ def test_concurrent_route_requests_share_steps_and_each_aux_loss_is_its_own(serv
     n = 12
     xs = [tokens(1 + i % 3, seed=200 + i) for i in range(n)]  # 1-3 tokens each: merged steps mix requests
     results, delta = call_together(server, [lambda c, x=x: c.route(x, layer=1, aux_loss_coeff=0.5) for x in xs])
-    assert delta("expertd_requests_total", rpc="Route", code="OK") == n
+    assert delta("grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Route", grpc_code="OK") == n
     assert 1 <= delta("expertd_executions_total", layer="1", kind="route") < n
     assert delta("expertd_batch_requests_sum", kind="route") == n
     cfg = cfg_of(server, 1)
@@ -354,18 +355,19 @@ def test_metrics_endpoint_exports_every_family(server, client):
     assert all(r.error is None for r in client.forward_stream([tokens(1)] * 5, layer=0))
     text = scrape(server.metrics_port)
     assert sample(text, "expertd_model_ready") == 1.0
-    assert sample(text, "expertd_build_info", version="0.1.0", jax_version=__import__("jax").__version__,
+    assert sample(text, "expertd_build_info", version=VERSION, jax_version=__import__("jax").__version__,
                   grpc_version=grpc.__version__, platform="cpu") == 1.0
     assert sample(text, "expertd_compilations_total") == 12  # 2 layer shapes x 2 buckets x 3 step kinds
     assert sample(text, "expertd_compile_duration_seconds_count") == 12
-    assert sample(text, "expertd_requests_total", rpc="Route", code="OK") >= 1
-    assert sample(text, "expertd_requests_total", rpc="Forward", code="INVALID_ARGUMENT") >= 1
+    assert sample(text, "grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Route", grpc_code="OK") >= 1
     assert sample(text, "expertd_pending_requests") == 0
     assert sample(text, "expertd_tokens_total", kind="forward") >= 3
     assert sample(text, "expertd_batch_padding_ratio_count", kind="route") >= 1
     assert sample(text, "expertd_queue_duration_seconds_count", kind="forward") >= 1
     assert sample(text, "expertd_compute_duration_seconds_count", kind="forward") >= 1
-    assert sample(text, "expertd_request_duration_seconds_count", rpc="Forward") >= 1
+    assert sample(text, "expertd_stream_messages_total", code="OK") >= 5
+    # one family counts calls: the expertd.v1 counters of the past are gone
+    assert "expertd_requests_total" not in text and "expertd_request_duration_seconds" not in text
     assert sample(text, "expertd_expert_load_imbalance", layer="1") >= 1.0
     assert sample(text, "expertd_aux_loss", layer="1") > 0
     labels = {"grpc_type": "unary", "grpc_service": "expertd.v1.ExpertService", "grpc_method": "Forward"}
@@ -383,9 +385,8 @@ def test_metrics_endpoint_exports_every_family(server, client):
 
 def test_messages_beyond_the_size_limit_are_refused_by_grpc(server, client):
     from expertd.client import ResourceExhaustedError
-    from expertd.server.app import max_message_bytes
 
-    limit = max_message_bytes(server.engine, server.config.batching.max_request_tokens)
+    limit = server.model.max_message_bytes()
     too_many = limit // (4 * H) + 1  # fp32 rows past the limit, and past --max-request-tokens
     with ExpertClient(f"127.0.0.1:{server.port}", retries=0) as c:
         with pytest.raises(ResourceExhaustedError, match="larger than max"):

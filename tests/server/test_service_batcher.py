@@ -2,18 +2,21 @@
 engine whose arithmetic is trivial, so every merged or split step can be checked exactly (the real
 engine is exercised by the end-to-end tests)."""
 import asyncio
-import dataclasses
 
 import grpc
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from expertd.server.batcher import Batcher, ExpertLoadTracker
+from expertd.kernels.moe import MoEConfig
+from expertd.server.batcher import Batcher
 from expertd.server.config import BatchingConfig
-from expertd.server.errors import Overloaded
+from expertd.server.description import MeshDescription, ModelDescription
+from expertd.server.engine import ForwardOutput
+from expertd.server.errors import Overloaded, status_of
+from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.metrics import Metrics
-from expertd.server.servicer import status_of
+from expertd.server.requests import ForwardRequest
 
 
 def test_recent_window_forgets_old_steps_and_total_keeps_everything():
@@ -34,48 +37,37 @@ def test_recent_window_forgets_old_steps_and_total_keeps_everything():
 POISON = 13.0  # a row holding this value makes the stand-in engine fail
 
 
-@dataclasses.dataclass
-class _Cfg:
-    num_experts: int = 4
-
-
-@dataclasses.dataclass
-class _Layer:
-    cfg: _Cfg
-
-
-@dataclasses.dataclass
-class _Result:
-    output: np.ndarray
-    topk_ids: np.ndarray
-    topk_weights: np.ndarray
-    tokens_per_expert: np.ndarray
+MODEL = ModelDescription(name="doubling", layers={0: MoEConfig(num_experts=4, topk=1, hidden_size=3,
+                                                                intermediate_size=3)},
+                         dtype=np.float32, buckets=(2, 4), max_request_tokens=64, max_batch_tokens=4,
+                         mesh=MeshDescription("ep", 1, "cpu"))
 
 
 class DoublingEngine:
-    """Engine contract with output = 2 * x, expert = first column mod 4; records each step's rows."""
+    """Engine contract with output = 2 * x, expert = first column mod 4; records each step's rows
+    (valid, bucket)."""
 
     def __init__(self):
-        self.layers, self.buckets, self.dtype, self.steps = {0: _Layer(_Cfg())}, (2, 4), np.dtype(np.float32), []
+        self.steps = []
 
-    def bucket_for(self, n):
-        return next(b for b in self.buckets if b >= n)
-
-    def forward(self, layer, x):
-        self.steps.append(len(x))
+    def forward(self, layer, tokens, num_valid):
+        self.steps.append((num_valid, len(tokens)))
+        assert tokens.dtype == MODEL.dtype and len(tokens) in MODEL.buckets, "padded to a bucket by the batcher"
+        x = tokens[:num_valid]
         if (x == POISON).any():
             raise RuntimeError("device fault with a secret detail")
         ids = (x[:, :1].astype(np.int32) % 4)
-        return _Result(2 * x, ids, np.ones_like(ids, np.float32), np.bincount(ids[:, 0], minlength=4))
+        return ForwardOutput(2 * x, ids, np.ones_like(ids, np.float32), np.bincount(ids[:, 0], minlength=4))
 
 
 def run(coroutine_fn, **batching):
     async def main():
-        batcher = Batcher(DoublingEngine(), BatchingConfig(bucket_sizes=(2, 4), **batching),
+        engine = DoublingEngine()
+        batcher = Batcher(engine, MODEL, BatchingConfig(bucket_sizes=(2, 4), **batching),
                           Metrics(CollectorRegistry(), token_buckets=(2, 4)))
         batcher.start()
         try:
-            return await coroutine_fn(batcher), batcher.engine.steps
+            return await coroutine_fn(batcher), [valid for valid, _ in engine.steps]
         finally:
             await batcher.close()
     return asyncio.run(main())
@@ -85,22 +77,30 @@ def rows(start, n):
     return np.arange(start, start + n, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
 
 
+def forward(batcher, x, *, deadline=None, out_dtype=np.float32):
+    """The batcher's result for x [T, 3] (already in the engine dtype, as decoded)."""
+    async def call():
+        result, _ = await batcher.forward(ForwardRequest(0, x, np.dtype(out_dtype), deadline))
+        return result
+    return call()
+
+
 def test_concurrent_requests_share_steps_and_big_ones_are_split():
     async def work(batcher):
-        return await asyncio.gather(*(batcher.forward(0, rows(10 * i, n)) for i, n in enumerate((1, 1, 1, 1, 9))))
+        return await asyncio.gather(*(forward(batcher, rows(10 * i, n)) for i, n in enumerate((1, 1, 1, 1, 9))))
 
     results, steps = run(work, max_queue_delay_ms=50)
     for (i, n), result in zip(enumerate((1, 1, 1, 1, 9)), results):
         np.testing.assert_array_equal(result.output, 2 * rows(10 * i, n))
-        np.testing.assert_array_equal(result.tokens_per_expert, np.bincount(rows(10 * i, n)[:, 0].astype(int) % 4,
-                                                                            minlength=4))
+        np.testing.assert_array_equal(result.routing.tokens_per_expert,
+                                      np.bincount(rows(10 * i, n)[:, 0].astype(int) % 4, minlength=4))
     assert sum(steps) == 13 and max(steps) <= 4 and len(steps) < 5 + 3  # merged, and 9 rows split into parts
 
 
 def test_a_failing_request_does_not_fail_the_others_in_its_batch():
     async def work(batcher):
-        calls = [batcher.forward(0, rows(0, 1)), batcher.forward(0, np.full((1, 3), POISON, np.float32)),
-                 batcher.forward(0, rows(5, 1))]
+        calls = [forward(batcher, rows(0, 1)), forward(batcher, np.full((1, 3), POISON, np.float32)),
+                 forward(batcher, rows(5, 1))]
         return await asyncio.gather(*calls, return_exceptions=True)
 
     (good, bad, other), steps = run(work, max_queue_delay_ms=50)
@@ -114,10 +114,10 @@ def test_a_failing_request_does_not_fail_the_others_in_its_batch():
 
 def test_full_queue_is_overloaded_and_expired_requests_are_dropped():
     async def work(batcher):
-        first = asyncio.ensure_future(batcher.forward(0, rows(0, 1), deadline=0.0))  # already expired
+        first = asyncio.ensure_future(forward(batcher, rows(0, 1), deadline=0.0))  # already expired
         await asyncio.sleep(0)
         with pytest.raises(Overloaded):
-            await batcher.forward(0, rows(1, 1))
+            await forward(batcher, rows(1, 1))
         return await asyncio.gather(first, return_exceptions=True)
 
     (expired,), steps = run(work, max_queue_size=1, max_queue_delay_ms=10)
@@ -127,8 +127,9 @@ def test_full_queue_is_overloaded_and_expired_requests_are_dropped():
 
 def test_each_request_reports_its_own_queue_and_compute_time():
     async def work(batcher):
-        waited = await batcher.forward(0, rows(0, 3))  # 3 rows pad to bucket 4: waits the 50 ms delay
-        split = await batcher.forward(0, rows(0, 9))   # three parts: three steps of compute
+        _, waited = await batcher.forward(ForwardRequest(0, rows(0, 3), np.dtype(np.float32)))  # 3 rows pad to
+        _, split = await batcher.forward(ForwardRequest(0, rows(0, 9), np.dtype(np.float32)))  # bucket 4: waits
+        # the 50 ms delay; 9 rows are three parts: three steps of compute
         registry = batcher.metrics.registry
         histogram = [registry.get_sample_value(f"expertd_queue_duration_seconds_{s}", {"kind": "forward"})
                      for s in ("count", "sum")]
@@ -140,3 +141,16 @@ def test_each_request_reports_its_own_queue_and_compute_time():
     assert waited.queue_seconds >= 0.045 and waited.compute_seconds > 0
     assert split.compute_seconds > 0 and split.queue_seconds >= 0
     assert count == 2 and total == pytest.approx(waited.queue_seconds + split.queue_seconds)  # once per request
+
+
+def test_each_step_is_padded_once_to_its_bucket_and_answered_in_the_callers_dtype():
+    async def work(batcher):
+        halves = await asyncio.gather(forward(batcher, rows(0, 1), out_dtype=np.float16),
+                                      forward(batcher, rows(1, 2)))
+        return halves, batcher.engine.steps
+
+    ((as_fp16, as_fp32), steps), _ = run(work, max_queue_delay_ms=50)
+    assert steps == [(3, 4)]  # merged: 3 valid rows padded to bucket 4
+    assert as_fp16.output.dtype == np.float16 and as_fp32.output.dtype == np.float32
+    np.testing.assert_array_equal(as_fp16.output, (2 * rows(0, 1)).astype(np.float16))
+    np.testing.assert_array_equal(as_fp32.output, 2 * rows(1, 2))

@@ -56,6 +56,10 @@ def test_token_file_wins_over_the_environment(tmp_path):
         (["--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
         (["--tls-client-ca", "ca.pem"], "needs --tls-cert"),
         (["--max-queue-size", "0"], "--max-queue-size must be >= 1"),
+        (["--backend", "cuda"], "--backend must be 'auto' or one of"),
+        (["--native-cpu-isa", "sse2"], "--native-cpu-isa must be one of portable, avx2, avx512, avx512_bf16"),
+        (["--num-processes", "2", "--coordinator-address", "h:1", "--num-devices", "2"],
+         "--num-devices cannot be combined with a multi-host group"),
     ],
 )
 def test_bad_values_name_the_option(argv, message):
@@ -85,11 +89,14 @@ def test_help_documents_every_option(capsys):
         main(["serve", "--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    sections = [cfg.ServerConfig, cfg.ModelConfig, cfg.BatchingConfig, cfg.SecurityConfig]
-    for section in sections:
-        for field in dataclasses.fields(section):
-            if field.name not in ("model", "batching", "security"):
-                assert "--" + field.name.replace("_", "-") in text, field.name
+    flags = [cfg.flag(section, field) for section, (cls, _) in cfg.SECTIONS.items() for field in cfg.options(cls)]
+    assert len(flags) >= 40 and "--native-cpu-isa" in flags and "--coordinator-address" in flags
+    for flag in flags:
+        assert flag in text, flag
+    assert "--ld-preload" not in text  # environment-only: LD_PRELOAD
+    documented = {f.name for section, (cls, _) in cfg.SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert documented - {"ld_preload", *(s for s in cfg.SECTIONS if s)} == {
+        f.name for _, (cls, _) in cfg.SECTIONS.items() for f in cfg.options(cls)}
 
 
 def test_serve_rejects_a_bad_configuration_with_exit_status_2(capsys):
@@ -108,10 +115,53 @@ def test_serve_reports_a_missing_checkpoint_and_exits_1(tmp_path, capsys):
 def test_num_layers_takes_the_first_moe_layers_of_a_checkpoint(tmp_path):
     import hf_fixtures
 
-    from expertd.server.app import load_layers
+    from expertd.server.startup import load_layers
 
     hf_fixtures.write_checkpoint(tmp_path, "deepseek_v3", num_layers=5)  # MoE layers 2, 3, 4
     config = cfg.parse_args(["--checkpoint", str(tmp_path), "--num-layers", "2", "--dtype", "float32"], environ={})
     assert [layer.index for layer in load_layers(config)] == [2, 3]
     with pytest.raises(ValueError, match="num_layers must be between 1 and 3"):
         load_layers(cfg.parse_args(["--checkpoint", str(tmp_path), "--num-layers", "4"], environ={}))
+
+
+def test_multihost_and_native_options_come_from_flags_toml_and_the_old_variables(tmp_path):
+    lws = {"LWS_LEADER_ADDRESS": "expertd-0.expertd", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    config = cfg.parse_args([], environ=lws)
+    assert config.multihost.enabled and config.multihost.process_id == 1
+    assert config.multihost.coordinator_address == "expertd-0.expertd:8476" and config.multihost.channel_port == 8477
+    assert not cfg.parse_args(["--num-processes", "1", "--process-id", "0"], environ=lws).multihost.enabled  # flags win
+    legacy = {"EXPERTD_NATIVE_CPU_ISA": "avx2", "EXPERTD_CACHE_DIR": "/cache", "EXPERTD_TRACE_PARALLEL_FOR": "1",
+              "CXX": "clang++"}
+    assert cfg.parse_args([], environ=legacy).native_cpu == cfg.NativeCpuConfig(
+        isa="avx2", cache_dir="/cache", trace=True, compiler="clang++")
+    assert cfg.parse_args([], environ={**legacy, "EXPERTD_NATIVE_CPU_PORTABLE": "1"}).native_cpu.isa == "portable"
+    toml = tmp_path / "expertd.toml"
+    toml.write_text('[native_cpu]\nisa = "avx512"\ntrace = false\n[multihost]\npeer_timeout_s = 3\n')
+    config = cfg.parse_args(["--config", str(toml), "--native-cpu-cache-dir", "/flag"], environ=legacy)
+    assert config.native_cpu == cfg.NativeCpuConfig(isa="avx512", cache_dir="/flag", trace=False, compiler="clang++")
+    assert config.multihost.peer_timeout_s == 3.0
+    assert cfg.parse_args([], environ={"LD_PRELOAD": "libjemalloc.so"}).ld_preload == "libjemalloc.so"
+    assert cfg.parse_args([], environ={}) == cfg.ServerConfig()  # nothing set: the defaults
+
+
+def test_the_configs_lists_match_the_kernels():
+    from expertd.kernels import experts, native_cpu
+
+    assert cfg.EXPERT_BACKENDS == experts.BACKENDS and cfg.NATIVE_CPU_ISA_LEVELS == native_cpu.ISA_LEVELS
+
+
+def test_native_options_are_applied_to_the_process(monkeypatch):
+    from expertd.server.process import configure_native_cpu
+
+    for name in ("EXPERTD_NATIVE_CPU_ISA", "EXPERTD_NATIVE_CPU_PORTABLE", "EXPERTD_CACHE_DIR",
+                 "EXPERTD_TRACE_PARALLEL_FOR", "CXX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("EXPERTD_NATIVE_CPU_PORTABLE", "1")
+    config = cfg.parse_args(["--native-cpu-isa", "avx2", "--native-cpu-trace"])  # this process's environment
+    configure_native_cpu(config.native_cpu)
+    import os
+
+    assert os.environ["EXPERTD_NATIVE_CPU_ISA"] == "avx2" and "EXPERTD_NATIVE_CPU_PORTABLE" not in os.environ
+    assert os.environ["EXPERTD_TRACE_PARALLEL_FOR"] == "1" and "CXX" not in os.environ
+    configure_native_cpu(cfg.NativeCpuConfig())
+    assert not {"EXPERTD_NATIVE_CPU_ISA", "EXPERTD_TRACE_PARALLEL_FOR"} & os.environ.keys()

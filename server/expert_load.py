@@ -1,0 +1,47 @@
+"""Tokens routed to each expert per layer, since start and over a recent window (GetExpertLoad and
+the load-imbalance gauge)."""
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+class ExpertLoadTracker:
+    """Tokens routed to each expert per layer: since start and over a sliding window.
+
+    The window is kept as one-second slots with a running sum, so recording a step and reading
+    the window cost O(E) whatever the request rate.
+    """
+
+    def __init__(self, num_experts: dict[int, int], window_s: float, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self._clock = clock
+        self._total = {layer: np.zeros(e, np.int64) for layer, e in num_experts.items()}
+        self._recent_sum = {layer: np.zeros(e, np.int64) for layer, e in num_experts.items()}
+        self._slots: dict[int, collections.deque] = {layer: collections.deque() for layer in num_experts}
+
+    def add(self, layer: int, tokens_per_expert: np.ndarray) -> float:
+        """Record one step's counts ``[E]``; returns the layer's recent max/mean imbalance."""
+        counts = np.asarray(tokens_per_expert, np.int64)
+        self._total[layer] += counts
+        slots, second = self._slots[layer], int(self._clock())
+        if slots and slots[-1][0] == second:
+            slots[-1][1] += counts
+        else:
+            slots.append([second, counts.copy()])
+        self._recent_sum[layer] += counts
+        recent = self.recent(layer)
+        mean = recent.mean()
+        return float(recent.max() / mean) if mean > 0 else 1.0
+
+    def total(self, layer: int) -> np.ndarray:
+        return self._total[layer].copy()
+
+    def recent(self, layer: int) -> np.ndarray:
+        slots, horizon = self._slots[layer], self._clock() - self.window_s
+        while slots and slots[0][0] + 1 <= horizon:  # the slot ended before the window began
+            self._recent_sum[layer] -= slots.popleft()[1]
+        return self._recent_sum[layer].copy()
