@@ -1,4 +1,4 @@
-# The README's commands. Everything installs into .venv on first use.
+# The README's commands. Everything installs into .venv on first use. `make test` lints, then tests.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.expertd-installed
 # Two workers (CI has 2 cores); a file's tests stay on one worker so module-scoped servers start once.
 PYTEST_ARGS ?= --numprocesses=2 --dist=loadfile
 
-.PHONY: install test serve bench protos clean
+.PHONY: install lint test serve bench protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-test: install
+# ruff (configured in pyproject.toml) over the whole tree.
+lint: install
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: install

@@ -1,10 +1,10 @@
 """The engine's step cycle around the compiled layer: handing inputs over and reading results back.
 
-One forward step of `Engine.forward` is: pad the tokens to the bucket, hand tokens and `num_valid`
-to the compiled step, run it, read its four results (output, ids, weights, tokens per expert) on
-the host. This times that cycle on the benchmark's ``mid`` layer (the one `serving.py` serves:
-Qwen3-MoE style, H=512, I=256, E=16, k=4) for a few bucket sizes, four ways, interleaved in one
-process so the machine's drift hits all of them alike:
+One forward step (the batcher's `steps.pad_rows`, then `Engine.forward`) is: pad the tokens to the
+bucket, hand tokens and `num_valid` to the compiled step, run it, read its four results (output,
+ids, weights, tokens per expert) on the host. This times that cycle on the benchmark's ``mid``
+layer (the one `serving.py` serves: Qwen3-MoE style, H=512, I=256, E=16, k=4) for a few bucket
+sizes, four ways, interleaved in one process so the machine's drift hits all of them alike:
 
   inputs      host:        the host arrays straight to the compiled step (the engine's way in one
                            process: `MeshPlacement.step_input`; the step places them in C++)
@@ -36,6 +36,8 @@ import serving  # noqa: E402  (the mid layer)
 
 from expertd.server import steps  # noqa: E402
 from expertd.server.engine import Engine  # noqa: E402
+from expertd.server.startup import build_engine  # noqa: E402
+from expertd.server.warmup import warm_up  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "engine_step.json")
 INPUTS = ("host", "device_put")
@@ -43,20 +45,24 @@ READS = ("asarray", "device_get")
 BASELINE = ("device_put", "device_get")
 
 
+def bucket_for(engine: Engine, rows: int) -> int:
+    return next(b for b in engine.buckets if b >= rows)
+
+
 def forward_executable(engine: Engine, rows: int):
     """Layer 0's compiled forward step for `rows` tokens (warmed up)."""
-    return engine._executables[(engine._shape_key(engine.layers[0]), engine.bucket_for(rows), "forward")]
+    return engine.executable(0, bucket_for(engine, rows), steps.FORWARD)
 
 
 def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
     """A function running one forward step of `rows` tokens the given way; returns its output."""
-    step, params = forward_executable(engine, rows), engine._params[0]
+    step, params = forward_executable(engine, rows), engine.layers[0].params
 
     def run(x: np.ndarray) -> np.ndarray:
-        padded = steps.pad_tokens(x, engine.bucket_for(rows), engine.dtype)
+        padded = steps.pad_rows([x.astype(engine.dtype)], bucket_for(engine, rows))
         args = [padded, np.asarray(rows, np.int32)]
         if inputs == "device_put":
-            args = [jax.device_put(a, engine.replicated) for a in args]
+            args = [jax.device_put(a, engine.placement.replicated) for a in args]
         results = step(params, *args)
         fetched = [np.asarray(r) for r in results] if read == "asarray" else jax.device_get(tuple(results))
         return fetched[0][:rows]
@@ -75,11 +81,10 @@ def read_only(engine: Engine, rows: int, read: str, calls: int) -> float:
     """Mean time (us) to read back ready results, over `calls` steps. READS, and "packed": one
     device_get of a single buffer holding the same bytes (what one transfer a step would cost)."""
     step = forward_executable(engine, rows)
-    x = steps.pad_tokens(np.ones((rows, engine.layers[0].cfg.hidden_size), np.float32), engine.bucket_for(rows),
-                         engine.dtype)
+    x = steps.pad_rows([np.ones((rows, engine.layers[0].cfg.hidden_size), engine.dtype)], bucket_for(engine, rows))
     total = 0.0
     for _ in range(calls):
-        results = jax.block_until_ready(step(engine._params[0], x, np.asarray(rows, np.int32)))
+        results = jax.block_until_ready(step(engine.layers[0].params, x, np.asarray(rows, np.int32)))
         if read == "packed":
             results = jax.block_until_ready(_packed(tuple(results)))
         start = time.perf_counter()
@@ -102,18 +107,20 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
-    engine = Engine(serving.build_layers("mid"), buckets=rows_list, dtype=args.dtype)
-    engine.warmup()
+    engine = build_engine(serving.build_layers("mid"), buckets=rows_list, dtype=args.dtype).engine
+    warm_up(engine)
     ways = list(itertools.product(INPUTS, READS))
     rng = np.random.default_rng(0)
     table = []
-    print(f"{'rows':>5} " + " ".join(f"{i + '+' + r:>22}" for i, r in ways) + "   read alone: asarray / device_get / packed")
+    print(f"{'rows':>5} " + " ".join(f"{i + '+' + r:>22}" for i, r in ways)
+          + "   read alone: asarray / device_get / packed")
     for rows in rows_list:
         x = rng.standard_normal((rows, engine.layers[0].cfg.hidden_size), dtype=np.float32)
         runs = {way: step_cycle(engine, rows, *way) for way in ways}
-        served = engine.forward(0, x).output
+        padded = steps.pad_rows([x.astype(engine.dtype)], bucket_for(engine, rows))
+        served = engine.forward(0, padded, rows).output
         for way, run in runs.items():  # every way computes the engine's answer
-            np.testing.assert_array_equal(run(x).astype(np.float32), served, err_msg=str(way))
+            np.testing.assert_array_equal(run(x).astype(np.float32), served.astype(np.float32), err_msg=str(way))
         samples = {way: [] for way in ways}
         for _ in range(args.rounds):
             for way, run in runs.items():

@@ -62,14 +62,18 @@ def build_layers(model: str):
 
 
 def in_process(engine, layer: int, rows: int, hidden: int, duration: float) -> dict:
-    """Steps of ``rows`` tokens back to back on the engine, as the batcher would run them."""
-    x = np.random.default_rng(0).standard_normal((rows, hidden), dtype=np.float32)
-    engine.forward(layer, x)
+    """Steps of ``rows`` tokens back to back on the engine, as the batcher would run them (padded to
+    the smallest bucket that fits, then the step)."""
+    from expertd.server.steps import pad_rows
+
+    x = np.random.default_rng(0).standard_normal((rows, hidden), dtype=np.float32).astype(engine.dtype)
+    bucket = next(b for b in engine.buckets if b >= rows)
+    engine.forward(layer, pad_rows([x], bucket), rows)
     steps = []
     start = time.perf_counter()
     while time.perf_counter() - start < duration:
         t0 = time.perf_counter()
-        engine.forward(layer, x)
+        engine.forward(layer, pad_rows([x], bucket), rows)
         steps.append(time.perf_counter() - t0)
     elapsed = time.perf_counter() - start
     ms = np.asarray(steps) * 1e3
@@ -99,7 +103,8 @@ async def main(target, concurrency, warmup, duration):
                     window["n"] += 1
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         elapsed = time.perf_counter() - window["t"]
-        return {"ok": window["n"], "requests_per_s": window["n"] / elapsed, "window_unix_s": [window["wall"], time.time()],
+        return {"ok": window["n"], "requests_per_s": window["n"] / elapsed,
+                "window_unix_s": [window["wall"], time.time()],
                 "client_cpu_ms_per_request": (time.process_time() - window["cpu"]) * 1e3 / window["n"]}
 
 print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])))))
@@ -159,7 +164,8 @@ def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: 
     """``expertd loadtest`` in its own process (its CPU time is not the server's GIL)."""
     command = [sys.executable, "-c", "import sys; from expertd.client.cli import main; sys.exit(main(sys.argv[1:]))",
                "loadtest", "--target", f"127.0.0.1:{port}", "--layer", "0", "--concurrency", str(concurrency),
-               "--tokens", str(tokens), "--dtype", "float32", "--duration", f"{duration:.1f}", "--warmup", f"{warmup:.1f}",
+               "--tokens", str(tokens), "--dtype", "float32", "--duration", f"{duration:.1f}",
+               "--warmup", f"{warmup:.1f}",
                "--timeout", "60", "--json", "--no-progress"]
     sampler = CpuSampler()
     with sampler:
@@ -216,11 +222,13 @@ def print_row(row: dict) -> None:
 
 def _cpu(result: dict) -> str:
     server, client = result.get("server_cpu_ms_per_request"), result.get("client_cpu_ms_per_request")
-    return f"{server if server is not None else float('nan'):>7.3f} {client if client is not None else float('nan'):>7.3f}"
+    server, client = (float("nan") if v is None else v for v in (server, client))
+    return f"{server:>7.3f} {client:>7.3f}"
 
 
 def print_floor(row: dict) -> None:
-    print(f"{row['model']:>5} health Check (gRPC floor) {row['clients']:>3} clients: {row['requests_per_s']:>8.0f} req/s"
+    print(f"{row['model']:>5} health Check (gRPC floor) {row['clients']:>3} clients: "
+          f"{row['requests_per_s']:>8.0f} req/s"
           f" | CPU ms/request server client {_cpu(row)}", flush=True)
 
 
@@ -234,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    print("model    T   C |  in-proc tok/s  p50 ms  p99 ms |  rpc tok/s   p50 ms   p99 ms | rpc/in | CPU ms/req srv cli")
+    print("model    T   C |  in-proc tok/s  p50 ms  p99 ms |  rpc tok/s   p50 ms   p99 ms | rpc/in "
+          "| CPU ms/req srv cli")
     rows, floor = [], []
     for model in args.models.split(","):
         model_rows, model_floor = run_model(model, args.duration, args.max_queue_delay_ms)
@@ -242,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         floor += model_floor
     speedups = {}
     for model in args.models.split(","):
-        single = {r["clients"]: r["rpc"]["tokens_per_s"] for r in rows if r["model"] == model and r["tokens_per_request"] == 1}
+        single = {r["clients"]: r["rpc"]["tokens_per_s"] for r in rows
+                  if r["model"] == model and r["tokens_per_request"] == 1}
         speedups[model] = single[64] / single[1]
-        saturated = next(r for r in rows if r["model"] == model and r["tokens_per_request"] == 256 and r["clients"] == 64)
+        saturated = next(r for r in rows
+                         if r["model"] == model and r["tokens_per_request"] == 256 and r["clients"] == 64)
         print(f"{model}: 64 single-token clients = {speedups[model]:.1f}x one client (goal >= 10x); "
               f"at saturation rpc/in-process = {saturated['rpc_over_in_process']:.2f} (goal >= 0.9)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2
 
 from expertd.client import errors, messages
-from expertd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, Backoff, ClientBase, TlsOptions
+from expertd.client.channel import DEFAULT_BACKOFF, DEFAULT_MAX_MESSAGE_BYTES, Backoff, ClientBase, TlsOptions
 from expertd.client.pb.v1 import expert_pb2
 
 
@@ -33,7 +33,7 @@ class AsyncExpertClient(ClientBase):
         tls: bool | TlsOptions = False,
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = DEFAULT_BACKOFF,
     ):
         super().__init__(
             target,
@@ -106,7 +106,8 @@ class AsyncExpertClient(ClientBase):
     async def model_info(self, *, timeout: float | None = None) -> expert_pb2.GetModelInfoResponse:
         return await self._unary(self._stub.GetModelInfo, expert_pb2.GetModelInfoRequest(), timeout)
 
-    async def expert_load(self, layers: Iterable[int] = (), *, timeout: float | None = None) -> dict[int, messages.ExpertLoad]:
+    async def expert_load(self, layers: Iterable[int] = (), *, timeout: float | None = None) -> dict[int,
+                                                                                                     messages.ExpertLoad]:
         request = expert_pb2.GetExpertLoadRequest(layers=list(layers))
         return messages.expert_loads(await self._unary(self._stub.GetExpertLoad, request, timeout))
 

@@ -92,6 +92,9 @@ class Backoff:
         return max(wait, server_hint) if server_hint is not None else wait
 
 
+DEFAULT_BACKOFF = Backoff()  # immutable: one instance serves every client's default
+
+
 class ClientBase:
     """Channel, stubs and call settings of ExpertClient (``aio=False``) and AsyncExpertClient (``aio=True``)."""
 

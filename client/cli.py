@@ -33,7 +33,7 @@ import time
 import grpc
 import numpy as np
 
-from expertd.client import errors, loadtest, loadtest_report
+from expertd.client import errors, loadtest, loadtest_flags, loadtest_report
 from expertd.client.channel import TlsOptions
 from expertd.client.cli_output import (
     array_summary,
@@ -64,11 +64,13 @@ def exit_code_for(code: grpc.StatusCode) -> int:
 
 def _connection_arguments(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
     group = parser.add_argument_group("connection")
-    group.add_argument("--target", default=os.environ.get("EXPERTD_TARGET", "localhost:8001"), help="server host:port (default: $EXPERTD_TARGET or localhost:8001)")
+    group.add_argument("--target", default=os.environ.get("EXPERTD_TARGET", "localhost:8001"),
+                       help="server host:port (default: $EXPERTD_TARGET or localhost:8001)")
     group.add_argument("--timeout", type=float, default=30.0, help="deadline of each call in seconds (default 30)")
     group.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-cert)")
     group.add_argument("--ca-cert", help="PEM file of the CA that signed the server certificate (implies --tls)")
-    group.add_argument("--token", default=os.environ.get("EXPERTD_TOKEN"), help="bearer token (default: $EXPERTD_TOKEN)")
+    group.add_argument("--token", default=os.environ.get("EXPERTD_TOKEN"),
+                       help="bearer token (default: $EXPERTD_TOKEN)")
     if json_flag:
         parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
@@ -132,7 +134,8 @@ def cmd_health(args) -> int:
         try:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(client.health(args.service))
         except errors.ExpertError as error:
-            if error.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND):
+            if error.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.NOT_FOUND):
                 raise
             status = "SERVICE_UNKNOWN" if error.code == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
     document = {"target": args.target, "service": args.service, "status": status}
@@ -147,13 +150,15 @@ def cmd_route(args) -> int:
         if args.logits:
             logits = np.load(args.logits, allow_pickle=False)
             if logits.ndim != 2 or logits.shape[1] != layer_info.num_experts:
-                raise ValueError(f"--logits: expected an array [T, {layer_info.num_experts}], got shape {list(logits.shape)}")
+                raise ValueError(f"--logits: expected an array [T, {layer_info.num_experts}], "
+                                 f"got shape {list(logits.shape)}")
             result = client.route(layer=args.layer, logits=logits.astype(np.float32))
         else:
             result = client.route(_input_array(args, client, layer_info), layer=args.layer)
         latency_ms = (time.perf_counter() - started) * 1e3
     if args.output:
-        np.savez(args.output, topk_ids=result.topk_ids, topk_weights=result.topk_weights, tokens_per_expert=result.tokens_per_expert)
+        np.savez(args.output, topk_ids=result.topk_ids, topk_weights=result.topk_weights,
+                 tokens_per_expert=result.tokens_per_expert)
     document = {
         "layer": args.layer,
         "tokens": int(result.topk_ids.shape[0]),
@@ -166,7 +171,8 @@ def cmd_route(args) -> int:
         "saved_to": args.output,
     }
     text = routing_table(args.layer, result.topk_ids, result.topk_weights, result.tokens_per_expert, show=args.show)
-    text += f"\naux loss {result.aux_loss:.6g}   latency {latency_ms:.1f} ms" + (f"\nsaved to {args.output}" if args.output else "")
+    text += f"\naux loss {result.aux_loss:.6g}   latency {latency_ms:.1f} ms"
+    text += f"\nsaved to {args.output}" if args.output else ""
     _emit(args, document, text)
     return EXIT_OK
 
@@ -202,7 +208,8 @@ def cmd_forward(args) -> int:
         lines.append(f"saved to {args.output} ({saved_dtype})")
     if args.routing and result.routing is not None:
         r = result.routing
-        document["routing"] = {"tokens_per_expert": r.tokens_per_expert.tolist(), "topk_ids": r.topk_ids.tolist(), "topk_weights": r.topk_weights.tolist()}
+        document["routing"] = {"tokens_per_expert": r.tokens_per_expert.tolist(), "topk_ids": r.topk_ids.tolist(),
+                               "topk_weights": r.topk_weights.tolist()}
         lines.append(routing_table(args.layer, r.topk_ids, r.topk_weights, r.tokens_per_expert, show=args.show))
     _emit(args, document, "\n".join(lines))
     return EXIT_OK
@@ -230,7 +237,7 @@ def cmd_load(args) -> int:
 
 
 def cmd_loadtest(args) -> int:
-    config = _loadtest_config(args, tls=_tls(args))
+    config = loadtest_flags.config_from(args, tls=_tls(args))
     if args.plot:
         import_pyplot()  # fail before the load test, not after it
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -248,63 +255,6 @@ def cmd_loadtest(args) -> int:
     return EXIT_OK
 
 
-def _float_list(text: str, flag: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
-
-
-def _loadtest_arguments(parser) -> None:
-    """The ``expertd loadtest`` flags (the connection flags come from _connection_arguments)."""
-    parser.add_argument("--layer", type=int, default=0, help="layer to load (default 0)")
-    parser.add_argument("--protocol", choices=("expertd", "kserve"), default="expertd", help="expertd.v1 Forward or KServe v2 ModelInfer")
-    load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", help="closed loop: comma-separated numbers of requests in flight (default 1)")
-    load.add_argument("--rate", help="open loop: comma-separated target request rates (req/s, Poisson arrivals)")
-    parser.add_argument("--duration", type=float, help="measured seconds per step (default 5 unless --requests)")
-    parser.add_argument("--requests", type=int, help="measured requests per step (with --duration: whichever comes first)")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each measured phase, not counted (default 1)")
-    parser.add_argument("--tokens", default="16", help="tokens per request: N, LOW-HIGH (uniform) or N1,N2,... (default 16)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="dtype of the hidden states sent (default bfloat16)")
-    parser.add_argument("--max-seconds", type=float, default=600.0, help="hard limit per step; requests still in flight then count as CANCELLED")
-    parser.add_argument("--max-inflight", type=int, default=1024, help="open loop: most requests in flight at once (default 1024)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of inputs, token counts and arrivals")
-    parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the report as JSON to PATH (no PATH: print it instead of the table)")
-    parser.add_argument("--plot", metavar="PNG", help="write latency against throughput to this PNG (needs matplotlib)")
-    progress = parser.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="show a progress bar (default: when stderr is a terminal)")
-    progress.add_argument("--no-progress", dest="progress", action="store_false")
-
-
-def _loadtest_config(args, *, tls=False) -> loadtest.LoadTestConfig:
-    """A LoadTestConfig from parsed ``expertd loadtest`` flags (ValueError naming the bad flag)."""
-    rates = _float_list(args.rate, "--rate") if args.rate else ()
-    try:
-        concurrency = () if rates else tuple(int(c) for c in (args.concurrency or "1").split(","))
-    except ValueError:
-        raise ValueError(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}") from None
-    duration = args.duration if args.duration is not None or args.requests is not None else 5.0
-    return loadtest.LoadTestConfig(
-        target=args.target,
-        layer=args.layer,
-        protocol=args.protocol,
-        concurrency=concurrency,
-        rates=rates,
-        duration=duration,
-        requests=args.requests,
-        warmup=args.warmup,
-        tokens=loadtest.TokenDistribution.parse(args.tokens),
-        dtype=args.dtype,
-        timeout=args.timeout,
-        max_seconds=args.max_seconds,
-        max_inflight=args.max_inflight,
-        seed=args.seed,
-        tls=tls,
-        token=args.token,
-    )
-
-
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
@@ -316,7 +266,8 @@ def _tensor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", type=int, default=0, help="layer index (default 0)")
     parser.add_argument("--input", help="a .npy of hidden states [T, H] (default: random)")
     parser.add_argument("--tokens", type=int, default=16, help="rows of the random input (default 16)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, help="send the input in this dtype (default: random bfloat16, or the file's dtype)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES,
+                        help="send the input in this dtype (default: random bfloat16, or the file's dtype)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random input")
     parser.add_argument("--show", type=int, default=4, help="tokens whose top-k is printed in the table (default 4)")
 
@@ -327,7 +278,8 @@ def add_subcommands(subparsers) -> None:
     Each parser sets ``client_command``; hand the parsed namespace to :func:`run`.
     """
     commands = {}
-    commands["info"] = subparsers.add_parser("info", help="layers, shapes, router settings, buckets and mesh of a server")
+    commands["info"] = subparsers.add_parser("info",
+                                             help="layers, shapes, router settings, buckets and mesh of a server")
     commands["health"] = subparsers.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
     commands["health"].add_argument("--service", default="", help="health service name (default: the whole server)")
     commands["health"].add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for SERVING")
@@ -343,9 +295,11 @@ def add_subcommands(subparsers) -> None:
     commands["load"].add_argument("--layers", help="comma-separated layer indices (default: every layer)")
     commands["load"].add_argument("--plot", help="write a bar chart PNG to this path (needs matplotlib)")
     commands["load"].add_argument("--recent", action="store_true", help="plot the recent window instead of the totals")
-    commands["loadtest"] = subparsers.add_parser("loadtest", help="closed- or open-loop load test with a latency/throughput report")
-    _loadtest_arguments(commands["loadtest"])
-    handlers = {"info": cmd_info, "health": cmd_health, "route": cmd_route, "forward": cmd_forward, "load": cmd_load, "loadtest": cmd_loadtest}
+    commands["loadtest"] = subparsers.add_parser("loadtest",
+                                                 help="closed- or open-loop load test with a latency/throughput report")
+    loadtest_flags.add_arguments(commands["loadtest"])
+    handlers = {"info": cmd_info, "health": cmd_health, "route": cmd_route, "forward": cmd_forward, "load": cmd_load,
+                "loadtest": cmd_loadtest}
     for name, parser in commands.items():
         _connection_arguments(parser, json_flag=name != "loadtest")  # loadtest's --json takes a PATH
         parser.set_defaults(client_command=handlers[name])

@@ -70,18 +70,21 @@ def info_table(info: expert_pb2.GetModelInfoResponse) -> str:
     lines = [
         f"model {info.model}   server {info.server_version}   dtype {dtype_name(info.dtype)}   "
         f"inputs {'/'.join(dtype_name(d) for d in info.input_dtypes)}",
-        f"mesh {mesh} ({info.mesh.num_devices} {info.mesh.platform} devices)   buckets {' '.join(map(str, info.buckets))}   "
+        f"mesh {mesh} ({info.mesh.num_devices} {info.mesh.platform} devices)   "
+        f"buckets {' '.join(map(str, info.buckets))}   "
         f"max batch tokens {info.max_batch_tokens}   max request tokens {info.max_request_tokens}",
         "",
     ]
-    header = ["layer", "H", "I", "E", "k", "score", "pre-softmax", "groups", "scale", "bias", "shared", "activation", "kserve model"]
+    header = ["layer", "H", "I", "E", "k", "score", "pre-softmax", "groups", "scale", "bias", "shared", "activation",
+              "kserve model"]
     rows = []
     for layer in info.layers:
         router = layer.router
         groups = f"{router.group_topk}/{router.num_groups}" if router.num_groups else "-"
         shared = f"{layer.num_shared_experts}x{layer.shared_intermediate_size}" if layer.num_shared_experts else "-"
         rows.append([
-            str(layer.index), str(layer.hidden_size), str(layer.intermediate_size), str(layer.num_experts), str(layer.topk),
+            str(layer.index), str(layer.hidden_size), str(layer.intermediate_size), str(layer.num_experts),
+            str(layer.topk),
             router.score_function, "yes" if router.use_pre_softmax else "no", groups, f"{router.scaling_factor:g}",
             "yes" if router.has_expert_bias else "no", shared, layer.activation, f"moe-layer-{layer.index}",
         ])
@@ -92,15 +95,18 @@ def _bar(value: float, top: float, width: int = 30) -> str:
     return "#" * (int(round(width * value / top)) if top > 0 else 0)
 
 
-def routing_table(layer: int, topk_ids: np.ndarray, topk_weights: np.ndarray, tokens_per_expert: np.ndarray, *, show: int = 4) -> str:
+def routing_table(layer: int, topk_ids: np.ndarray, topk_weights: np.ndarray, tokens_per_expert: np.ndarray, *,
+                  show: int = 4) -> str:
     """Tokens per expert (with a bar) and the top-k of the first ``show`` tokens.
 
     topk_ids / topk_weights: [T, k]; tokens_per_expert: [E].
     """
     total = int(tokens_per_expert.sum())
     top = float(tokens_per_expert.max()) if tokens_per_expert.size else 0.0
-    rows = [[str(e), str(int(n)), f"{100.0 * n / total:.1f}%" if total else "-", _bar(n, top)] for e, n in enumerate(tokens_per_expert)]
-    lines = [f"layer {layer}: {topk_ids.shape[0]} tokens, top-{topk_ids.shape[1]} of {tokens_per_expert.size} experts", _table(["expert", "tokens", "share", ""], rows, bar_last=True)]
+    rows = [[str(e), str(int(n)), f"{100.0 * n / total:.1f}%" if total else "-", _bar(n, top)] for e,
+            n in enumerate(tokens_per_expert)]
+    lines = [f"layer {layer}: {topk_ids.shape[0]} tokens, top-{topk_ids.shape[1]} of {tokens_per_expert.size} experts",
+             _table(["expert", "tokens", "share", ""], rows, bar_last=True)]
     for t in range(min(show, topk_ids.shape[0])):
         picks = ", ".join(f"{int(i)}:{w:.3f}" for i, w in zip(topk_ids[t], topk_weights[t]))
         lines.append(f"token {t}: {picks}")
@@ -183,7 +189,8 @@ def write_load_plot(loads: dict[int, ExpertLoad], path: str, *, recent: bool = F
     layers = sorted(loads)
     if not layers:
         raise ValueError("--plot: the server reported no layers")
-    figure, axes = plt.subplots(len(layers), 1, figsize=(max(6, 0.25 * loads[layers[0]].tokens_total.size), 2.6 * len(layers)), squeeze=False)
+    figure, axes = plt.subplots(len(layers), 1, figsize=(max(6, 0.25 * loads[layers[0]].tokens_total.size),
+                                                         2.6 * len(layers)), squeeze=False)
     for ax, layer in zip(axes[:, 0], layers):
         load = loads[layer]
         tokens = load.tokens_recent if recent else load.tokens_total

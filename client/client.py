@@ -20,7 +20,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2
 
 from expertd.client import errors, messages
-from expertd.client.channel import DEFAULT_MAX_MESSAGE_BYTES, Backoff, ClientBase, TlsOptions
+from expertd.client.channel import DEFAULT_BACKOFF, DEFAULT_MAX_MESSAGE_BYTES, Backoff, ClientBase, TlsOptions
 from expertd.client.pb.v1 import expert_pb2
 
 
@@ -47,7 +47,7 @@ class ExpertClient(ClientBase):
         tls: bool | TlsOptions = False,
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = DEFAULT_BACKOFF,
     ):
         super().__init__(
             target,
@@ -121,7 +121,8 @@ class ExpertClient(ClientBase):
         """The layers served (shapes, router settings), dtype, token buckets and mesh."""
         return self._unary(self._stub.GetModelInfo, expert_pb2.GetModelInfoRequest(), timeout)
 
-    def expert_load(self, layers: Iterable[int] = (), *, timeout: float | None = None) -> dict[int, messages.ExpertLoad]:
+    def expert_load(self, layers: Iterable[int] = (), *, timeout: float | None = None) -> dict[int,
+                                                                                               messages.ExpertLoad]:
         """Tokens routed to each expert per layer (all layers when ``layers`` is empty)."""
         request = expert_pb2.GetExpertLoadRequest(layers=list(layers))
         return messages.expert_loads(self._unary(self._stub.GetExpertLoad, request, timeout))

@@ -284,7 +284,10 @@ async def run_step(call: Call, config: LoadTestConfig, mode: str, load: float, p
     limit = config.max_seconds
     if config.duration is not None:
         limit = min(limit, config.warmup + config.duration + config.timeout + 5.0)
-    loop = _closed_loop(call, window, int(load), config, rng) if mode == "concurrency" else _open_loop(call, window, load, config, rng)
+    if mode == "concurrency":
+        loop = _closed_loop(call, window, int(load), config, rng)
+    else:
+        loop = _open_loop(call, window, load, config, rng)
     ticker = asyncio.ensure_future(progress.run(stats, window)) if progress is not None else None
     try:
         await asyncio.wait_for(loop, timeout=limit)
@@ -306,7 +309,8 @@ class _Target:
         self.hidden_size = 0
         self._inputs: np.ndarray | None = None
         if config.protocol == "expertd":
-            self._client = AsyncExpertClient(config.target, timeout=config.timeout, retries=0, tls=config.tls, token=config.token)
+            self._client = AsyncExpertClient(config.target, timeout=config.timeout, retries=0, tls=config.tls,
+                                             token=config.token)
         else:
             tls = normalize_tls(config.tls)
             options = channel_options(256 * 1024 * 1024, tls)

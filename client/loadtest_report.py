@@ -8,7 +8,8 @@ from typing import TextIO
 
 from expertd.client.cli_output import import_pyplot
 
-LATENCY_COLUMNS = (("p50", "p50 latency"), ("p90", "p90 latency"), ("p95", "p95 latency"), ("p99", "p99 latency"), ("max", "Max latency"))
+LATENCY_COLUMNS = (("p50", "p50 latency"), ("p90", "p90 latency"), ("p95", "p95 latency"), ("p99", "p99 latency"),
+                   ("max", "Max latency"))
 
 
 class Progress:
@@ -98,7 +99,8 @@ def write_plot(report: dict, path: str) -> None:
         axes.annotate(label, (x, step["latency_ms"]["p50"]), textcoords="offset points", xytext=(4, -12), fontsize=8)
     axes.set_xlabel("throughput (successful requests/s)")
     axes.set_ylabel("latency (ms)")
-    axes.set_title(f"expertd load test ({report['protocol']} protocol), layer {report['layer']}, {report['tokens']} tokens/request")
+    axes.set_title(f"expertd load test ({report['protocol']} protocol), layer {report['layer']}, "
+                   f"{report['tokens']} tokens/request")
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()

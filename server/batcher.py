@@ -40,13 +40,13 @@ import time
 import numpy as np
 
 from expertd.client.messages import ForwardResult, RouteResult, Routing
-from expertd.server import steps
+from expertd.server import requests, steps
 from expertd.server.config import BatchingConfig
 from expertd.server.description import ModelDescription
 from expertd.server.errors import DeadlineExpired, NotReady, Overloaded
 from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.metrics import Metrics
-from expertd.server.requests import ForwardRequest, RouteRequest, cast
+from expertd.server.requests import ForwardRequest, RouteRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Batcher:
         parts, timing = await self._submit(request.layer, steps.FORWARD, request.tokens, request.deadline)
         output, ids, weights = parts[0] if len(parts) == 1 else (np.concatenate(p) for p in zip(*parts))
         counts = _counts(ids, self.model.layers[request.layer].num_experts)
-        return ForwardResult(cast(output, request.out_dtype), Routing(ids, weights, counts)), timing
+        return ForwardResult(requests.cast(output, request.out_dtype), Routing(ids, weights, counts)), timing
 
     async def route(self, request: RouteRequest) -> tuple[RouteResult, Timing]:
         """Top-k routing of hidden states ``[T, H]`` or logits ``[T, E]``; aux loss times the request's coefficient."""

@@ -20,7 +20,7 @@ checkpoint says which file holds which tensor), one expert at a time, transposed
 layouts (`router_weight [H,E]` fp32, `w_gate/w_up [E,H,I]`, `w_down [E,I,H]`, `shared_w_* [H,Is] /
 [Is,H]`, `shared_gate [H,1]`, `expert_bias [E]` fp32). Only the layers asked for are read.
 Every problem raises `CheckpointError` (a ValueError) that names the file or tensor.
-"""
+"""  # noqa: E501 - the table rows are as long as the tensor names
 from __future__ import annotations
 
 import json

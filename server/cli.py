@@ -25,7 +25,7 @@ USAGE = """usage: expertd serve [--help] [flags]     serve MoE layers over gRPC
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = config_module.command_line() if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2

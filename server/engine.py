@@ -104,7 +104,8 @@ class Engine:
         self.lock = threading.RLock()
         self._listeners: list[Callable[[CompileEvent], None]] = []
         self._executables: dict[tuple, object] = {}
-        self._keys = {index: (layer.cfg, tuple(sorted((name, p.shape, str(p.dtype)) for name, p in layer.params.items())))
+        self._keys = {index: (layer.cfg, tuple(sorted((name, p.shape, str(p.dtype)) for name,
+                                                      p in layer.params.items())))
                       for index, layer in self.layers.items()}
 
     # ------------------------------------------------------------------ running steps
@@ -122,12 +123,16 @@ class Engine:
         ids, weights, counts, aux, scores = self._run(layer, kind, tokens, num_valid, aux_loss_coeff)
         return RouteOutput(ids[:num_valid], weights[:num_valid], counts, float(aux), scores[:num_valid])
 
-    def _run(self, index: int, kind: str, tokens: np.ndarray, num_valid: int, coeff: float = 0.0) -> list[np.ndarray]:
-        key, bucket = self._keys[index], tokens.shape[0]
+    def executable(self, layer: int, bucket: int, kind: str):
+        """Layer ``layer``'s compiled step ``kind`` for ``bucket`` rows (compiled now if need be)."""
+        key = self._keys[layer]
         with self.lock:
             step = self._executables.get((key, bucket, kind))
-            if step is None:
-                step = self._compile(key, (index,), bucket, kind)
+            return step if step is not None else self._compile(key, (layer,), bucket, kind)
+
+    def _run(self, index: int, kind: str, tokens: np.ndarray, num_valid: int, coeff: float = 0.0) -> list[np.ndarray]:
+        with self.lock:
+            step = self.executable(index, tokens.shape[0], kind)
             params, *inputs = self._step_args(index, kind, tokens, num_valid, coeff)
             return self.placement.fetch(step(params, *map(self.placement.step_input, inputs)))
 

@@ -4,9 +4,8 @@ on every call (glibc malloc only).
 Why: XLA:CPU allocates each execution's temporaries and outputs with malloc. glibc serves a block
 above its mmap threshold (32 MiB at most) with a fresh mmap and gives it back with munmap when it is
 freed, and a thread's own arena holds no block over 64 MiB, so every call of a large layer has the
-kernel fault its big buffers in again, 4 KiB at a time, zero-filled. On the 2-core dev VM a
-T=4096 layer takes tens of thousands of page faults per call (BENCHMARKS.md has the counts and what
-they cost).
+kernel fault its big buffers in again, 4 KiB at a time, zero-filled: a T=4096 layer takes tens of
+thousands of page faults per call (BENCHMARKS.md has the counts and what they cost).
 
 `retain_freed_memory()` sets glibc's malloc to one arena (M_ARENA_MAX=1), no mmap'd blocks
 (M_MMAP_MAX=0) and no trimming of the heap's top (M_TRIM_THRESHOLD at its int maximum, 2 GiB): every

@@ -3,10 +3,12 @@
 Both are applied once, when a service registers its handlers, not per call: ``wrapping(server,
 metrics, token)`` returns a stand-in for the grpc.aio server that every ``add_*_to_server``
 function is given. It wraps each method handler in a behavior that counts the call and checks
-the token, then hands it to the real server. grpc.aio's own ``ServerInterceptor`` chain would
-await a coroutine per interceptor and rebuild the handler on every call: on the 2-core dev box,
-with 64 single-token clients, the server spent 1.13 ms of CPU per Forward that way and 0.98 ms
-with these wrappers (BENCHMARKS.md, Serving).
+the token, then hands it to the real server. Rule: nothing per call that can be done once per
+method; grpc.aio's own ``ServerInterceptor`` chain would await a coroutine per interceptor and
+rebuild the handler on every call (what that costs: BENCHMARKS.md, Serving).
+
+These wrappers are the only place calls are counted and timed (the ``grpc_server_*`` families of
+``expertd.server.metrics``).
 
 The metrics wrapper is the outermost one, so calls that auth rejects are counted too. Health is
 open: Kubernetes probes cannot send metadata.

@@ -10,8 +10,9 @@ the store KServe's ModelStatistics reads too.
 
 | metric | type | labels | observed by |
 |---|---|---|---|
-| grpc_server_started_total, grpc_server_handled_total, grpc_server_msg_received_total, grpc_server_msg_sent_total | counter | grpc_type, grpc_service, grpc_method (+ grpc_code) | each call (interceptors) |
-| grpc_server_handling_seconds | histogram | grpc_type, grpc_service, grpc_method | each call (interceptors) |
+| grpc_server_started_total, grpc_server_handled_total | counter | grpc_type/service/method (+ grpc_code) | each call |
+| grpc_server_msg_received_total, grpc_server_msg_sent_total | counter | grpc_type/service/method | each message |
+| grpc_server_handling_seconds | histogram | grpc_type/service/method | each call |
 | expertd_stream_messages_total | counter | code | each ForwardStream message (its in-band status) |
 | expertd_queue_duration_seconds | histogram | kind (forward, route) | each request leaving the batcher |
 | expertd_compute_duration_seconds | histogram | kind | each engine step |

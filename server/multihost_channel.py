@@ -53,7 +53,8 @@ def send_frame(sock: socket.socket, header: dict, arrays: dict[str, np.ndarray] 
     for name, value in arrays.items():
         if value.dtype.name not in DTYPES:
             raise ValueError(f"array {name!r}: dtype must be one of {sorted(DTYPES)}, got {value.dtype}")
-    header = {**header, "arrays": [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n, a in arrays.items()]}
+    header = {**header, "arrays": [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n,
+                                   a in arrays.items()]}
     header_bytes = json.dumps(header).encode()
     payload_bytes = sum(a.nbytes for a in arrays.values())
     sock.sendall(_FRAME.pack(len(header_bytes), payload_bytes) + header_bytes)

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from expertd.kernels import ep as ep_kernels
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer, SeededParams
 
 AXIS = "ep"
@@ -45,11 +46,7 @@ class MeshPlacement:
         self.mesh = jax.make_mesh((len(self.devices),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
                                   devices=self.devices)
         self.replicated = NamedSharding(self.mesh, P())
-        self.ep = None
-        if len(self.devices) > 1:
-            from expertd.kernels import ep
-
-            self.ep = ep
+        self.ep = ep_kernels if len(self.devices) > 1 else None
 
     def check_layer(self, layer: LoadedLayer) -> None:
         if self.ep is not None and layer.cfg.num_experts % len(self.devices):
@@ -89,9 +86,9 @@ class MeshPlacement:
     def step_input(self, array: np.ndarray):
         """A host input of a compiled step (tokens, num_valid), replicated over the mesh when called.
 
-        In one process the host array itself: the compiled step places it in C++, about 100 us a
-        step less than `jax.device_put` (measured on CPU, BENCHMARKS.md). A mesh over several
-        processes needs a global array built from this process's copy.
+        In one process the host array itself: the compiled step places it in C++, cheaper than a
+        `jax.device_put` first (BENCHMARKS.md, engine_step). A mesh over several processes needs a
+        global array built from this process's copy.
         """
         if jax.process_count() == 1:
             return array
@@ -101,8 +98,8 @@ class MeshPlacement:
         """Step results on the host, whole (gathered from every process when the mesh spans several)."""
         if all(r.is_fully_addressable for r in results):
             if self.devices[0].platform == "cpu":
-                # Already in host memory: np.asarray reads each result where it is, 20-60 us a
-                # step less than device_get, which first starts a host copy of each (BENCHMARKS.md).
+                # Already in host memory: np.asarray reads each result where it is; device_get
+                # would first start a host copy of each (BENCHMARKS.md, engine_step).
                 return [np.asarray(r) for r in results]
             return list(jax.device_get(tuple(results)))  # one transfer for all results
         from jax.experimental import multihost_utils

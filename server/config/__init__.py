@@ -17,10 +17,10 @@ from expertd.server.config.sections import (
     flag,
     options,
 )
-from expertd.server.config.sources import add_arguments, build, from_args, multihost_from, parse_args
+from expertd.server.config.sources import add_arguments, build, command_line, from_args, multihost_from, parse_args
 
 __all__ = [
-    "AUTH_TOKEN_ENV", "DEFAULT_COORDINATOR_PORT", "DTYPES", "EXPERT_BACKENDS", "NATIVE_CPU_ISA_LEVELS", "SECTIONS", "BatchingConfig",
-    "ModelConfig", "MultihostConfig", "NativeCpuConfig", "SecurityConfig", "ServerConfig", "add_arguments", "build",
-    "flag", "from_args", "multihost_from", "options", "parse_args",
+    "AUTH_TOKEN_ENV", "DEFAULT_COORDINATOR_PORT", "DTYPES", "EXPERT_BACKENDS", "NATIVE_CPU_ISA_LEVELS", "SECTIONS",
+    "BatchingConfig", "ModelConfig", "MultihostConfig", "NativeCpuConfig", "SecurityConfig", "ServerConfig",
+    "add_arguments", "build", "command_line", "flag", "from_args", "multihost_from", "options", "parse_args",
 ]

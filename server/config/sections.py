@@ -139,8 +139,8 @@ class SecurityConfig:
                                        "present a certificate it signed)", parse=optional_str, metavar="FILE")
     auth_token: str | None = option(None, f"bearer token every call except health must send (prefer "
                                           f"${AUTH_TOKEN_ENV} or --auth-token-file: argv is visible to other users)",
-                                    parse=optional_str, metavar="TOKEN", env=AUTH_TOKEN_ENV, env_unless=("auth_token_file",),
-                                    repr=False)
+                                    parse=optional_str, metavar="TOKEN", env=AUTH_TOKEN_ENV,
+                                    env_unless=("auth_token_file",), repr=False)
     auth_token_file: str | None = option(None, "file whose first line is the bearer token", parse=optional_str,
                                          metavar="FILE")
 
@@ -283,7 +283,8 @@ class ServerConfig:
 # TOML table -> (section class, flag prefix); None is the top level.
 SECTIONS: dict[str | None, tuple[type, str]] = {
     None: (ServerConfig, ""), "model": (ModelConfig, ""), "batching": (BatchingConfig, ""),
-    "security": (SecurityConfig, ""), "multihost": (MultihostConfig, ""), "native_cpu": (NativeCpuConfig, "native-cpu-"),
+    "security": (SecurityConfig, ""), "multihost": (MultihostConfig, ""), "native_cpu": (NativeCpuConfig,
+                                                                                         "native-cpu-"),
 }
 
 

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import sys
 import tomllib
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,11 @@ from typing import Any
 from expertd.server.config.sections import SECTIONS, MultihostConfig, ServerConfig, flag, options
 
 Values = dict[str | None, dict[str, Any]]
+
+
+def command_line() -> list[str]:
+    """This process's arguments after the program name (what ``expertd`` dispatches on)."""
+    return sys.argv[1:]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -56,16 +56,19 @@ def test_client_cli_never_imports_jax():
 
 
 def test_console_script_info_json_and_exit_codes(target):
-    result = subprocess.run([EXPERTD, "info", "--target", target, "--json"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([EXPERTD, "info", "--target", target, "--json"], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert [layer["index"] for layer in info["layers"]] == [0, 1]
     assert info["layers"][0]["hidden_size"] == H and info["layers"][0]["kserve_model"] == "moe-layer-0"
     assert info["buckets"] == [1, 8] and info["dtype"] == "float32"
-    result = subprocess.run([EXPERTD, "forward", "--target", target, "--layer", "9"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([EXPERTD, "forward", "--target", target, "--layer", "9"], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == cli.EXIT_INVALID_ARGUMENT and "layers [0, 1], not 9" in result.stderr
     dead = f"127.0.0.1:{free_port()}"
-    result = subprocess.run([EXPERTD, "health", "--target", dead, "--timeout", "2"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([EXPERTD, "health", "--target", dead, "--timeout", "2"], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == cli.EXIT_UNAVAILABLE and "UNREACHABLE" in result.stdout
 
 
@@ -97,13 +100,15 @@ def test_forward_random_input_summary(capsys, target):
 def test_forward_npy_in_npy_out_equals_the_client(capsys, tmp_path, target, client):
     x = np.random.default_rng(1).standard_normal((6, H)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    code, out, err = run(capsys, "forward", "--target", target, "--input", tmp_path / "x.npy", "--output", tmp_path / "y.npy")
+    code, out, err = run(capsys, "forward", "--target", target, "--input", tmp_path / "x.npy", "--output",
+                         tmp_path / "y.npy")
     assert code == 0, err
     np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), client.forward(x, layer=0))
     # bfloat16 goes in as numpy saves it (2-byte voids) and comes back as float32, exactly
     xb = x.astype(ml_dtypes.bfloat16)
     np.save(tmp_path / "xb.npy", xb)
-    document = run_json(capsys, "forward", "--target", target, "--input", tmp_path / "xb.npy", "--output", tmp_path / "yb.npy")
+    document = run_json(capsys, "forward", "--target", target, "--input", tmp_path / "xb.npy", "--output",
+                        tmp_path / "yb.npy")
     assert document["input"]["dtype"] == "bfloat16" and document["saved_dtype"] == "float32"
     np.testing.assert_array_equal(np.load(tmp_path / "yb.npy"), client.forward(xb, layer=0).astype(np.float32))
 
@@ -111,7 +116,8 @@ def test_forward_npy_in_npy_out_equals_the_client(capsys, tmp_path, target, clie
 def test_route_hidden_states_and_logits(capsys, tmp_path, target, client):
     x = np.random.default_rng(2).standard_normal((7, H)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    document = run_json(capsys, "route", "--target", target, "--input", tmp_path / "x.npy", "--output", tmp_path / "r.npz")
+    document = run_json(capsys, "route", "--target", target, "--input", tmp_path / "x.npy", "--output",
+                        tmp_path / "r.npz")
     expected = client.route(x, layer=0)
     np.testing.assert_array_equal(document["topk_ids"], expected.topk_ids)
     assert document["tokens_per_expert"] == expected.tokens_per_expert.tolist() and document["topk"] == K

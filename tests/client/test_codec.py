@@ -50,10 +50,13 @@ def test_encode_rejects_unsupported_dtype():
             "x.dtype",
             "expected one of float32, bfloat16, float16, got int32",
         ),
-        (expert_pb2.Tensor(dtype=expert_pb2.DTYPE_FLOAT32, shape=[4], data=b"\0" * 16), {"ndim": 2}, "x.shape", "expected 2 dimensions"),
+        (expert_pb2.Tensor(dtype=expert_pb2.DTYPE_FLOAT32, shape=[4], data=b"\0" * 16), {"ndim": 2}, "x.shape",
+         "expected 2 dimensions"),
         (expert_pb2.Tensor(dtype=expert_pb2.DTYPE_FLOAT32, shape=[2, -1], data=b""), {}, "x.shape", ">= 0"),
-        (expert_pb2.Tensor(dtype=expert_pb2.DTYPE_FLOAT32, shape=[2, 3], data=b"\0" * 20), {}, "x.data", "expected 24 bytes"),
-        (expert_pb2.Tensor(dtype=expert_pb2.DTYPE_BFLOAT16, shape=[2, 3], data=b"\0" * 24), {}, "x.data", "expected 12 bytes"),
+        (expert_pb2.Tensor(dtype=expert_pb2.DTYPE_FLOAT32, shape=[2, 3], data=b"\0" * 20), {}, "x.data",
+         "expected 24 bytes"),
+        (expert_pb2.Tensor(dtype=expert_pb2.DTYPE_BFLOAT16, shape=[2, 3], data=b"\0" * 24), {}, "x.data",
+         "expected 12 bytes"),
     ],
 )
 def test_decode_errors_name_the_field(tensor, kwargs, field, text):

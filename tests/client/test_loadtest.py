@@ -83,18 +83,21 @@ def test_overload_counts_resource_exhausted_and_ends_on_time(capsys, target):
     assert step["ok"] > 0 and step["elapsed_s"] < 30
 
 def test_max_seconds_bounds_a_step_that_asks_for_too_many_requests(capsys, target):
-    report = loadtest(capsys, target, "--concurrency", "2", "--requests", "1000000", "--warmup", "0", "--max-seconds", "0.5")
+    report = loadtest(capsys, target, "--concurrency", "2", "--requests", "1000000", "--warmup", "0", "--max-seconds",
+                      "0.5")
     (step,) = report["steps"]
     check_consistent(step)  # requests still in flight at the limit are counted (CANCELLED)
     assert 0 < step["sent"] < 1000000 and set(step["errors"]) <= {"CANCELLED"}
 
 def test_table_and_progress(capsys, target):
-    code = cli.main(["loadtest", "--target", target, "--concurrency", "1", "--requests", "5", "--warmup", "0", "--progress"])
+    code = cli.main(["loadtest", "--target", target, "--concurrency", "1", "--requests", "5", "--warmup", "0",
+                     "--progress"])
     out, err = capsys.readouterr()
     assert code == 0
     lines = out.splitlines()
-    assert lines[1].split() == ["Concurrency", "Inferences/Second", "Tokens/Second", "p50", "latency", "p90", "latency",
-                                "p95", "latency", "p99", "latency", "Max", "latency", "Errors", "Client", "CPU", "usec/req"]
+    assert lines[1].split() == ["Concurrency", "Inferences/Second", "Tokens/Second", "p50", "latency", "p90",
+                                "latency", "p95", "latency", "p99", "latency", "Max", "latency", "Errors", "Client",
+                                "CPU", "usec/req"]
     assert lines[2].split()[0] == "1" and lines[2].split()[-2] == "0" and int(lines[2].split()[-1]) > 0
     assert "[1/1] concurrency 1" in err and "100%" in err
 

@@ -108,7 +108,8 @@ def test_container_args_are_expertd_serve_flags(tmp_path):
             assert group.enabled and group.process_id == 1 and group.num_processes == 2, key
             assert int(group.coordinator_address.rsplit(":", 1)[1]) == ports["coordinator"], key
             assert group.channel_port == ports["batches"], key
-    config, group = parse_serve(json.loads([i for i in dockerfile().structure if i["instruction"] == "CMD"][0]["value"]), {})
+    (command,) = [i for i in dockerfile().structure if i["instruction"] == "CMD"]
+    config, group = parse_serve(json.loads(command["value"]), {})
     assert (config.port, config.metrics_port) == (defaults.port, defaults.metrics_port) and not group.enabled
     assert config.compile_cache_dir == "/var/cache/expertd/jax"
 

@@ -86,7 +86,8 @@ def test_renderer_refuses_what_it_does_not_implement(tmp_path):
     with pytest.raises(deploy_render.UnsupportedKustomization, match="namePrefix"):
         deploy_render.build(tmp_path)
     (tmp_path / "kustomization.yaml").write_text(
-        "resources: [s.yaml]\npatches:\n- patch: |\n    {apiVersion: v1, kind: Service, metadata: {name: s}, spec: {ports: []}}\n")
+        "resources: [s.yaml]\npatches:\n- patch: |\n"
+        "    {apiVersion: v1, kind: Service, metadata: {name: s}, spec: {ports: []}}\n")
     (tmp_path / "s.yaml").write_text("{apiVersion: v1, kind: Service, metadata: {name: s}, spec: {}}\n")
     with pytest.raises(deploy_render.UnsupportedKustomization, match="list"):
         deploy_render.build(tmp_path)

@@ -81,7 +81,8 @@ def test_engine_reports_its_weights_on_huge_pages():
     if CAN_COLLAPSE:
         assert info["reason"] is None
         assert info["huge_bytes"] == info["eligible_bytes"] - info["collapse_errors"] * host_memory.HUGE_PAGE > 0
-    assert build_engine([layer], buckets=(8,), dtype="float32", devices=1, huge_pages=False).info()["huge_pages"] is None
+    assert build_engine([layer], buckets=(8,), dtype="float32", devices=1,
+                        huge_pages=False).info()["huge_pages"] is None
 
 
 def test_without_thp_nothing_is_advised_and_the_report_says_why(monkeypatch):

@@ -85,7 +85,8 @@ def test_model_metadata_and_config_describe_the_layer(triton_client):
         ("router_topk_weights", "FP32", ["-1", str(K)])]
     config = triton_client.get_model_config(MODEL).config  # perf_analyzer reads these fields
     assert config.name == MODEL and config.platform == "jax" and config.max_batch_size == 8192
-    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("hidden_states", triton.model_config_pb2.TYPE_FP32, [H])]
+    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("hidden_states",
+                                                                            triton.model_config_pb2.TYPE_FP32, [H])]
     assert [o.name for o in config.output] == ["output", "router_topk_ids", "router_topk_weights"]
     assert list(config.dynamic_batching.preferred_batch_size) == [1, 8]
     assert config.dynamic_batching.max_queue_delay_microseconds == 20000

@@ -75,7 +75,8 @@ class Process:
 def _health(port, service):
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                             timeout=2).status
         except grpc.RpcError as error:
             return error.code()
 

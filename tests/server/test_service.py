@@ -141,7 +141,8 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_result(server, par
     results, delta = call_together(server, [lambda c, x=x: c.forward(x, layer=0) for x in xs])
     for i in range(n):
         np.testing.assert_allclose(results[i], expected[i:i + 1], rtol=2e-5, atol=2e-6)
-    assert delta("grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Forward", grpc_code="OK") == n
+    assert delta("grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService",
+                 grpc_method="Forward", grpc_code="OK") == n
     executions = delta("expertd_executions_total", layer="0", kind="forward")
     assert 1 <= executions < n
     assert delta("expertd_batch_requests_sum", kind="forward") == n
@@ -210,7 +211,8 @@ INF[0, 0] = np.inf
         ({"hidden_states": tensor(0, [2, H])}, "hidden_states.dtype", "got DType(0)"),
         ({"hidden_states": tensor(expert_pb2.DTYPE_FLOAT32, [2, H + 1])}, "hidden_states.shape", "H=64"),
         ({"hidden_states": tensor(expert_pb2.DTYPE_FLOAT32, [2 * H])}, "hidden_states.shape", "expected 2 dimensions"),
-        ({"hidden_states": tensor(expert_pb2.DTYPE_FLOAT32, [2, H], nbytes=7)}, "hidden_states.data", "expected 512 bytes"),
+        ({"hidden_states": tensor(expert_pb2.DTYPE_FLOAT32, [2, H], nbytes=7)}, "hidden_states.data",
+         "expected 512 bytes"),
         ({"hidden_states": tensor(expert_pb2.DTYPE_BFLOAT16, [0, H])}, "hidden_states.shape", "got T=0"),
         ({"hidden_states": tensor(expert_pb2.DTYPE_FLOAT32, [8193, H])}, "hidden_states.shape", "--max-request-tokens"),
         ({"hidden_states": codec.encode(NAN)}, "hidden_states", "NaN or Inf (first at token 1)"),
@@ -271,7 +273,8 @@ def test_concurrent_route_requests_share_steps_and_each_aux_loss_is_its_own(serv
     n = 12
     xs = [tokens(1 + i % 3, seed=200 + i) for i in range(n)]  # 1-3 tokens each: merged steps mix requests
     results, delta = call_together(server, [lambda c, x=x: c.route(x, layer=1, aux_loss_coeff=0.5) for x in xs])
-    assert delta("grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Route", grpc_code="OK") == n
+    assert delta("grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService",
+                 grpc_method="Route", grpc_code="OK") == n
     assert 1 <= delta("expertd_executions_total", layer="1", kind="route") < n
     assert delta("expertd_batch_requests_sum", kind="route") == n
     cfg = cfg_of(server, 1)
@@ -359,7 +362,8 @@ def test_metrics_endpoint_exports_every_family(server, client):
                   grpc_version=grpc.__version__, platform="cpu") == 1.0
     assert sample(text, "expertd_compilations_total") == 12  # 2 layer shapes x 2 buckets x 3 step kinds
     assert sample(text, "expertd_compile_duration_seconds_count") == 12
-    assert sample(text, "grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Route", grpc_code="OK") >= 1
+    assert sample(text, "grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService",
+                  grpc_method="Route", grpc_code="OK") >= 1
     assert sample(text, "expertd_pending_requests") == 0
     assert sample(text, "expertd_tokens_total", kind="forward") >= 3
     assert sample(text, "expertd_batch_padding_ratio_count", kind="route") >= 1

@@ -90,12 +90,14 @@ def test_client_retries_resource_exhausted_until_served(slow_server):
     for t in fillers:
         t.start()
     wait_until(lambda: slow_server.batcher.pending == 4)
-    before = sample(scrape(slow_server.metrics_port), "grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Forward", grpc_code="RESOURCE_EXHAUSTED")
+    before = sample(scrape(slow_server.metrics_port), "grpc_server_handled_total", grpc_type="unary",
+                    grpc_service="expertd.v1.ExpertService", grpc_method="Forward", grpc_code="RESOURCE_EXHAUSTED")
     with ExpertClient(target, retries=4, backoff=Backoff(initial=0.01, maximum=0.01)) as client:
         y = client.forward(token(5), layer=0)  # waits for the server's RetryInfo hint between attempts
     for t in fillers:
         t.join()
-    after = sample(scrape(slow_server.metrics_port), "grpc_server_handled_total", grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Forward", grpc_code="RESOURCE_EXHAUSTED")
+    after = sample(scrape(slow_server.metrics_port), "grpc_server_handled_total", grpc_type="unary",
+                   grpc_service="expertd.v1.ExpertService", grpc_method="Forward", grpc_code="RESOURCE_EXHAUSTED")
     assert y.shape == (1, H) and after - before >= 1
 
 

@@ -49,7 +49,8 @@ def test_model_info_names_the_model_layers_by_their_index(served):
     assert [layer.index for layer in info.layers] == sorted(expected)
     assert info.model == handle.config.model.checkpoint
     assert info.dtype == (expert_pb2.DTYPE_FLOAT32 if dtype == np.float32 else expert_pb2.DTYPE_BFLOAT16)
-    assert all((l.hidden_size, l.num_experts, l.topk) == (cfg.hidden_size, cfg.num_experts, cfg.topk) for l in info.layers)
+    assert all((l.hidden_size, l.num_experts, l.topk) == (cfg.hidden_size, cfg.num_experts,
+                                                          cfg.topk) for l in info.layers)
 
 
 def test_forward_and_route_equal_the_kernels_on_the_checkpoint_weights(served):

@@ -22,7 +22,8 @@ def pki(tmp_path_factory):
 def tls_token_server(tmp_path_factory, pki):
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN + "\n")
-    security = SecurityConfig(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), auth_token_file=str(token_file))
+    security = SecurityConfig(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
+                              auth_token_file=str(token_file))
     handle = create_server(server_config(tmp_path_factory, model=ONE_LAYER, security=security))
     handle.wait_ready(timeout=300)
     yield handle
