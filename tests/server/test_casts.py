@@ -185,3 +185,13 @@ def test_bad_route_requests_name_the_field():
     message.ClearField("aux_loss_coeff")
     decoded = requests.decode_route(message, MODEL, 0.01, None)
     assert decoded.from_logits and decoded.tokens.dtype == FP32 and decoded.aux_loss_coeff == 0.01
+
+
+def test_the_description_picks_buckets_and_sizes_messages():
+    assert [MODEL.bucket_for(n) for n in (1, 2, 8)] == [1, 8, 8]
+    with pytest.raises(ValueError, match="exceeds the largest bucket 8"):
+        MODEL.bucket_for(9)
+    assert list(MODEL.layers) == [0, 1] and MODEL.layer(1).score_function == "sigmoid"
+    with pytest.raises(TypeError):
+        MODEL.layers[2] = MODEL.layer(0)  # read-only
+    assert MODEL.max_message_bytes() == 16 * (4 * H + 8 * 2) + (1 << 20)
