@@ -1,6 +1,7 @@
 """expertd.server.models.quant: each dequantiser against a plain numpy reference written here (loops
 over blocks and elements, ml_dtypes / literal tables for the codes), round trips through simple
 quantisers, the official quantization_configs, the naming rules, and the refusals."""
+import dataclasses
 import json
 import re
 import struct
@@ -563,6 +564,8 @@ def test_kimi_compressed_tensors_config():
     assert scheme.excludes("language_model.model.layers.3.self_attn.q_a_proj")
     assert scheme.excludes("language_model.model.layers.0.mlp.gate_proj")
     assert not scheme.excludes("language_model.model.layers.3.mlp.experts.7.gate_proj")
+    assert quant.parse_quantization_config({"compression_config": KIMI_QC}) == dataclasses.replace(
+        scheme, source="compression_config")
 
 
 def kimi_with(**weights):
@@ -597,6 +600,8 @@ REFUSED = {
         "input_activations is set"),
     "not packed": ({"quantization_config": {**KIMI_QC, "quantization_status": "frozen"}},
                    "quantization_status 'frozen'"),
+    "2:4 sparsity": ({"quantization_config": {**KIMI_QC, "sparsity_config": {"format": "sparse-24-bitmask"}}},
+                     "sparsity_config is not supported"),
     "differing configs": ({"quantization_config": {"quant_method": "fp8"},
                            "text_config": {"quantization_config": {"quant_method": "mxfp4"}}}, "differing"),
 }

@@ -13,7 +13,7 @@ The door of the quantisation subsystem; a checkpoint loader uses these names onl
    safetensors files of one layer works). It finds the companion tensors by the format's naming rules
    (`<m>.weight_scale_inv`, `<m>.scale`, `<m>.qscale_weight`, `<m>.weight_scale`, `n_blocks` +
    `n_scales`, `<m>.weight_packed` + `_scale` + `_shape`; table in `names.py`), decodes by the stored
-   dtypes, checks shapes and scales, and returns the dense array `[as stored]` in float32 or
+   dtypes, checks shapes and scales, and returns the dense array, shaped as stored, in float32 or
    bfloat16; dense float tensors come back cast (or as stored). The family's loader then transposes
    into expertd's layouts as it does for bf16 checkpoints (gpt-oss MXFP4 comes back `[E, R, C]`,
    transformers' parameter is its transpose). `locate(name, names, scheme)` tells which stored

@@ -187,7 +187,8 @@ def _parse_compressed_tensors(qc: dict, config: dict, where: str) -> QuantScheme
                          "'compressed' (packed) checkpoints")
     for key in ("sparsity_config", "transform_config"):
         value = qc.get(key)
-        if value and not (key == "sparsity_config" and value.get("format") in (None, "dense")):
+        dense_sparsity = key == "sparsity_config" and isinstance(value, dict) and value.get("format") in (None, "dense")
+        if value and not dense_sparsity:
             raise QuantError(f"{where}.{key} is not supported (got {value!r})")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
