@@ -23,7 +23,9 @@ JSON line to stdout when the measurement is done: {"seconds", "how" ("measured" 
 batch, or null where fitted), "torch", "transformers", "threads", "experts_implementation"}. With
 --serve it then reads commands on stdin, one a line, and answers each with one JSON line: "time N"
 runs a warm-up call and N timed calls of the whole batch ({"calls": [...]}); "quit" or the end of
-stdin ends it. Everything else the process prints goes to stderr. `Peer` is the parent's side of
+stdin ends it; a command it does not know is answered {"error": ...}. A fitted measurement also
+carries "probe_calls" (the timed calls per token count). Everything else the process prints goes to
+stderr. `Peer` is the parent's side of
 this (subprocess, timeouts) and imports neither torch nor transformers.
 """
 from __future__ import annotations
@@ -59,15 +61,34 @@ def available() -> bool:
 
 # ---- the case file --------------------------------------------------------------------------
 
-def write_case(path, family: str, topk: int, dtype: str, weights: dict, x) -> None:
-    """Write a case: `weights` maps WEIGHTS to arrays in expertd's layout (numpy or ml_dtypes bf16),
-    x is the tokens [T, H]. bf16 arrays go in as their uint16 bits (npz has no bf16)."""
+def check_case(family, topk, dtype, shapes: dict) -> None:
+    """Raise ValueError naming the field where a case is not what the module docstring says."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    arrays = {name: np.asarray(weights[name]) for name in WEIGHTS}
+    missing = [name for name in WEIGHTS + ("x",) if name not in shapes]
+    if missing:
+        raise ValueError(f"the case lacks {missing}; expected {WEIGHTS + ('x',)}")
+    if len(shapes["w_gate"]) != 3:
+        raise ValueError(f"w_gate must be [E, H, I], got shape {shapes['w_gate']}")
+    e, h, i = shapes["w_gate"]
+    expected = {"router_weight": (h, e), "w_gate": (e, h, i), "w_up": (e, h, i), "w_down": (e, i, h)}
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise ValueError(f"{name} must have shape {shape} (from w_gate [E, H, I]), got {tuple(shapes[name])}")
+    if len(shapes["x"]) != 2 or shapes["x"][1] != h or shapes["x"][0] < 1:
+        raise ValueError(f"x must be [T, {h}] with T >= 1, got shape {tuple(shapes['x'])}")
+    if not 1 <= topk <= e:
+        raise ValueError(f"topk must be in [1, {e}], got {topk}")
+
+
+def write_case(path, family: str, topk: int, dtype: str, weights: dict, x) -> None:
+    """Write a case: `weights` maps WEIGHTS to arrays in expertd's layout (numpy or ml_dtypes bf16),
+    x is the tokens [T, H]. bf16 arrays go in as their uint16 bits (npz has no bf16)."""
+    arrays = {name: np.asarray(weights[name]) for name in WEIGHTS if name in weights}
     arrays["x"] = np.asarray(x)
+    check_case(family, topk, dtype, {name: a.shape for name, a in arrays.items()})
     stored, bf16 = {}, []
     for name, a in arrays.items():
         if a.dtype.name == "bfloat16":
@@ -82,13 +103,20 @@ def read_case(path) -> dict:
     """The case as torch tensors (bf16 bits restored) plus family, topk and dtype."""
     import torch  # the worker's side only: the parent process never loads torch
 
-    with np.load(path) as f:
-        bf16 = set(f["bf16_arrays"].tolist())
-        case = {"family": str(f["family"]), "topk": int(f["topk"]), "dtype": str(f["dtype"])}
-        for name in WEIGHTS + ("x",):
-            a = f[name]
-            case[name] = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if name in bf16
-                          else torch.from_numpy(a))
+    loaded = np.load(path)
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: not a case file (an .npz written by write_case)")
+    with loaded as f:
+        arrays = {name: f[name] for name in f.files}
+    for name in ("family", "topk", "dtype", "bf16_arrays"):
+        if name not in arrays:
+            raise ValueError(f"{path}: not a case file (no {name!r}; write it with write_case)")
+    case = {"family": str(arrays["family"]), "topk": int(arrays["topk"]), "dtype": str(arrays["dtype"])}
+    check_case(case["family"], case["topk"], case["dtype"], {name: a.shape for name, a in arrays.items()})
+    bf16 = set(arrays["bf16_arrays"].tolist())
+    for name in WEIGHTS + ("x",):
+        a = arrays[name]
+        case[name] = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if name in bf16 else torch.from_numpy(a)
     return case
 
 
@@ -229,7 +257,11 @@ class Peer:
     def __init__(self, family, topk, dtype, weights, x, cap_s=CAP_S, serve=False, experts_implementation=None):
         self._dir = tempfile.mkdtemp(prefix="expertd-hf-peer-")
         case, self._out = os.path.join(self._dir, "case.npz"), os.path.join(self._dir, "out.npy")
-        write_case(case, family, topk, dtype, weights, x)
+        try:
+            write_case(case, family, topk, dtype, weights, x)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         cmd = [sys.executable, os.path.abspath(__file__), case, "--out", self._out, "--cap-s", str(cap_s)]
         cmd += ["--serve"] if serve else []
         cmd += ["--experts-implementation", experts_implementation] if experts_implementation else []
