@@ -10,7 +10,9 @@
                  0.7-0.9x the copy rate (r+w) on the Zen 3 dev VM and 0.6-0.8x on the Zen 4 and
                  Zen 5 ones, so (c') is 1.1-1.7x (c); the paired floors report it per round.
   (d) HF:        transformers' MixtralSparseMoeBlock (E=8) / Qwen3MoeSparseMoeBlock (E=64) on torch
-                 CPU with the same weights (skipped with a note when torch is not installed)
+                 CPU with the same weights and tokens, in a process of its own with torch's default
+                 threads and malloc (benchmarks/hf_peer.py; skipped with a note when torch is not
+                 installed)
 
 Shapes: T in {16, 256, 4096}; (E, k, H, I) in {(8, 2, 1024, 2048), (64, 8, 1024, 512)}; bf16 and
 fp32. Reports median times, active FLOP/s and ratios; prints a table and writes
@@ -24,8 +26,9 @@ bf16 matmul units: when one call would exceed HF_CALL_CAP_S it is estimated by a
 two smaller token counts and marked "fit". The `auto` column compiles with
 `moe.compiler_options(cfg, T, dtype=...)`, as the server does per bucket; where its calls are long
 (PAIRED_MIN_CALL_S: T=4096 on the dev box) its ratios to (b) and (d) (the issue's targets) come from one
-more timing of auto, (b) and (d) in alternation ("paired"; (d) only where one call takes at most
-PAIRED_HF_CALL_CAP_S). Shorter `auto` calls (T=16, T=256) are timed once more in alternation with
+more timing of auto and (b) in alternation ("paired"), and of auto and (d) in alternating whole
+timing runs, each side in its own process (hf_peer.Peer.alternate_with; (d) only where one call
+takes at most PAIRED_HF_CALL_CAP_S). Shorter `auto` calls (T=16, T=256) are timed once more in alternation with
 the copy and read probes instead (bursts of back-to-back layer calls between the probes), and
 their (c) and (c') ratios (T=16's target) are the median over the rounds of each round's burst
 against that round's floors ("paired floors"; the start-of-run measurement drifted 26-41 GB/s
@@ -37,8 +40,8 @@ onto huge pages as the engine places them (expertd.server.host_memory); (d) keep
 panels, on row-major weights and on panels of the other width, in alternation (>1x: the served
 panels are faster).
 The process keeps freed host buffers for reuse as `expertd serve --retain-freed-memory` does
-(expertd.server.host_allocator: no page faults on the large buffers of T=4096; torch's (d), in the
-same process, gains it too).
+(expertd.server.host_allocator: no page faults on the large buffers of T=4096); (d)'s process keeps
+glibc's defaults.
 
 `--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
 with the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
@@ -58,6 +61,7 @@ import statistics
 import sys
 import time
 
+import hf_peer  # benchmarks/hf_peer.py, beside this script: (d) in a process of its own
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,74 +248,31 @@ def roofline_variants(dtype):
     return {"native": native} if dtype == jnp.float32 else {"native": native, "fp32 upcast": upcast}
 
 
-def hf_block(cfg, params, family, torch_dtype):
-    """transformers' sparse MoE block holding `params` (returns None when torch is missing)."""
-    import torch
-    from transformers import MixtralConfig, Qwen3MoeConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    if family == "mixtral":
-        block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
-                                                    num_experts_per_tok=cfg.topk))
-    else:
-        block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e,
-                                                      num_experts_per_tok=cfg.topk, norm_topk_prob=True))
-    as_torch = lambda a: torch.from_numpy(np.asarray(jnp.asarray(a, jnp.float32)).copy())
-    with torch.no_grad():
-        block.gate.weight.copy_(as_torch(params["router_weight"]).T)
-        gate_up = torch.cat([as_torch(params["w_gate"]).transpose(1, 2), as_torch(params["w_up"]).transpose(1, 2)], 1)
-        block.experts.gate_up_proj.copy_(gate_up)
-        block.experts.down_proj.copy_(as_torch(params["w_down"]).transpose(1, 2))
-    return block.to(torch_dtype).eval()
-
-
-def hf_call(block, x_np, torch_dtype):
-    """A zero-argument call of the HF block on x_np [T, H], returning its output [T, H] (fp32 numpy)."""
-    import torch
-
-    x = torch.from_numpy(x_np.astype(np.float32)).to(torch_dtype)[None]
-
-    def call():
-        with torch.inference_mode():
-            return block(x)[0].float().numpy()
-    return call
-
-
-def time_hf(block, x_np, torch_dtype, budget_s=6.0):
-    call = hf_call(block, x_np, torch_dtype)
-    t0 = time.perf_counter()
-    out = call()
-    times = [time.perf_counter() - t0]
-    while len(times) < 3 and sum(times) < budget_s:
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
-def measure_hf(cfg, params, family, dtype_name, x, note):
-    """(d) seconds per call, its output, how it was obtained, and a call of it for the paired
-    timing (None where it was fitted or is slower than PAIRED_HF_CALL_CAP_S)."""
+def measure_hf(cfg, params, family, dtype_name, x, row, keep_open=False):
+    """(d): transformers' block in a process of its own (benchmarks/hf_peer.py) on the same weights and
+    tokens x [T, H]. Sets row["hf_s"] (seconds per call), row["hf_how"] ("measured", "fit(...)",
+    "skipped" or "failed") and row["hf_peer"] (the peer's torch, transformers, threads and experts
+    implementation); returns (its output [T, H] fp32 numpy, None where fitted or not run; the peer
+    process, kept open for the paired timing when `keep_open` and one call takes at most
+    PAIRED_HF_CALL_CAP_S, else None)."""
+    if not hf_peer.available():
+        row["notes"].append("(d) skipped: torch / transformers not installed (pip install '.[bench]')")
+        row["hf_s"], row["hf_how"] = None, "skipped"
+        return None, None
+    peer = hf_peer.Peer(family, cfg.topk, dtype_name, {name: params[name] for name in hf_peer.WEIGHTS}, x,
+                        cap_s=HF_CALL_CAP_S, serve=keep_open)
     try:
-        import torch
-    except ImportError:
-        note.append("(d) skipped: torch / transformers not installed (pip install '.[bench]')")
-        return None, None, "skipped", None
-    torch.set_num_threads(os.cpu_count() or 1)
-    torch_dtype = torch.bfloat16 if dtype_name == "bfloat16" else torch.float32
-    block = hf_block(cfg, params, family, torch_dtype)
-    x_np = np.asarray(x.astype(jnp.float32))
-    t_small, _ = time_hf(block, x_np[:16], torch_dtype, budget_s=2.0)
-    est = t_small * len(x_np) / 16
-    if est <= HF_CALL_CAP_S:
-        t, out = time_hf(block, x_np, torch_dtype)
-        return t, out, "measured", hf_call(block, x_np, torch_dtype) if t <= PAIRED_HF_CALL_CAP_S else None
-    mid = min(256, len(x_np) // 2)
-    t_mid, _ = time_hf(block, x_np[:mid], torch_dtype, budget_s=0.0)
-    slope = (t_mid - t_small) / (mid - 16)
-    return t_small + slope * (len(x_np) - 16), None, f"fit(T=16,{mid})", None
+        result = peer.measurement()
+    except hf_peer.PeerError as e:
+        row["notes"].append(f"(d) failed: {e}")
+        row["hf_s"], row["hf_how"] = None, "failed"
+        return None, None
+    row["hf_s"], row["hf_how"] = result["seconds"], result["how"]
+    row["hf_peer"] = {name: result[name] for name in ("torch", "transformers", "threads", "experts_implementation")}
+    if not (keep_open and result["how"] == "measured" and result["seconds"] <= PAIRED_HF_CALL_CAP_S):
+        peer.close()
+        peer = None
+    return result["output"], peer
 
 
 def served_case(e, k, h, i, family, t, dtype):
@@ -384,8 +345,11 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
                 for name, f in roofline_variants(dtype).items() for tag, opts in option_sets}
     roof = {name: median_time(fn, rows, *w)[0] for name, fn in roof_fns.items()}
     row["roofline_s"], row["roofline_variant"] = min((v, n) for n, v in roof.items())
-    row["hf_s"], hf_out, row["hf_how"], hf = (measure_hf(cfg, params, family, dtype_name, x, row["notes"])
-                                              if with_hf else (None, None, "not run (--no-hf)", None))
+    if with_hf:  # its peer process stays up for the paired timing below where there is one
+        hf_out, hf = measure_hf(cfg, params, family, dtype_name, x, row,
+                                keep_open=row["backends"].get("auto", {}).get("median_s", 0.0) >= PAIRED_MIN_CALL_S)
+    else:
+        row["hf_s"], row["hf_how"], hf_out, hf = None, "not run (--no-hf)", None, None
     if hf_out is not None:
         row["hf_max_abs_diff"] = float(np.max(np.abs(hf_out - np.asarray(out_ref.astype(jnp.float32)))))
     auto_s = row["backends"].get("auto", {}).get("median_s", 0.0)
@@ -401,12 +365,16 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     if "auto" in compiled and auto_s >= PAIRED_MIN_CALL_S:  # the target ratios, in alternation
         calls = {"auto": lambda: jax.block_until_ready(compiled["auto"](served, x)),
                  "roofline": lambda: jax.block_until_ready(roof_fns[row["roofline_variant"]](rows, *w))}
-        if hf is not None:
-            calls["hf"] = hf
         row["paired_s"] = interleaved_medians(calls)
+        if hf is not None:  # (d) alternates with auto in whole timing runs, each side in its own process
+            row["paired_hf"] = hf.alternate_with(calls["auto"])
+            # (d)'s time at the ratio to auto that alternation measured, in this timing's units
+            row["paired_s"]["hf"] = row["paired_s"]["auto"] * row["paired_hf"]["peer_x_other"]
     elif "auto" in compiled:  # short calls: the floors measured in alternation with them
         row["paired_floor"] = paired_floors(lambda: jax.block_until_ready(compiled["auto"](served, x)),
                                             touched_bytes)
+    if hf is not None:
+        hf.close()
     return row
 
 
