@@ -8,7 +8,7 @@ What it does, in order:
    or `ep.shard_params` on a mesh); expert weights in the engine dtype, router weight and expert
    bias in fp32. Seeded preset weights are generated straight into their device layout. Where the
    native CPU kernel runs every forward (one CPU process, no expert parallelism, backend auto or
-   native_cpu), the routed expert matrices are then relaid out panel-major (`expertd.kernels.panels`;
+   native_cpu), the params then go through `moe.prepare_params` (the native kernel's layout;
    same outputs, faster reads; `panel_weights=False` keeps the row-major layout, and
    `info()["weight_layout"]` says which is served, `info()["panel_columns"]` the panels' width). On CPU
    devices their buffers are then moved onto transparent huge pages (`expertd.server.host_memory`,
@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import experts, moe, panels
+from expertd.kernels import cpu, experts, moe
 from expertd.server import host_allocator, host_memory, steps
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement, pick_devices, split_over_ep
@@ -189,15 +189,18 @@ class Engine:
         self.warm = False
         self._params = {index: self.placement.place_layer(layer, self.dtype)
                         for index, layer in self.layers.items()}
-        self.weight_layout = "panels" if panel_weights and self._native_cpu_runs_every_forward() else "row_major"
-        if self.weight_layout == "panels":  # once, at load: the layout the native CPU kernel reads fastest
-            self._params = {index: panels.panel_params(params) for index, params in self._params.items()}
+        if panel_weights and self._native_cpu_runs_every_forward():  # once, at load: the native kernel's layout
+            self._params = {index: moe.prepare_params(moe.MoEParams.from_dict(params), self.layers[index].cfg, "cpu",
+                                                      backend=self.backend).to_dict()
+                            for index, params in self._params.items()}
+        native = self._native_cpu_description()
+        self.weight_layout = "row_major" if native is None else native["weight_layout"]
         # From here on the layers carry their placed device arrays: the host copies (a real model's
         # whole weights, for a checkpoint) are released once the caller drops its own references.
         self.layers = {index: dataclasses.replace(layer, params=self._params[index])
                        for index, layer in self.layers.items()}
         self.huge_pages = self._advise_huge_pages() if huge_pages else None
-        self._keys = {index: (layer.cfg, tuple(sorted((name, p.shape, str(p.dtype))
+        self._keys = {index: (layer.cfg, tuple(sorted((name, moe.logical_shape(p), str(p.dtype))
                                                        for name, p in self._params[index].items())))
                       for index, layer in self.layers.items()}
 
@@ -285,8 +288,8 @@ class Engine:
         bucket's expert backend."""
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
-                        "params": {name: {"shape": list(np.shape(p)), "dtype": str(p.dtype),
-                                          "split_over_ep": split_over_ep(p)}
+                        "params": {name: {"shape": list(moe.logical_shape(p)), "dtype": str(p.dtype),
+                                          "split_over_ep": any(map(split_over_ep, jax.tree.leaves(p)))}
                                    for name, p in self._params[index].items()}}
                        for index, layer in sorted(self.layers.items())],
             "dtype": self.dtype.name,
@@ -296,7 +299,7 @@ class Engine:
                      "expert_parallel": self._ep is not None},
             "backend": self.backend,
             "weight_layout": self.weight_layout,
-            "panel_columns": self._panel_columns(),
+            "panel_columns": (self._native_cpu_description() or {}).get("panel_columns"),
             "warm": self.warm,
             "compilations": self.compilations,
             "compile_seconds": self.compile_seconds,
@@ -326,26 +329,26 @@ class Engine:
     def _native_cpu_runs_every_forward(self) -> bool:
         """Whether every forward step runs its experts through the native CPU kernel (one CPU
         process, no expert parallelism, backend auto or native_cpu, the kernel built): then the
-        expert weights are made panel-major at load (expertd.kernels.panels)."""
+        params go through `moe.prepare_params` at load)."""
         if self.devices[0].platform != "cpu" or self._ep is not None or jax.process_count() > 1:
             return False
-        return self.backend in ("auto", "native_cpu") and experts.native_cpu_available()
+        return self.backend in ("auto", "native_cpu") and cpu.available()
 
-    def _panel_columns(self) -> int | None:
-        """The served expert weights' panel width (None: row-major)."""
-        w_gate = next(iter(self._params.values()))["w_gate"]
-        return w_gate.panel_columns if panels.is_panels(w_gate) else None
+    def _native_cpu_description(self) -> dict | None:
+        """On CPU, `cpu.describe` of the served params (the kernel's state, their weight layout and
+        panel width); None on other platforms, which never run the native kernel."""
+        if self.devices[0].platform != "cpu":
+            return None
+        return cpu.describe(moe.MoEParams.from_dict(next(iter(self._params.values()))))
 
     def _native_cpu_kernel(self) -> dict | None:
         """On CPU, whether the C++ expert kernel (`auto`'s choice there) is usable and, if not,
-        why, and the instruction-set level it runs at (`native_cpu.isa()`: avx512_bf16 runs bf16
+        why, and the instruction-set level it runs at (`cpu.isa()`: avx512_bf16 runs bf16
         layers on the bf16 dot product); None on other platforms, which never run it."""
-        if self.devices[0].platform != "cpu":
+        described = self._native_cpu_description()
+        if described is None:
             return None
-        from expertd.kernels import native_cpu
-
-        return {"available": native_cpu.available(), "reason": native_cpu.unavailable_reason() or None,
-                "isa": native_cpu.isa()}
+        return {key: described[key] for key in ("available", "reason", "isa")}
 
     def _layer(self, index) -> LoadedLayer:
         try:

@@ -7,7 +7,7 @@ in expertd's layouts (`router_weight [H, E]` fp32, `expert_bias [E]` fp32 if any
 `shared_gate [H, 1]` if any). Checkpoints are read by `expertd.server.checkpoint`.
 
 Presets (`PRESETS`), all built from Hugging Face style config dicts through
-`MoEConfig.from_hf_config`, so presets and checkpoints share one path:
+`expertd.server.models.hf_config.moe_config_from_hf`, so presets and checkpoints share one path:
 - `tiny` (default of `make serve`): H=64, E=8, k=2, I=128, 2 layers that differ in routing: even
   layers softmax top-2 (Mixtral style), odd layers grouped sigmoid top-2 with an expert bias, a
   scaling factor, 2 groups of 4 experts (the best group is kept) and a shared expert
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels.moe import MoEConfig, param_shapes
+from expertd.server.models.hf_config import moe_config_from_hf
 
 DEFAULT_PRESET = "tiny"
 
@@ -296,7 +297,7 @@ def load_preset(name: str = DEFAULT_PRESET, *, num_layers: int | None = None,
         configs = {i: hf for i in chosen}
     out = []
     for index in chosen:
-        cfg = MoEConfig.from_hf_config(configs[index])
+        cfg = moe_config_from_hf(configs[index])
         out.append(LoadedLayer(index, cfg, SeededParams(cfg, layer_index=index, seed=seed, dtype=dtype),
                                source=f"preset {name} (seed {seed})"))
     return out

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from expertd.kernels.params import MoEParams
 from expertd.server.model import ROUTER_PARAMS, LoadedLayer, SeededParams
 
 AXIS = "ep"
@@ -69,7 +70,8 @@ class MeshPlacement:
             else:
                 placed = {name: np.asarray(value).astype(target_dtype(name), copy=False)
                           for name, value in params.items()}
-            return self.ep.shard_params(placed, layer.cfg, self.mesh, axis=AXIS)  # no-op if placed
+            return self.ep.shard_params(MoEParams.from_dict(placed), layer.cfg, self.mesh,  # no-op if placed
+                                        axis=AXIS).to_dict()
         if isinstance(params, SeededParams):
             # Generated on device (never on the host), then moved to the mesh's device if needed.
             return {name: jax.device_put(params.generate(name, dtype=target_dtype(name)), self.replicated)

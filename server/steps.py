@@ -23,7 +23,8 @@ def pad_tokens(tokens: np.ndarray, bucket: int, dtype) -> np.ndarray:
 
 def forward_step(params, x, num_valid, *, cfg, backend):
     """x [B, H], num_valid int32 scalar -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E])."""
-    out, routing = moe.moe_layer(params, x, cfg, backend=backend, valid_tokens=num_valid, return_routing=True)
+    out, routing = moe.moe_layer(moe.MoEParams.from_dict(params), x, cfg, backend=backend, valid_tokens=num_valid,
+                                 return_routing=True)
     valid = jnp.arange(x.shape[0]) < num_valid
     out = jnp.where(valid[:, None], out, jnp.zeros_like(out))
     return out, routing["topk_ids"], routing["topk_weights"], routing["tokens_per_expert"]
@@ -37,10 +38,10 @@ def ep_forward_step(params, x, num_valid, *, cfg, backend, mesh, ep, axis):
     -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E]). The ids and weights are
     `moe.route`'s on the same tokens: the per-token routing each rank computes inside the layer.
     """
-    out, stats = ep.ep_moe_layer(params, x, cfg, mesh, axis=axis, valid_tokens=num_valid, return_stats=True,
-                                 backend=backend)
+    out, stats = ep.ep_moe_layer(moe.MoEParams.from_dict(params), x, cfg, mesh, axis=axis, valid_tokens=num_valid,
+                                 return_stats=True, backend=backend)
     valid = jnp.arange(x.shape[0]) < num_valid
-    router = {name: params[name] for name in ROUTER_PARAMS if name in params}
+    router = moe.RouterParams.from_dict({name: params[name] for name in ROUTER_PARAMS if name in params})
     ids, weights = moe.route(router, x, cfg, valid)
     out = jnp.where(valid[:, None], out, jnp.zeros_like(out))
     return out, ids, weights, stats["tokens_per_expert"]
@@ -55,12 +56,13 @@ def route_step(router, tokens, num_valid, coeff, *, cfg, from_logits):
     the aux loss of any subset of the rows can be computed exactly on the host (`aux_loss_of`).
     """
     valid = jnp.arange(tokens.shape[0]) < num_valid
+    router = moe.RouterParams.from_dict(router)
     if from_logits:
         # moe.route computes its logits as x @ router_weight in full fp32: with the identity that
         # product is the given logits, exactly.
         logits = tokens.astype(jnp.float32)
-        identity = {"router_weight": jnp.eye(cfg.num_experts, dtype=jnp.float32)}
-        ids, weights = moe.route({**router, **identity}, logits, cfg, valid)
+        identity = jnp.eye(cfg.num_experts, dtype=jnp.float32)
+        ids, weights = moe.route(moe.RouterParams(identity, router.expert_bias), logits, cfg, valid)
     else:
         ids, weights = moe.route(router, tokens, cfg, valid)
         logits = moe.router_logits(router, tokens)

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertd.kernels import experts, moe, native_cpu, panels, router
+from expertd.kernels import cpu, moe, router
+from expertd.kernels.cpu import build as cpu_build
+from expertd.kernels.cpu.policy import SMALL_ROWS_CPU_OPTIONS
 from expertd.server import steps
 from expertd.server.engine import CompileEvent, Engine, UnknownLayerError, enable_compile_cache
 from expertd.server.model import LoadedLayer, load_preset
@@ -24,8 +26,8 @@ def _tokens(n, hidden=64, seed=0, dtype=np.float32):
 
 
 def _device_params(layer, dtype):
-    return {name: jnp.asarray(value) if name in ("router_weight", "expert_bias") else jnp.asarray(value, dtype)
-            for name, value in layer.params.items()}
+    return moe.MoEParams.from_dict({name: jnp.asarray(value) if name in ("router_weight", "expert_bias")
+                                    else jnp.asarray(value, dtype) for name, value in layer.params.items()})
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +133,8 @@ def test_route_equals_the_router(warm_engine, tiny, layer_index):
     layer, cfg = tiny[layer_index], tiny[layer_index].cfg
     x = _tokens(20, seed=3)
     params = _device_params(layer, jnp.float32)
-    logits = jnp.asarray(x) @ params["router_weight"]
-    ids, weights, counts, aux = (np.asarray(v) for v in _router_reference(logits, params.get("expert_bias"), cfg))
+    logits = jnp.asarray(x) @ params.router_weight
+    ids, weights, counts, aux = (np.asarray(v) for v in _router_reference(logits, params.expert_bias, cfg))
 
     for result in (engine.route(layer_index, hidden=x, aux_loss_coeff=0.01),
                    engine.route(layer_index, logits=np.asarray(logits), aux_loss_coeff=0.01)):
@@ -157,9 +159,10 @@ def test_forward_equals_moe_layer_bf16(tiny):
     del host_layer
     gc.collect()
     assert host_w_up() is None  # the engine keeps the device copy only
-    w_up = engine.layers[1].params["w_up"]  # made panel-major at load (CPU, native kernel)
-    assert isinstance(w_up, panels.PanelWeights) and isinstance(w_up.panels, jax.Array)
-    assert w_up.dtype == jnp.bfloat16 and w_up.shape == tiny[1].params["w_up"].shape
+    w_up = engine.layers[1].params["w_up"]  # prepared at load (CPU, native kernel): not an array
+    assert engine.info()["weight_layout"] == "panels" and not isinstance(w_up, jax.Array)
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(w_up))
+    assert w_up.dtype == jnp.bfloat16 and moe.logical_shape(w_up) == tiny[1].params["w_up"].shape
     x = _tokens(7, seed=5, dtype=jnp.bfloat16)
     result = engine.forward(1, x)
     expected = moe_layer(_device_params(tiny[1], jnp.bfloat16), jnp.asarray(x), cfg=tiny[1].cfg)
@@ -188,9 +191,9 @@ def test_buckets_and_info(warm_engine):
                                                      "split_over_ep": False}
     assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
     # The dev box and CI have g++ (and an AVX2 CPU at least).
-    assert info["native_cpu_kernel"] == {"available": True, "reason": None, "isa": native_cpu.isa()}
-    assert info["native_cpu_kernel"]["isa"] in native_cpu.ISA_LEVELS[1:]
-    assert info["weight_layout"] == "panels" and info["panel_columns"] == panels.panel_columns()
+    assert info["native_cpu_kernel"] == {"available": True, "reason": None, "isa": cpu.isa()}
+    assert info["native_cpu_kernel"]["isa"] in cpu.ISA_LEVELS[1:]
+    assert info["weight_layout"] == "panels" and info["panel_columns"] == cpu.panel_columns()
     assert info["layers"][0]["params"]["w_gate"]["shape"] == [8, 64, 128]  # the logical shape, any width
     assert info["forward_expert_backends"] == [  # the two layers' routers differ: one compiled step each
         {"layers": [layer], "bucket": b, "backend": "native_cpu"} for layer in (0, 1) for b in (8, 32)]
@@ -219,7 +222,7 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
     """Without the native CPU kernel (no compiler), a layer with 4 MiB fp32 expert matrices: buckets
     under 64 rows per expert compile with YNNPACK off (moe.compiler_options), larger ones with the
     defaults; both equal the kernel."""
-    monkeypatch.setattr(experts, "native_cpu_available", lambda: False)
+    monkeypatch.setattr(cpu_build, "_state", (None, "no C++ compiler (test)"))  # as on a machine without one
     cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=1024, intermediate_size=1024)
     params = {name: np.asarray(value) for name, value in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
@@ -228,7 +231,7 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
     events = []
     engine.add_compile_listener(events.append)
     assert engine.info()["forward_compiler_options"] == [
-        {"layers": [0], "bucket": 8, "options": experts.SMALL_ROWS_CPU_OPTIONS}]
+        {"layers": [0], "bucket": 8, "options": SMALL_ROWS_CPU_OPTIONS}]
     assert engine.info()["forward_expert_backends"] == [
         {"layers": [0], "bucket": 8, "backend": "capacity"}, {"layers": [0], "bucket": 128, "backend": "expert_loop"}]
     for n in (5, 100):
@@ -237,7 +240,7 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
         np.testing.assert_allclose(engine.forward(0, x).output, np.asarray(expected), rtol=1e-4, atol=1e-4)
     engine.route(0, hidden=_tokens(5, hidden=1024))
     assert [(e.kind, e.bucket, e.compiler_options, e.expert_backend) for e in events] == [
-        ("forward", 8, experts.SMALL_ROWS_CPU_OPTIONS, "capacity"), ("forward", 128, {}, "expert_loop"),
+        ("forward", 8, SMALL_ROWS_CPU_OPTIONS, "capacity"), ("forward", 128, {}, "expert_loop"),
         ("route_hidden", 8, {}, None)]
 
 
@@ -260,7 +263,8 @@ def test_serve_notes_the_weights_pages():
     assert cli._huge_pages_note({"eligible_bytes": 0, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
                                  "reason": "no CPU buffer spans a whole 2 MiB page"}) is None
     assert cli._huge_pages_note({"eligible_bytes": 2 << 30, "huge_bytes": 1 << 30, "seconds": 1.25,
-                                 "collapse_errors": 3, "reason": None}) == "weights: 1024 of 2048 MiB on huge pages (1.25s)"
+                                 "collapse_errors": 3, "reason": None}) == (
+        "weights: 1024 of 2048 MiB on huge pages (1.25s)")
     assert cli._huge_pages_note({"eligible_bytes": 1 << 30, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
                                  "reason": "transparent huge pages are never on this system"}).endswith(
         "0 of 1024 MiB on huge pages (0.00s); transparent huge pages are never on this system")

@@ -8,9 +8,9 @@ from service_support import reference_forward, server_config
 
 from expertd.client import ExpertClient
 from expertd.client.pb.v1 import expert_pb2
-from expertd.kernels.moe import MoEConfig
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
+from expertd.server.models.hf_config import moe_config_from_hf
 
 # (family, storage dtype, sharded, server dtype, --layers)
 CASES = [
@@ -33,7 +33,7 @@ def served(request, tmp_path_factory):
     handle.wait_ready(timeout=300)
     hf_config = hf_fixtures.hf_config(family, dtype=stored)
     wanted = [1, 2] if layers else hf_fixtures.moe_layer_indices(hf_config, family)
-    yield handle, {i: expected[i] for i in wanted}, MoEConfig.from_hf_config(hf_config), NUMPY_DTYPES[dtype]
+    yield handle, {i: expected[i] for i in wanted}, moe_config_from_hf(hf_config), NUMPY_DTYPES[dtype]
     handle.stop(grace=2)
 
 
@@ -49,7 +49,8 @@ def test_model_info_names_the_model_layers_by_their_index(served):
     assert [layer.index for layer in info.layers] == sorted(expected)
     assert info.model == handle.config.model.checkpoint
     assert info.dtype == (expert_pb2.DTYPE_FLOAT32 if dtype == np.float32 else expert_pb2.DTYPE_BFLOAT16)
-    assert all((l.hidden_size, l.num_experts, l.topk) == (cfg.hidden_size, cfg.num_experts, cfg.topk) for l in info.layers)
+    assert all((l.hidden_size, l.num_experts, l.topk) == (cfg.hidden_size, cfg.num_experts, cfg.topk)
+               for l in info.layers)
 
 
 def test_forward_and_route_equal_the_kernels_on_the_checkpoint_weights(served):
