@@ -261,13 +261,14 @@ def test_device_inputs_and_placed_params_give_the_same_output():
     cfg, params = setup("mixtral")
     mesh = mesh_of(4)
     placed = ep.shard_params(params, cfg, mesh)
-    assert placed["w_gate"].sharding.spec == P("ep")
-    assert placed["w_gate"].addressable_shards[0].data.shape == (2, H, I)
-    assert placed["router_weight"].sharding.is_fully_replicated
-    assert ep.shard_params(placed, cfg, mesh)["w_up"] is placed["w_up"]  # placing again is a no-op
+    assert isinstance(placed, moe.MoEParams) and placed.w_gate.sharding.spec == P("ep")
+    assert placed.w_gate.addressable_shards[0].data.shape == (2, H, I)
+    assert placed.router_weight.sharding.is_fully_replicated
+    assert ep.shard_params(placed, cfg, mesh).w_up is placed.w_up  # placing again is a no-op
     x = tokens(24)
     host = np.asarray(ep.ep_moe_layer(params, x, cfg, mesh, dispatch="capacity"))
-    on_device = ep.ep_moe_layer(placed, jax.device_put(x, NamedSharding(mesh, P("ep"))), cfg, mesh, dispatch="capacity")
+    x_placed = jax.device_put(x, NamedSharding(mesh, P("ep")))
+    on_device = ep.ep_moe_layer(placed, x_placed, cfg, mesh, dispatch="capacity")
     np.testing.assert_array_equal(np.asarray(on_device), host)
 
 
@@ -297,4 +298,6 @@ def test_bad_shapes_raise_value_errors():
     with pytest.raises(ValueError, match=r"x must be \[T, H=32\]"):
         ep.ep_moe_layer(params, np.zeros((4, 8), np.float32), cfg, mesh_of(2))
     with pytest.raises(ValueError, match="w_down"):
-        ep.ep_moe_layer({k: v for k, v in params.items() if k != "w_down"}, tokens(4), cfg, mesh_of(2))
+        ep.ep_moe_layer(params.replace(w_down=None), tokens(4), cfg, mesh_of(2))
+    with pytest.raises(TypeError, match="MoEParams"):
+        ep.ep_moe_layer(params.to_dict(), tokens(4), cfg, mesh_of(2))
