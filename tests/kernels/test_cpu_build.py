@@ -156,3 +156,15 @@ def test_options_are_explicit_checked_and_fixed_once_loaded(tmp_path):
     cpu.configure(cpu.options())  # the library is loaded: the same options are fine ...
     with pytest.raises(RuntimeError, match="call configure"):  # ... others come too late
         cpu.configure(cpu.BuildOptions(cache_dir=tmp_path))
+
+
+def test_the_ahead_of_time_build_command_takes_its_options_as_flags(tmp_path):
+    """`python -m expertd.kernels.cpu --cache-dir DIR` (an image's build step): here DIR already holds
+    this build's library, so no compiler is needed and the command says where it is and its level."""
+    built = build.library_path(cpu.BuildOptions(cache_dir=tmp_path))
+    built.write_bytes(build.library_path().read_bytes())
+    done = subprocess.run([sys.executable, "-m", "expertd.kernels.cpu", "--cache-dir", str(tmp_path),
+                           "--compiler", "/nonexistent/c++"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == f"{built} (instruction set: {cpu.isa()})"
