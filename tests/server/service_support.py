@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from expertd.kernels import cpu
 from expertd.kernels import router as router_ops
 from expertd.kernels.moe import MoEParams, moe_layer
 from expertd.server.config import BatchingConfig, ModelConfig, SecurityConfig, ServerConfig
@@ -41,9 +42,10 @@ def server_config(tmp_path_factory, *, model: ModelConfig | None = None, securit
 
 
 def host_params(layer, dtype) -> dict[str, np.ndarray]:
-    """A LoadedLayer's params as the engine holds them: router tensors fp32, the rest in ``dtype``."""
+    """A LoadedLayer's params as the engine holds them: router tensors fp32, the rest in ``dtype``
+    (expert weights the engine prepared for the native CPU kernel read back as arrays)."""
     router = {"router_weight", "expert_bias"}
-    return {name: np.asarray(value).astype(np.float32 if name in router else dtype)
+    return {name: np.asarray(cpu.dense_weights(value)).astype(np.float32 if name in router else dtype)
             for name, value in layer.params.items()}
 
 
