@@ -27,6 +27,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
@@ -75,7 +76,7 @@ def measure(cfg, params, x, repeats: int):
         placed = ep.shard_params(params, cfg, mesh)
         x_placed = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep")))
         for name, kw in modes:
-            call = lambda: ep.ep_moe_layer(placed, x_placed, cfg, mesh, return_stats=True, **kw)  # noqa: E731
+            call = functools.partial(ep.ep_moe_layer, placed, x_placed, cfg, mesh, return_stats=True, **kw)
             try:
                 first, steady = timed(call, repeats)
             except jax.errors.JaxRuntimeError as err:
@@ -138,7 +139,10 @@ def print_table(title, rows, columns):
         cells = []
         for c, w in zip(columns, widths):
             v = row.get(c, "-")
-            text = f"{v:.4f}" if c == "ratio" and isinstance(v, float) else f"{v:.4g}" if isinstance(v, float) else str(v)
+            if isinstance(v, float):
+                text = f"{v:.4f}" if c == "ratio" else f"{v:.4g}"
+            else:
+                text = str(v)
             cells.append(text.rjust(w))
         print("  ".join(cells))
 

@@ -62,9 +62,8 @@ def layer_case(family, e, k, t, dtype_name, backend):
     unused = np.flatnonzero(np.asarray(routing["tokens_per_expert"]) == 0)
     nan_free = True
     if unused.size:
-        poisoned = dict(params)
-        for name in ("w_gate", "w_up", "w_down"):
-            poisoned[name] = params[name].at[unused].set(jnp.nan)
+        poisoned = params.replace(**{name: getattr(params, name).at[unused].set(jnp.nan)
+                                     for name in moe.EXPERT_WEIGHTS})
         again = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg, backend=backend))(poisoned, x)
         nan_free = bool(np.isfinite(np.asarray(again.astype(jnp.float32))).all())
     ok = np.isfinite(out).all() and err <= tolerance(dtype)
@@ -81,7 +80,8 @@ def router_case(family, e, k, t, backend):
     ref = moe_oracle(params, x, cfg)
     keep = ~ref.near_tie
     ids_ok = bool(np.array_equal(np.sort(np.asarray(ids)[keep], 1), np.sort(ref.ids[keep], 1)))
-    w_err = float(np.abs(np.sort(np.asarray(weights)[keep], 1) - np.sort(ref.weights[keep], 1)).max()) if keep.any() else 0.0
+    w_err = (float(np.abs(np.sort(np.asarray(weights)[keep], 1) - np.sort(ref.weights[keep], 1)).max())
+             if keep.any() else 0.0)
     return dict(kind="router", family=family, E=e, k=k, T=t, dtype="float32", backend=backend,
                 err_per_scale=w_err, tolerance=2e-5, ids_equal=ids_ok, ok=bool(ids_ok and w_err <= 2e-5))
 

@@ -2,18 +2,18 @@
 buffers reused as they are, against the same calls with their pages given back first.
 
 glibc's default (big blocks mmap'd per call, munmap'd when freed) cannot be switched back on in a
-process that took host_allocator's settings, and two processes an hour apart differ by more than
-the effect on this VM. So both sides run in one process, interleaved: "retained" is the process
+process that took host_allocator's settings, and two processes run apart in time differ by more
+than the effect on a shared VM. So both sides run in one process, interleaved: "retained" is the process
 as `expertd serve --retain-freed-memory` runs it; "faulting" first calls malloc_trim(0) (untimed),
 which hands every free page back to the kernel as the default munmap does, so the call faults its
 buffers in again, as it does by default. Each side reports its median time and its page faults per call (ru_minflt).
 
-Shapes: the layer (`moe.moe_layer`, backend "auto", compiled with `moe.compiler_options` as the
-server does) at (E, k, H, I) in {(8, 2, 1024, 2048), (64, 8, 1024, 512)}, T in {1024, 4096}, bf16
-and fp32; and one XLA elementwise op over 128 MiB (a fresh 128 MiB output per call). Only blocks
-above glibc's mmap threshold (32 MiB at most) fault per call by default: at T=256 a default process
-measured no faults per call, while malloc_trim would make the "faulting" side fault there anyway,
-so smaller T (--tokens) overstate what the default loses.
+Shapes: the layer (`moe.moe_layer`, backend "auto" on `moe.prepare_params`, compiled with
+`moe.compiler_options` as the server does) at (E, k, H, I) in {(8, 2, 1024, 2048), (64, 8, 1024,
+512)}, T in {1024, 4096}, bf16 and fp32; and one XLA elementwise op over 128 MiB (a fresh 128 MiB
+output per call). Only blocks above glibc's mmap threshold (32 MiB at most) fault per call by
+default: at T=256 a default process takes no faults per call, while malloc_trim would make the
+"faulting" side fault there anyway, so smaller T (--tokens) overstate what the default loses.
 Prints a table and writes benchmarks/results/host_allocator.json.
 """
 from __future__ import annotations
@@ -66,8 +66,8 @@ def interleaved(call, rounds: int, give_back) -> dict:
 def layer_case(e, k, h, i, family, t, dtype_name, rounds, give_back) -> dict:
     dtype = jnp.dtype(dtype_name)
     cfg = layer_config(e, k, h, i, family)
-    params = moe.init_params(cfg, jax.random.key(0), dtype)
-    host_memory.advise_huge_pages(params.values())
+    params = moe.prepare_params(moe.init_params(cfg, jax.random.key(0), dtype), cfg)  # as the server serves them
+    host_memory.advise_huge_pages(jax.tree.leaves(params))
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
     options = moe.compiler_options(cfg, t, dtype=dtype) or None  # as the server compiles it
     fn = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg), compiler_options=options)

@@ -1,10 +1,10 @@
 """Where one MoE layer call's time goes: the served layer traced with jax.profiler, per op.
 
 For each selected case (default: T=16, both shapes of `moe_layer.py`, bf16 and fp32) the layer
-runs as the engine serves it (`auto`, panel-major weights where the native CPU kernel runs,
-`moe.compiler_options`), is warmed up, and is called CALLS times back to back under
-`jax.profiler`. The trace's complete events on XLA's threads are summed per op name and divided
-by the calls; the call period (wall clock per call, block_until_ready included) is split into
+runs as the engine serves it (`auto` on `moe.prepare_params`'s params, `moe.compiler_options`), is
+warmed up, and is called CALLS times back to back under `jax.profiler`. The trace's complete
+events on XLA's threads are summed per op name and divided by the calls; the call period (wall
+clock per call, block_until_ready included) is split into
 
   custom calls:  XLA custom calls (`ffi_call.*`: expertd's C++ kernels on CPU: the three grouped
                  matmuls, the layout and the combine)

@@ -6,9 +6,9 @@
                  (read + write, STREAM's convention; the issue's definition). Reported beside it:
   (c') read floor: the same bytes / measured read bandwidth (the fastest of XLA's sum and
                  matrix-vector product and numpy's BLAS one over 256 MiB). A layer only reads its
-                 weights, so (c') is the floor this machine can reach. The read rate measured
-                 0.7-0.9x the copy rate (r+w) on the Zen 3 dev VM and 0.6-0.8x on the Zen 4 and
-                 Zen 5 ones, so (c') is 1.1-1.7x (c); the paired floors report it per round.
+                 weights, so (c') is the floor this machine can reach. A machine reads slower than
+                 it copies (r+w), so (c') lies above (c); the paired floors report by how much, per
+                 round (BENCHMARKS.md has the ratios of the machines measured).
   (d) HF:        transformers' MixtralSparseMoeBlock (E=8) / Qwen3MoeSparseMoeBlock (E=64) on torch
                  CPU with the same weights and tokens, in a process of its own with torch's default
                  threads and malloc (benchmarks/hf_peer.py; skipped with a note when torch is not
@@ -31,21 +31,22 @@ timing runs, each side in its own process (hf_peer.Peer.alternate_with; (d) only
 takes at most PAIRED_HF_CALL_CAP_S). Shorter `auto` calls (T=16, T=256) are timed once more in alternation with
 the copy and read probes instead (bursts of back-to-back layer calls between the probes), and
 their (c) and (c') ratios (T=16's target) are the median over the rounds of each round's burst
-against that round's floors ("paired floors"; the start-of-run measurement drifted 26-41 GB/s
-between runs on the dev VM, and the read rate between ~34 and ~53 GB/s within one run). The weights are moved
-onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's defaults.
-`auto` runs on the weights as the engine serves them: panel-major where the native CPU kernel runs
-(expertd.kernels.panels, panels of 64 columns on AVX-512 CPUs, 16 elsewhere); every other backend,
-(a) and (b) on the row-major checkpoint layout; a "weight layout A/B" line times auto on the served
-panels, on row-major weights and on panels of the other width, in alternation (>1x: the served
-panels are faster).
+against that round's floors ("paired floors": a shared VM's bandwidth drifts between runs and
+within one, so a layer call is compared with the bandwidth of its own minute). The weights are
+moved onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's
+defaults.
+`auto` runs on `moe.prepare_params(params, cfg)`, as a library user following `moe_layer`'s
+docstring and the engine do (on CPU where the native kernel runs: its prepared layout, panels of 64
+columns on AVX-512 CPUs, 16 elsewhere); every other backend, (a) and (b) on the params as loaded;
+a "weight layout A/B" line times auto on the prepared params, on the params as loaded and on
+panels of the other width (`cpu.to_panels`), in alternation (>1x: the prepared params are faster).
 The process keeps freed host buffers for reuse as `expertd serve --retain-freed-memory` does
 (expertd.server.host_allocator: no page faults on the large buffers of T=4096); (d)'s process keeps
 glibc's defaults.
 
 `--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
-with the default options and with YNNPACK off (experts.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
-server compiles it (experts.choose_backend picks "native_cpu" where its C++ kernel builds, else
+with the default options and with YNNPACK off (cpu.policy.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
+server compiles and serves it (experts.choose_backend picks "native_cpu" where its C++ kernel builds, else
 "capacity" for fp32 weights with few rows per large expert), calls
 interleaved, at T in {1, 4, 16, 64, 128, 256}; `--experts 128` adds
 Qwen3-30B-A3B's layer shape; writes benchmarks/results/moe_layer_options_ab.json.
@@ -66,8 +67,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import experts, moe, panels
+from expertd.kernels import cpu, experts, moe
+from expertd.kernels.cpu import policy as cpu_policy
 from expertd.server import host_allocator, host_memory
+from expertd.server.models.hf_config import moe_config_from_hf
 
 SHAPES = ((8, 2, 1024, 2048, "mixtral"), (64, 8, 1024, 512, "qwen3_moe"))
 TOKENS = (16, 256, 4096)
@@ -77,10 +80,10 @@ FLOP_CAP = 1.0e12  # skip a variant whose real work exceeds this many FLOPs per 
 HF_CALL_CAP_S = 60.0
 # Where one `auto` call takes at least PAIRED_MIN_CALL_S, auto, (b)'s fastest formulation and (d)
 # (when one call of it takes at most PAIRED_HF_CALL_CAP_S) are timed once more in alternation, and
-# auto's ratios to (b) and (d) come from that timing: this VM's speed drifts by 10-40% over minutes,
-# more than the margins those targets are judged by. Shorter calls are left to their own medians:
-# at T=16 a call right after another program's (or after any idle pause) ran up to 1.5x slower
-# than back to back, a side effect larger than the drift over their short timing.
+# auto's ratios to (b) and (d) come from that timing: a shared machine's speed drifts over minutes
+# by more than the margins those targets are judged by. Shorter calls are left to their own
+# medians: a short call right after another program's (or after an idle pause) runs slower than
+# back to back, a larger effect than the drift over their short timing.
 PAIRED_MIN_CALL_S = 0.1
 PAIRED_HF_CALL_CAP_S = 2.0
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_layer.json")
@@ -177,17 +180,16 @@ def dense_matmul_rate(n=8192, reps=10):
 
 def paired_floors(layer_call, touched_bytes, rounds=9, burst=5):
     """The layer call timed in rounds with the copy and read probes (for short calls: T=16's target
-    is a ratio to (c), and this VM's bandwidth drifts by up to 1.6x between minutes, and between
-    ~34 and ~53 GB/s of reads within one). Each round times a burst of back-to-back layer calls, as a
-    server runs them (the first call after a probe ran ~1.2-1.3x slower, so it is not counted), then
+    is a ratio to (c), and a shared machine's bandwidth drifts between minutes and within one).
+    Each round times a burst of back-to-back layer calls, as a server runs them (the first call
+    after a probe runs slower, so it is not counted), then
     each probe once. Returns the layer's median, (c) / (c') from the probes' fastest calls over all
     rounds, and the ratios the table reports: per round, the burst's median over that round's
     floors (its fastest copy / read probe), the median of those over the rounds, so that a layer
     call is only ever compared with the bandwidth of its own minute. Each round also records
     where its read floor lies in units of its copy floor ("read_floor_x_floor", = copy rate / read
     rate): the x (c) of a layer that reads its weights at the read probe's rate. Above 1.5 the
-    T=16 target is out of reach in that round by (c)'s definition (the Zen 4 and Zen 5 VMs' reads
-    ran at 0.6-0.66x their copy rate in some minutes)."""
+    T=16 target is out of reach in that round by (c)'s definition."""
     copies, reads = copy_probes(), read_probes(blas=False)  # BLAS's threads spin on after a call
     probes = {**copies, **reads}
     for probe in probes.values():
@@ -220,10 +222,10 @@ def _timed(fn):
 
 def layer_config(e, k, h, i, family):
     if family == "mixtral":
-        return moe.MoEConfig.from_hf_config(dict(model_type="mixtral", hidden_size=h, intermediate_size=i,
-                                                 num_local_experts=e, num_experts_per_tok=k))
-    return moe.MoEConfig.from_hf_config(dict(model_type="qwen3_moe", hidden_size=h, moe_intermediate_size=i,
-                                             num_experts=e, num_experts_per_tok=k, norm_topk_prob=True))
+        return moe_config_from_hf(dict(model_type="mixtral", hidden_size=h, intermediate_size=i,
+                                       num_local_experts=e, num_experts_per_tok=k))
+    return moe_config_from_hf(dict(model_type="qwen3_moe", hidden_size=h, moe_intermediate_size=i,
+                                   num_experts=e, num_experts_per_tok=k, norm_topk_prob=True))
 
 
 def dense_all_experts(params, x, cfg):
@@ -232,7 +234,7 @@ def dense_all_experts(params, x, cfg):
     dense_w = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32).at[
         jnp.arange(x.shape[0])[:, None], ids].set(weights)
     xe = jnp.broadcast_to(x, (cfg.num_experts,) + x.shape)
-    y = experts.gated_mlp(xe, params["w_gate"], params["w_up"], params["w_down"], cfg.activation)
+    y = experts.gated_mlp(xe, params.w_gate, params.w_up, params.w_down, cfg.activation)
     return jnp.einsum("eth,te->th", y.astype(jnp.float32), dense_w).astype(x.dtype)
 
 
@@ -276,30 +278,32 @@ def measure_hf(cfg, params, family, dtype_name, x, row, keep_open=False):
 
 
 def served_case(e, k, h, i, family, t, dtype):
-    """One shape as the engine serves it: (cfg, params, served, auto_backend, x). `params` are the
-    row-major checkpoint weights; `served` the ones `auto` runs on, panel-major where the native CPU
-    kernel runs (expertd.kernels.panels), else `params`; both on huge pages as the engine places
-    them. x: `[t, h]` random tokens in `dtype`."""
+    """One shape as a library user (and the engine) runs it: (cfg, params, served, auto_backend, x).
+    `params` are the seeded params as loaded; `served` = `moe.prepare_params(params, cfg)`, the ones
+    `auto` runs on (the native CPU kernel's layout where it runs, else `params` itself); both on
+    huge pages as the engine places them. x: `[t, h]` random tokens in `dtype`."""
     cfg = layer_config(e, k, h, i, family)
     params = moe.init_params(cfg, jax.random.key(0), dtype)
-    host_memory.advise_huge_pages(params.values())
+    host_memory.advise_huge_pages(jax.tree.leaves(params))
     auto_backend = experts.choose_backend(t * k, e, h, i, dtype)
-    served = panels.panel_params(params) if auto_backend == "native_cpu" else params
-    host_memory.advise_huge_pages(jax.tree.leaves(served))
+    served = moe.prepare_params(params, cfg)
+    if served is not params:
+        host_memory.advise_huge_pages(jax.tree.leaves(served))
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
     return cfg, params, served, auto_backend, x
 
 
 def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backends=None, with_hf=True):
     """One shape: every backend and the baselines; `bandwidth` is the copy rate (r+w) for (c),
-    `read_rate` the read rate for (c'), both in bytes/s. `auto` runs on the served weights, every
-    other backend on the checkpoint's row-major layout."""
+    `read_rate` the read rate for (c'), both in bytes/s. `auto` runs on the prepared params
+    (`moe.prepare_params`), every other backend on the params as loaded."""
     dtype = jnp.dtype(dtype_name)
     cfg, params, served, auto_backend, x = served_case(e, k, h, i, family, t, dtype)
     active_flops = 2 * 3 * t * k * h * i
     row = dict(E=e, k=k, H=h, I=i, T=t, dtype=dtype_name, family=family, active_gflop=active_flops / 1e9,
                backends={}, notes=[])
-    out_ref, routing = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg, backend="expert_loop", return_routing=True))(params, x)
+    reference = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg, backend="expert_loop", return_routing=True))
+    out_ref, routing = reference(params, x)
     touched = int(np.sum(np.asarray(routing["tokens_per_expert"]) > 0))
     row["touched_experts"] = touched
     touched_bytes = touched * 3 * h * i * dtype.itemsize
@@ -307,15 +311,15 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
     row["floor_s"] = touched_bytes / bandwidth  # STREAM-style copy rate (r+w)
     row["read_floor_s"] = touched_bytes / read_rate
     compiled = {}
-    cpu = jax.default_backend() == "cpu"
-    work = {"reference": e * active_flops, "ragged_dot": e * active_flops if cpu else active_flops,
+    on_cpu = jax.default_backend() == "cpu"
+    work = {"reference": e * active_flops, "ragged_dot": e * active_flops if on_cpu else active_flops,
             "capacity": e * 6 * t * h * i, "expert_loop": active_flops, "native_cpu": active_flops,
             "auto": active_flops, "pallas": active_flops}
     for backend in only_backends or BACKENDS:
-        if backend == "pallas" and t > 16 and cpu:
+        if backend == "pallas" and t > 16 and on_cpu:
             row["backends"][backend] = {"skipped": "interpret mode on CPU (a GPU kernel); run at T=16 only"}
             continue
-        if backend == "native_cpu" and not cpu:
+        if backend == "native_cpu" and not on_cpu:
             row["backends"][backend] = {"skipped": "an XLA:CPU kernel"}
             continue
         if work[backend] > FLOP_CAP:
@@ -330,23 +334,23 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
         err = float(jnp.max(jnp.abs(fn(p, x).astype(jnp.float32) - out_ref.astype(jnp.float32))))
         row["backends"][backend] = {"median_s": median, "first_call_s": first, "max_abs_diff_vs_expert_loop": err}
     row["auto_backend"] = auto_backend
-    row["auto_weight_layout"] = "panels" if served is not params else "row_major"
+    row["auto_weight_layout"] = cpu.describe(served)["weight_layout"] if served is not params else "row_major"
     row["auto_compiler_options"] = moe.compiler_options(cfg, t, dtype=dtype)
     if e * 6 * t * h * i <= FLOP_CAP:
         row["dense_s"], _ = median_time(jax.jit(lambda p, v: dense_all_experts(p, v, cfg)), params, x)
     else:
         row["notes"].append("(a) skipped: above FLOP_CAP")
     rows = jax.random.normal(jax.random.key(2), (t * k, h), jnp.float32).astype(dtype)
-    w = (params["w_gate"][0], params["w_up"][0], params["w_down"][0])
+    w = (params.w_gate[0], params.w_up[0], params.w_down[0])
     # (b) is the fastest formulation, so it also tries the XLA:CPU options the layer may compile with
-    option_sets = [("", None)] + ([(" no-ynn", opts)] if (opts := experts.small_rows_cpu_options())
+    option_sets = [("", None)] + ([(" no-ynn", opts)] if (opts := cpu_policy.small_rows_cpu_options())
                                   and jax.default_backend() == "cpu" else [])
     roof_fns = {name + tag: jax.jit(f, compiler_options=opts)
                 for name, f in roofline_variants(dtype).items() for tag, opts in option_sets}
     roof = {name: median_time(fn, rows, *w)[0] for name, fn in roof_fns.items()}
     row["roofline_s"], row["roofline_variant"] = min((v, n) for n, v in roof.items())
     if with_hf:  # its peer process stays up for the paired timing below where there is one
-        hf_out, hf = measure_hf(cfg, params, family, dtype_name, x, row,
+        hf_out, hf = measure_hf(cfg, params.to_dict(), family, dtype_name, x, row,
                                 keep_open=row["backends"].get("auto", {}).get("median_s", 0.0) >= PAIRED_MIN_CALL_S)
     else:
         row["hf_s"], row["hf_how"], hf_out, hf = None, "not run (--no-hf)", None, None
@@ -354,9 +358,9 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
         row["hf_max_abs_diff"] = float(np.max(np.abs(hf_out - np.asarray(out_ref.astype(jnp.float32)))))
     auto_s = row["backends"].get("auto", {}).get("median_s", 0.0)
     if "auto" in compiled and served is not params:  # the layout's gain: auto on each, interleaved
-        row["panel_columns"] = served["w_gate"].panel_columns
-        other = {name: panels.to_panels(p, 80 - row["panel_columns"]) if name in panels.EXPERT_WEIGHTS else p
-                 for name, p in params.items()}  # the other panel width (16 <-> 64)
+        row["panel_columns"] = cpu.describe(served)["panel_columns"]
+        other = served.replace(**{name: cpu.to_panels(getattr(params, name), 80 - row["panel_columns"])
+                                  for name in moe.EXPERT_WEIGHTS})  # the other panel width (16 <-> 64)
         host_memory.advise_huge_pages(jax.tree.leaves(other))
         row["layout_ab_s"] = interleaved_medians({
             "panels": lambda: jax.block_until_ready(compiled["auto"](served, x)),
@@ -456,7 +460,8 @@ def _spread(values):
 
 def markdown(rows):
     """The BENCHMARKS.md table: one line per shape, auto's time and ratios, the other backends."""
-    out = ["| E | k | T | dtype | auto (backend) ms | GFLOP/s | vs (a) | of (b) | x (c) | x (c') | vs (d) | others ms |",
+    out = ["| E | k | T | dtype | auto (backend) ms | GFLOP/s | vs (a) | of (b) | x (c) | x (c') | vs (d) "
+           "| others ms |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         auto = row["backends"].get("auto")
@@ -476,23 +481,22 @@ def markdown(rows):
 def options_ab(e, k, h, i, family, t, dtype_name, reps=9):
     """One A/B row, calls interleaved (alternating the order), medians: the layer's "expert_loop"
     compiled with default options and with YNNPACK off, and "auto" compiled as the server does
-    (backend by `experts.choose_backend`, options by `moe.compiler_options`)."""
+    (backend by `experts.choose_backend`, options by `moe.compiler_options`, on `moe.prepare_params`)."""
     dtype = jnp.dtype(dtype_name)
-    cfg = layer_config(e, k, h, i, family)
-    params = moe.init_params(cfg, jax.random.key(0), dtype)
-    host_memory.advise_huge_pages(params.values())  # as the engine places them
-    x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
-    variants = {"default": ("expert_loop", None), "no_ynn": ("expert_loop", experts.small_rows_cpu_options() or None),
+    cfg, params, served, _, x = served_case(e, k, h, i, family, t, dtype)
+    no_ynn = cpu_policy.small_rows_cpu_options() or None
+    variants = {"default": ("expert_loop", None), "no_ynn": ("expert_loop", no_ynn),
                 "auto": ("auto", moe.compiler_options(cfg, t, dtype=dtype) or None)}
     fns = {name: jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b), compiler_options=opts)
            for name, (backend, opts) in variants.items()}
+    args = {name: served if name == "auto" else params for name in fns}  # auto as served
     times = {name: [] for name in fns}
     for name, fn in fns.items():
-        jax.block_until_ready(fn(params, x))
+        jax.block_until_ready(fn(args[name], x))
     for rep in range(reps):
         for name in (list(fns) if rep % 2 else list(fns)[::-1]):
             start = time.perf_counter()
-            jax.block_until_ready(fns[name](params, x))
+            jax.block_until_ready(fns[name](args[name], x))
             times[name].append(time.perf_counter() - start)
     default_s, no_ynn_s, auto_s = (statistics.median(times[n]) for n in ("default", "no_ynn", "auto"))
     rule_picks_no_ynn = bool(moe.compiler_options(cfg, t, dtype=dtype, backend="expert_loop"))
@@ -505,8 +509,8 @@ def options_ab(e, k, h, i, family, t, dtype_name, reps=9):
 
 def run_options_ab(args):
     """--options-ab: are the rules in experts.compiler_options / choose_backend right on this machine?"""
-    if not experts.small_rows_cpu_options():
-        sys.exit("this jaxlib does not accept experts.SMALL_ROWS_CPU_OPTIONS; nothing to compare")
+    if not cpu_policy.small_rows_cpu_options():
+        sys.exit("this jaxlib does not accept cpu.policy.SMALL_ROWS_CPU_OPTIONS; nothing to compare")
     print(f"{'E':>3} {'T':>5} {'dtype':>8} {'rows/E':>7} {'default ms':>10} {'no-ynn ms':>9} {'speedup':>7} "
           f"{'rule':>7} {'auto ms':>8} {'auto backend':>12} {'vs loop':>7}")
     rows = []
@@ -514,7 +518,8 @@ def run_options_ab(args):
         r = options_ab(e, k, h, i, family, t, dtype_name)
         rows.append(r)
         print(f"{e:>3} {t:>5} {dtype_name:>8} {r['rows_per_expert']:>7.1f} {r['default_s'] * 1e3:>10.1f} "
-              f"{r['no_ynn_s'] * 1e3:>9.1f} {r['speedup']:>7.2f} {'no-ynn' if r['rule_picks_no_ynn'] else 'default':>7} "
+              f"{r['no_ynn_s'] * 1e3:>9.1f} {r['speedup']:>7.2f} "
+              f"{'no-ynn' if r['rule_picks_no_ynn'] else 'default':>7} "
               f"{r['auto_s'] * 1e3:>8.1f} {r['auto_backend']:>12} {r['auto_vs_expert_loop']:>7.2f}")
         sys.stdout.flush()
     return rows
@@ -540,7 +545,7 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--markdown", metavar="JSON", help="print the BENCHMARKS.md table of a results file and exit")
     parser.add_argument("--options-ab", action="store_true",
-                        help="A/B the layer's expert_loop with and without experts.SMALL_ROWS_CPU_OPTIONS and "
+                        help="A/B the layer's expert_loop with and without cpu.policy.SMALL_ROWS_CPU_OPTIONS and "
                              f"auto as served (interleaved) at T in {AB_TOKENS} (or --tokens; --experts 128 adds "
                              f"Qwen3-30B-A3B's shape); writes {os.path.basename(AB_RESULTS)}")
     args = parser.parse_args(argv)

@@ -1,30 +1,30 @@
-"""The native CPU grouped matmul (kernels/native/grouped_matmul_cpu.cc) on its own, per projection.
+"""The native CPU grouped matmul (kernels/cpu/csrc/grouped_matmul_cpu.cc) on its own, per projection.
 
-For each (E, K, C) projection shape, rows per expert and weight dtype: `native_cpu.grouped_matmul`
+For each (E, K, C) projection shape, rows per expert and weight dtype: `cpu.grouped_matmul`
 against, in the same run, XLA's batched dot of the same products (`einsum("emk,ekc->emc")` with
 uniform groups: what the "capacity" backend runs, no padding) and the memory floor (the weight
 bytes / this machine's copy bandwidth, read + write, as in moe_layer.py's (c)); "of read" is the
 fraction of this machine's read bandwidth the kernel streams its weights at (moe_layer.py's (c')),
 the ceiling for few rows per expert. Each call reads another copy of the weights, enough copies to
 pass 4x 32 MiB, so no shape runs out of the last-level cache. XLA is timed in a loop of its own
-after the kernel: interleaved, its bf16 einsum (which writes a widened fp32 copy of the weights)
-slowed the kernel call after it by up to 2x at 1-4 rows per expert. Reports median ms, GB/s of
+after the kernel, not interleaved with it: its bf16 einsum writes a widened fp32 copy of the
+weights, which slows the kernel call after it. Reports median ms, GB/s of
 weights, GFLOP/s, and the ratios; writes benchmarks/results/native_cpu_kernel.json.
 
 The weights are moved onto huge pages, as the engine places them (expertd.server.host_memory);
 `--pages-ab` also times the kernel on copies left on 4 KiB pages, interleaved ("2M/4k" > 1: huge
 pages faster). "pan ms" / "pan/rm" time the same call on the weights panel-major
-(expertd.kernels.panels, as the engine serves them on CPU), interleaved with the row-major call
+(`cpu.to_panels`, as `moe.prepare_params` lays them out on CPU), interleaved with the row-major call
 ("pan/rm" > 1: panels faster).
 
 The rows are bf16 values where the weights are bf16 (x rounded to the weights' dtype, as the layer's
 rows are), so AVX512_BF16 CPUs run the panels on the bf16 dot product. `--isa-ab` also times the
-panel-major call at every lower instruction-set level this CPU runs (native_cpu.limit_isa), each on
+panel-major call at every lower instruction-set level this CPU runs (cpu.limit_isa), each on
 the panel width the engine makes for that level, interleaved: "<level>/top" > 1 means the top level
 is faster. `--width-ab` also times the panel-major call on the other panel width (16 or 64 columns,
-expertd.kernels.panels), interleaved: "pan/W<other>" > 1 means the width the engine picks for this
+`cpu.to_panels`), interleaved: "pan/W<other>" > 1 means the width prepare_params picks for this
 CPU is faster. The "path" column names the kernel
-path the panel-major call took (native_cpu.path_items).
+path the panel-major call took (cpu.path_items).
 
 `--variant other.cc` also builds a modified copy of the kernel source and times it interleaved
 with the committed one (the A/B that picked the kernel's parameters): "variant/base" > 1 means the
@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import native_cpu, panels
+from expertd.kernels import cpu
+from expertd.kernels.cpu import build
 from expertd.server import host_allocator, host_memory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -63,16 +64,16 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "n
 def variant_call(source: pathlib.Path, on_panels: bool = False):
     """Build `source` (a variant of the kernel) and return a jitted call of it like grouped_matmul,
     through its entry point for row-major or (`on_panels`) panel-major weights."""
-    cxx = native_cpu._compiler()
+    cxx = build.find_compiler()
     if cxx is None:
         sys.exit("no C++ compiler for --variant")
     target = pathlib.Path(tempfile.mkdtemp(prefix="expertd-variant-")) / "variant.so"
-    native_cpu._build(cxx, target, sources=(source,))
+    build.compile_library(cxx, target, sources=(source,))
     symbol = "ExpertdGroupedMatmulPanels" if on_panels else "ExpertdGroupedMatmul"  # older sources lack the first
-    native_cpu._register(target, {"expertd_grouped_matmul_variant": symbol})
+    build.register(target, {"expertd_grouped_matmul_variant": symbol})
 
     def call(x, group_sizes, w):
-        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+        out = jax.ShapeDtypeStruct((x.shape[0], (w.logical_shape if on_panels else w.shape)[2]), jnp.float32)
         return jax.ffi.ffi_call("expertd_grouped_matmul_variant", out)(x, group_sizes, w.panels if on_panels else w)
     return jax.jit(call)
 
@@ -85,7 +86,7 @@ def weight_copies(w0, dtype):
 def at_isa(fn, level):
     """`fn` run with the kernels limited to instruction-set `level`."""
     def call(*args):
-        with native_cpu.limit_isa(level):
+        with cpu.limit_isa(level):
             return jax.block_until_ready(fn(*args))
     return call
 
@@ -100,15 +101,15 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     weights_4k = weight_copies(w0, dtype) if pages_ab else None  # made first: fresh 4 KiB mappings
     weights = weight_copies(w0, dtype)
     host_memory.advise_huge_pages(weights)  # as the engine places them
-    weight_panels = [panels.to_panels(w) for w in weights]  # the layout the engine serves on CPU
+    weight_panels = [cpu.to_panels(w) for w in weights]  # the layout prepare_params makes on CPU
     host_memory.advise_huge_pages(jax.tree.leaves(weight_panels))
-    lower_isas = native_cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
+    lower_isas = cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
     # Each level on the panel width the engine would make for it (16 columns below AVX-512).
-    width_of = {level: panels.panel_columns(level) for level in lower_isas}
-    panels_of_width = {width: [panels.to_panels(w, width) for w in weights] for width in set(width_of.values())
+    width_of = {level: cpu.panel_columns(level) for level in lower_isas}
+    panels_of_width = {width: [cpu.to_panels(w, width) for w in weights] for width in set(width_of.values())
                        if width != weight_panels[0].panel_columns}
     host_memory.advise_huge_pages(jax.tree.leaves(panels_of_width))
-    fns = {"native": jax.jit(native_cpu.grouped_matmul), "panels": jax.jit(native_cpu.grouped_matmul),
+    fns = {"native": jax.jit(cpu.grouped_matmul), "panels": jax.jit(cpu.grouped_matmul),
            "xla": jax.jit(lambda v, g, w: jnp.einsum("emk,ekc->emc", v.reshape(e, m, k), w.astype(jnp.float32),
                                                      precision=jax.lax.Precision.DEFAULT).reshape(e * m, c))}
     if variant is not None:
@@ -126,18 +127,18 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     other_width = 80 - weight_panels[0].panel_columns  # 16 <-> 64
     if width_ab:
         fns["panels_other_width"] = fns["panels"]
-        weights_of["panels_other_width"] = [panels.to_panels(w, other_width) for w in weights]
+        weights_of["panels_other_width"] = [cpu.to_panels(w, other_width) for w in weights]
         host_memory.advise_huge_pages(jax.tree.leaves(weights_of["panels_other_width"]))
         on_panels.add("panels_other_width")
     if pages_ab:  # the same kernel on copies left on 4 KiB pages
         fns["native_4k"] = fns["native"]
         weights_of["native_4k"] = weights_4k
     want = np.asarray(fns["xla"](x, group_sizes, w0))
-    before = native_cpu.path_items()
+    before = cpu.path_items()
     jax.block_until_ready(fns["panels"](x, group_sizes, weight_panels[0]))
-    path = ",".join(name for name, n in native_cpu.path_items().items() if n > before[name])
+    path = ",".join(name for name, n in cpu.path_items().items() if n > before[name])
     for name, fn in fns.items():  # compile, and check they compute the same product
-        got = np.asarray(fn(x, group_sizes, panels.to_panels(w0) if name in on_panels else w0))
+        got = np.asarray(fn(x, group_sizes, cpu.to_panels(w0) if name in on_panels else w0))
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
     times = {name: [] for name in fns}
     for group in ([name for name in fns if name != "xla"], ["xla"]):  # the A/B interleaved, then XLA
@@ -174,7 +175,7 @@ def print_row(r):
     extra = f" {r['variant_s'] * 1e3:>8.2f} {r['variant_vs_base']:>6.2f}" if "variant_s" in r else ""
     extra += f" {r['native_4k_s'] * 1e3:>8.2f} {r['huge_vs_4k']:>6.2f}" if "native_4k_s" in r else ""
     extra += f" {r['width_vs_other']:>7.2f}" if "width_vs_other" in r else ""
-    extra += "".join(f" {r[f'{level}_vs_top']:>{max(8, len(level) + 4)}.2f}" for level in native_cpu.ISA_LEVELS
+    extra += "".join(f" {r[f'{level}_vs_top']:>{max(8, len(level) + 4)}.2f}" for level in cpu.ISA_LEVELS
                      if f"{level}_vs_top" in r)
     print(f"{r['E']:>3} {r['K']:>5} {r['C']:>5} {r['rows_per_expert']:>4} {r['dtype']:>8} {s * 1e3:>8.2f} "
           f"{r['weight_bytes'] / s / 1e9:>6.1f} {r['gflop'] / s:>7.1f} {r['xla_s'] * 1e3:>8.2f} {r['vs_xla']:>6.2f} "
@@ -188,7 +189,8 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS_PER_EXPERT), help="rows per expert")
     parser.add_argument("--experts", type=int, nargs="*", default=sorted({s[0] for s in SHAPES}))
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES))
-    parser.add_argument("--variant", type=pathlib.Path, help="a modified kernel source to A/B against the committed one")
+    parser.add_argument("--variant", type=pathlib.Path,
+                        help="a modified kernel source to A/B against the committed one")
     parser.add_argument("--variant-on-panels", action="store_true",
                         help="run the --variant A/B on panel-major weights (its *Panels entry point)")
     parser.add_argument("--pages-ab", action="store_true",
@@ -201,20 +203,21 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     host_allocator.retain_freed_memory()  # as `serve --retain-freed-memory`, before JAX's first computation
-    if not native_cpu.available():  # e.g. no C++ compiler: nothing to time (`make bench` goes on)
-        print(f"skipped: native CPU kernel unavailable: {native_cpu.unavailable_reason()}")
+    if not cpu.available():  # e.g. no C++ compiler: nothing to time (`make bench` goes on)
+        print(f"skipped: native CPU kernel unavailable: {cpu.unavailable_reason()}")
         return
     variant = variant_call(args.variant, args.variant_on_panels) if args.variant else None
     load_before = os.getloadavg()
     bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read {read_rate / 1e9:.1f} GB/s; "
           f"jax {jax.__version__}; "
-          f"kernel at {native_cpu.isa()}")
+          f"kernel at {cpu.isa()}")
     print(f"{'E':>3} {'K':>5} {'C':>5} {'rows':>4} {'dtype':>8} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>7} {'xla ms':>8} "
           f"{'vs xla':>6} {'x floor':>6} {'of read':>6} {'pan ms':>8} {'pan/rm':>6} {'path':>15}"
-          + (f" {'var ms':>8} {'var/base':>6}" if variant else "") + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else "")
-          + (f" {'pan/W' + str(80 - panels.panel_columns()):>7}" if args.width_ab else "")
-          + ("".join(f" {level + '/top':>8}" for level in native_cpu.supported_isas()[1:-1]) if args.isa_ab else ""))
+          + (f" {'var ms':>8} {'var/base':>6}" if variant else "")
+          + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else "")
+          + (f" {'pan/W' + str(80 - cpu.panel_columns()):>7}" if args.width_ab else "")
+          + ("".join(f" {level + '/top':>8}" for level in cpu.supported_isas()[1:-1]) if args.isa_ab else ""))
     rows = []
     for e, k, c in SHAPES:
         if e not in args.experts:

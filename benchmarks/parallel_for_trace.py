@@ -1,8 +1,8 @@
 """Where a small-batch MoE layer call waits: the native kernels' ParallelFor calls, timed from inside.
 
-Builds the native CPU library with EXPERTD_TRACE_PARALLEL_FOR=1 (its own build, see
-kernels/native/parallel.h) and runs, interleaved in rounds, three programs on the served weights
-(panel-major, huge pages, as `benchmarks/moe_layer.py` serves them):
+Builds the native CPU library's trace build (`cpu.BuildOptions(trace=True)`, its own build, see
+kernels/cpu/csrc/parallel.h) and runs, interleaved in rounds, three programs on the served weights
+(`moe.prepare_params`, huge pages, as `benchmarks/moe_layer.py` serves them):
   layer    the served MoE layer (router, layout, gate / up / down, SwiGLU, combine)
   ffn      its grouped FFN alone (gate, up, SwiGLU, down) on a fixed routing
   kernels  the three grouped matmuls alone (gate + up added, no SwiGLU)
@@ -19,21 +19,18 @@ Prints a table; JSON in benchmarks/results/parallel_for_trace.json.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import time
 
-os.environ["EXPERTD_TRACE_PARALLEL_FOR"] = "1"  # before the library is first built / loaded
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from expertd.kernels import cpu, moe
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import moe_layer  # noqa: E402
-
-from expertd.kernels import experts, moe, native_cpu  # noqa: E402
 
 SHAPES = {shape[0]: shape for shape in moe_layer.SHAPES}  # by E
 CALLS_PER_ROUND = 20
@@ -43,17 +40,17 @@ def programs(cfg, served, x):
     """{name: zero-argument call} for the layer, its FFN alone and its three matmuls alone."""
     layer = jax.jit(lambda p, x: moe.moe_layer(p, x, cfg, backend="native_cpu"))
     ids, _ = moe.route(served, x, cfg)
-    perm = native_cpu.layout(jnp.maximum(ids, 0), cfg.num_experts)
+    perm = cpu.layout(jnp.maximum(ids, 0), cfg.num_experts)
     gs, src = perm.group_sizes, perm.token_of_row
-    w = (served["w_gate"], served["w_up"], served["w_down"])
-    ffn = jax.jit(lambda x, gs, src, w: experts.grouped_ffn_native_cpu(x, gs, *w, source=src))
+    w = (served.w_gate, served.w_up, served.w_down)
+    ffn = jax.jit(lambda x, gs, src, w: cpu.grouped_ffn(x, gs, *w, source=src))
 
     @jax.jit
     def kernels(x, gs, src, w):
         x32 = x.astype(jnp.float32)
-        gate = native_cpu.grouped_matmul(x32, gs, w[0], source=src)
-        up = native_cpu.grouped_matmul(x32, gs, w[1], source=src)
-        return native_cpu.grouped_matmul(gate + up, gs, w[2])
+        gate = cpu.grouped_matmul(x32, gs, w[0], source=src)
+        up = cpu.grouped_matmul(x32, gs, w[1], source=src)
+        return cpu.grouped_matmul(gate + up, gs, w[2])
 
     return {"layer": lambda: layer(served, x), "ffn": lambda: ffn(x, gs, src, w),
             "kernels": lambda: kernels(x, gs, src, w)}
@@ -64,7 +61,7 @@ def run_rounds(calls: dict, total_calls: int) -> dict:
     per call, trace records)}."""
     for call in calls.values():
         jax.block_until_ready(call())
-    native_cpu.parallel_for_trace()
+    cpu.parallel_for_trace()
     walls, records = {name: [] for name in calls}, {name: [] for name in calls}
     for _ in range(max(1, total_calls // CALLS_PER_ROUND)):
         for name, call in calls.items():
@@ -72,13 +69,13 @@ def run_rounds(calls: dict, total_calls: int) -> dict:
                 start = time.perf_counter()
                 jax.block_until_ready(call())
                 walls[name].append(time.perf_counter() - start)
-            records[name].append(native_cpu.parallel_for_trace())
+            records[name].append(cpu.parallel_for_trace())
     return {name: (np.array(walls[name]), np.concatenate(records[name])) for name in calls}
 
 
 def summarize(wall: np.ndarray, records: np.ndarray) -> dict:
     """Medians (µs) per ParallelFor position in a program call; see the module docstring."""
-    f = {name: records[:, i].astype(float) for i, name in enumerate(native_cpu.TRACE_FIELDS)}
+    f = {name: records[:, i].astype(float) for i, name in enumerate(cpu.TRACE_FIELDS)}
     per_call = len(records) // len(wall)
     end = np.maximum(f["caller_done"], f["helper_done"])
     nan = np.full(len(records), np.nan)
@@ -121,8 +118,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.sync_dispatch:  # read when the CPU client is made, so before the first computation
         jax.config.update("jax_cpu_enable_async_dispatch", False)
-    if not native_cpu.available():
-        sys.exit(f"the native CPU kernel is unavailable: {native_cpu.unavailable_reason()}")
+    cpu.configure(cpu.BuildOptions(trace=True))  # before the library is first built / loaded
+    if not cpu.available():
+        sys.exit(f"the native CPU kernel is unavailable: {cpu.unavailable_reason()}")
     rows = []
     for e in args.experts:
         for dtype_name in args.dtypes:
@@ -137,7 +135,7 @@ def main(argv=None):
     bandwidth = moe_layer.copy_bandwidth()
     print(f"copy bandwidth after the run: {bandwidth / 1e9:.1f} GB/s")
     moe_layer.write_results(args.out, "parallel_for_trace", rows, copy_bandwidth_after=bandwidth,
-                            isa=native_cpu.isa(), async_dispatch=not args.sync_dispatch)
+                            isa=cpu.isa(), async_dispatch=not args.sync_dispatch)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -91,12 +92,12 @@ def bench_grid(tokens, experts, topks, budget_s, interpret_budget_s):
                 if k > e:
                     continue
                 entry = {"T": t, "E": e, "k": k, "dtype": "float32", "router": "softmax-pre"}
-                base, n = median_seconds(jax.jit(lambda x: unfused_router(x, k)), logits, budget_s, 50)
+                base, n = median_seconds(jax.jit(functools.partial(unfused_router, topk=k)), logits, budget_s, 50)
                 entry["baseline_ms"] = base * 1e3
                 for backend in BACKENDS:
                     interpreted = backend == "pallas" and not gpu
-                    fn = jax.jit(lambda x, b=backend: fused_topk_with_score_function(
-                        x, k, use_pre_softmax=True, backend=b))
+                    fn = jax.jit(functools.partial(fused_topk_with_score_function, topk=k, use_pre_softmax=True,
+                                                   backend=backend))
                     seconds, n = median_seconds(fn, logits, interpret_budget_s if interpreted else budget_s,
                                                 5 if interpreted else 50)
                     entry[f"{backend}_ms"] = seconds * 1e3
@@ -118,13 +119,13 @@ def bench_settings(budget_s, interpret_budget_s):
         "sigmoid+bias+groups 8/4+scale 2.5": dict(score_function="sigmoid", expert_bias=bias, num_groups=8,
                                                   group_topk=4, scaling_factor=2.5),
     }
-    base, _ = median_seconds(jax.jit(lambda x: unfused_router(x, k)), logits, budget_s, 50)
+    base, _ = median_seconds(jax.jit(functools.partial(unfused_router, topk=k)), logits, budget_s, 50)
     rows = []
     for name, kwargs in settings.items():
         entry = {"T": t, "E": e, "k": k, "dtype": "float32", "router": name, "baseline_ms": base * 1e3}
         for backend in BACKENDS:
             interpreted = backend == "pallas" and jax.default_backend() != "gpu"
-            fn = jax.jit(lambda x, b=backend: fused_topk_with_score_function(x, k, backend=b, **kwargs))
+            fn = jax.jit(functools.partial(fused_topk_with_score_function, topk=k, backend=backend, **kwargs))
             seconds, _ = median_seconds(fn, logits, interpret_budget_s if interpreted else budget_s,
                                         5 if interpreted else 50)
             entry[f"{backend}_ms"] = seconds * 1e3

@@ -52,12 +52,12 @@ MID_HF_CONFIG = {  # a mid-size layer that still runs in milliseconds on a CPU
 
 
 def build_layers(model: str):
-    from expertd.kernels.moe import MoEConfig
     from expertd.server.model import LoadedLayer, SeededParams, load_preset
+    from expertd.server.models.hf_config import moe_config_from_hf
 
     if model == "tiny":
         return load_preset("tiny", num_layers=1, dtype="float32")
-    cfg = MoEConfig.from_hf_config(MID_HF_CONFIG)
+    cfg = moe_config_from_hf(MID_HF_CONFIG)
     return [LoadedLayer(0, cfg, SeededParams(cfg, layer_index=0, seed=0, dtype="float32"), source="benchmark mid")]
 
 

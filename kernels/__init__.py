@@ -1,4 +1,19 @@
-"""expertd.kernels: pure JAX MoE kernels (router, dispatch, experts, expert parallelism).
+"""expertd.kernels: the MoE math as a library (JAX), with typed params and handles.
 
-No gRPC, no metrics, no config files and no environment reads live here.
+Public modules:
+  moe       the whole layer: MoEConfig, MoEParams, init_params, prepare_params (once after
+            loading, for the fastest layout), moe_layer, route, compiler_options
+  router    top-k routing with TransformerEngine's semantics (fused_topk_with_score_function,
+            fused_moe_aux_loss)
+  dispatch  permute / unpermute tokens into expert-major rows (Permutation)
+  experts   the grouped expert FFN by backend (grouped_ffn, choose_backend, compiler_options)
+  ep        the expert-parallel layer over a mesh axis (shard_params, ep_moe_layer)
+  cpu       the native CPU backend behind one door (build options, custom calls, weight layout,
+            CPU backend policy)
+Supporting modules: config (MoEConfig), params (MoEParams, RouterParams), ffn (the grouped-FFN
+contract and reference), experts_xla / experts_pallas (backends), ragged (the ragged exchange),
+router_reference / router_xla / router_pallas (router backends).
+
+No gRPC, no metrics, no config files and no reads of the process's env variables live here: every
+setting is an argument (the native CPU build's through `cpu.configure`).
 """

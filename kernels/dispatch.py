@@ -27,8 +27,8 @@ E experts, N buffer rows):
       unused rows never leaks). Without weights the copies are summed.
 
   layout(topk_ids [T, k], num_experts, *, align_size=0, valid=None) -> Permutation
-      permute without the gather (native_cpu.layout computes the same in C++, and
-      native_cpu.combine the same as unpermute with out_dtype float32).
+      permute without the gather (cpu.layout computes the same in C++, and cpu.combine the same
+      as unpermute with out_dtype float32).
 
   buffer_rows(T, k, E, align_size) -> int: the static N above.
 
@@ -46,7 +46,14 @@ from jax import lax
 
 
 class Permutation(NamedTuple):
-    """Where every (token, slot) copy went; see the module docstring for shapes."""
+    """Where every (token, slot) copy went: the handle from dispatch to combine (a pytree).
+
+    dest:              int32 [T, k] row of copy (t, j); N where the copy is not routed
+    token_of_row:      int32 [N] source token of each row; T for pad rows and the unused tail
+    group_sizes:       int32 [E] rows of each expert's block (aligned counts when A > 0)
+    group_offsets:     int32 [E] first row of each block (exclusive cumsum of group_sizes)
+    tokens_per_expert: int32 [E] routed copies per expert, without padding
+    """
 
     dest: jax.Array
     token_of_row: jax.Array
@@ -70,7 +77,7 @@ def buffer_rows(num_tokens: int, topk: int, num_experts: int, align_size: int = 
 
 
 def check_layout_args(topk_ids, num_experts, align_size, valid) -> tuple[int, int]:
-    """Validate `layout`'s arguments (native_cpu.layout shares this); returns (T, k)."""
+    """Validate `layout`'s arguments (cpu.layout shares this); returns (T, k)."""
     if topk_ids.ndim != 2:
         raise ValueError(f"topk_ids must be [T, k], got shape {topk_ids.shape}")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
@@ -94,7 +101,7 @@ def _check_args(x, topk_ids, num_experts, align_size, valid):
 
 
 def check_unpermute_args(rows, perm: Permutation, topk_weights) -> tuple[int, int]:
-    """Validate `unpermute`'s arguments (native_cpu.combine shares this); returns (T, k)."""
+    """Validate `unpermute`'s arguments (cpu.combine shares this); returns (T, k)."""
     t, k = perm.dest.shape
     if rows.ndim != 2 or rows.shape[0] != perm.token_of_row.shape[0]:
         raise ValueError(f"rows must be [N, H] with N={perm.token_of_row.shape[0]}, got {rows.shape}")

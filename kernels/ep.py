@@ -2,12 +2,12 @@
 
 Public API (T tokens, H hidden, E experts, El = E/R local experts, k top-k, R ranks on `axis`):
 
-  shard_params(params, cfg, mesh, axis="ep") -> dict
-      Places the `moe.init_params` dict on the mesh once: w_gate / w_up / w_down split on their
-      expert dim (El experts per rank), everything else replicated. Serving calls this once so
-      that ep_moe_layer never re-transfers weights.
+  shard_params(params: MoEParams, cfg, mesh, axis="ep") -> MoEParams
+      Places the params on the mesh once: w_gate / w_up / w_down split on their expert dim (El
+      experts per rank), everything else replicated. Serving calls this once so that ep_moe_layer
+      never re-transfers weights.
 
-  ep_moe_layer(params, x [T, H], cfg, mesh, *, axis="ep", dispatch="auto", capacity_factor=None,
+  ep_moe_layer(params: MoEParams, x [T, H], cfg, mesh, *, axis="ep", dispatch="auto", capacity_factor=None,
                valid_tokens=None, return_stats=False, backend="auto", ragged_all_to_all=None)
       -> out [T, H] in x.dtype, or (out, stats) with return_stats.
       Same contract as `moe.moe_layer` (valid_tokens: None, an int count or a bool [T] mask;
@@ -27,7 +27,9 @@ Public API (T tokens, H hidden, E experts, El = E/R local experts, k top-k, R ra
       backend: grouped-GEMM backend of `expertd.kernels.experts` for the local experts.
       ragged_all_to_all: the op the ragged path calls (default `jax.lax.ragged_all_to_all`);
       `ragged.ragged_all_to_all_emulated` runs the same ragged code on CPU.
-      stats (jax arrays): tokens_per_expert int32 [E] (routed, global, padding excluded),
+      stats (jax arrays): topk_ids int32 [T, k] and topk_weights fp32 [T, k] (the routing each rank
+      computed for its tokens, `moe.route`'s: -1 / 0 on padding rows, so a caller needs no second
+      routing pass), tokens_per_expert int32 [E] (routed, global, padding excluded),
       dropped_pairs int32 [], rows_received int32 [R] (rows each rank's experts ran, after drops),
       bytes_sent float32 [R] (dispatch + combine payload rows incl. padding, plus the count
       exchange), min_bytes float32 [R] (routed rows only, both directions), bytes_ratio float32 []
@@ -37,15 +39,16 @@ Public API (T tokens, H hidden, E experts, El = E/R local experts, k top-k, R ra
 
 One rank's step (all inside one shard_map; every rank runs every collective, even with no tokens):
 route its T/R tokens (`moe.route`, fp32) -> permute copies expert-major, which is destination-rank
-major (`dispatch.permute`) -> all_gather the per-expert counts [R, E] -> exchange rows -> re-sort
-the received rows by local expert (`ragged.expert_major_positions`) -> `experts.grouped_ffn` ->
-reverse exchange -> weighted fp32 combine on the token's own rank (`dispatch.unpermute`) -> shared
-experts on the local tokens.
+major (`dispatch.permute`, a `Permutation`) -> all_gather the per-expert counts [R, E] -> exchange
+rows (`Received`) -> re-sort the received rows by local expert (`ragged.expert_major_positions`, an
+`ExpertMajorOrder`) -> `experts.grouped_ffn` -> reverse exchange -> weighted fp32 combine on the
+token's own rank (`dispatch.unpermute`) -> shared experts on the local tokens.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,10 +58,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from expertd.kernels import dispatch as dispatch_ops
-from expertd.kernels import experts, moe, panels, ragged
+from expertd.kernels import experts, moe, ragged
+from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams
 
 DISPATCH_MODES = ("auto", "ragged", "capacity")
-EXPERT_KEYS = panels.EXPERT_WEIGHTS  # sharded on dim 0; all other params are replicated
+EXPERT_KEYS = EXPERT_WEIGHTS  # sharded on dim 0; all other params are replicated
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # where XLA compiles ragged-all-to-all
 
 
@@ -85,14 +89,14 @@ def _place(value, sharding: NamedSharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def shard_params(params: dict, cfg: moe.MoEConfig, mesh, axis: str = "ep") -> dict:
+def shard_params(params: MoEParams, cfg: moe.MoEConfig, mesh, axis: str = "ep") -> MoEParams:
     """Place `params` on `mesh`: expert weights [E, ...] split over `axis`, the rest replicated."""
     moe.check_params(params, cfg)
     _check_experts_divide(cfg, _num_ranks(mesh, axis))
-    return {
+    return params.replace(**{
         name: _place(value, NamedSharding(mesh, P(axis) if name in EXPERT_KEYS else P()))
         for name, value in params.items()
-    }
+    })
 
 
 def resolve_dispatch(dispatch: str, mesh, *, capacity_factor=None, ragged_all_to_all=None) -> str:
@@ -109,7 +113,8 @@ def resolve_dispatch(dispatch: str, mesh, *, capacity_factor=None, ragged_all_to
         if not native_ragged and ragged_all_to_all is None:
             raise ValueError(
                 f"dispatch='ragged' needs jax.lax.ragged_all_to_all, which XLA:{platform.upper()} cannot "
-                "compile; use dispatch='capacity' or 'auto' (or pass ragged_all_to_all=ragged.ragged_all_to_all_emulated)")
+                "compile; use dispatch='capacity' or 'auto' "
+                "(or pass ragged_all_to_all=ragged.ragged_all_to_all_emulated)")
     return dispatch
 
 
@@ -168,23 +173,57 @@ class _Plan:
         return min(self.recv_rows, self.num_ranks * self.rows_per_rank)
 
 
-def _exchange(rows, counts, me, plan: _Plan, axis: str, ragged_fn):
-    """Dispatch: rows [N, H] (destination-major) -> (received [M, H], per-(source, local expert)
-    counts [R, El] as stored, source starts [R], my kept rows per destination [R])."""
+class Received(NamedTuple):
+    """What one rank holds after the dispatch exchange (M = plan.recv_rows receive rows, R ranks,
+    El local experts).
+
+    rows:          [M, H] received rows, source-major (gaps between sources are padding)
+    counts:        int32 [R, El] rows from each source for each local expert, as stored (after
+                   the capacity's drops)
+    source_starts: int32 [R] first receive row of each source's rows
+    kept_send:     int32 [R] rows of mine each destination kept (the combine's return sizes)
+    """
+
+    rows: jax.Array
+    counts: jax.Array
+    source_starts: jax.Array
+    kept_send: jax.Array
+
+
+class RankOutputs(NamedTuple):
+    """One rank's results, stacked over the ranks by shard_map (Tr = T/R tokens per rank).
+
+    out:               [Tr, H] x.dtype, the layer output of the rank's tokens
+    topk_ids:          int32 [Tr, k] their routing (-1 on padding rows)
+    topk_weights:      fp32 [Tr, k] (0 on padding rows)
+    tokens_per_expert: int32 [1, E] the rank's routed copies per expert
+    per_rank:          int32 [1, 4] dropped pairs, rows its experts ran, payload rows both ways,
+                       routed rows both ways
+    """
+
+    out: jax.Array
+    topk_ids: jax.Array
+    topk_weights: jax.Array
+    tokens_per_expert: jax.Array
+    per_rank: jax.Array
+
+
+def _exchange(rows, counts, me, plan: _Plan, axis: str, ragged_fn) -> Received:
+    """Dispatch: my rows [N, H] (destination-major), the all-gathered counts [R, E] -> Received."""
     r, el = plan.num_ranks, plan.local_experts
     counts_se = counts.reshape(r, r, el)  # [source, destination, local expert]
     send = counts_se[me]  # [R, El]
     send_sizes = send.sum(-1)
     if plan.mode == "ragged":
-        io, ss, oo, rs = ragged.dispatch_exchange_params(counts_se.sum(-1), me)
-        received = ragged_fn(rows, jnp.zeros((plan.recv_rows,) + rows.shape[1:], rows.dtype), io, ss, oo, rs,
-                             axis_name=axis)
-        return received, counts_se[:, me, :], ragged.exclusive_cumsum(rs), send_sizes
+        ex = ragged.dispatch_exchange_params(counts_se.sum(-1), me)
+        out = jnp.zeros((plan.recv_rows,) + rows.shape[1:], rows.dtype)
+        received = ragged_fn(rows, out, *ex, axis_name=axis)
+        return Received(received, counts_se[:, me, :], ragged.exclusive_cumsum(ex.recv_sizes), send_sizes)
     packed = ragged.pack_slices(rows, ragged.exclusive_cumsum(send_sizes), send_sizes, plan.capacity)
     received = lax.all_to_all(packed, axis, 0, 0, tiled=True).reshape((plan.recv_rows,) + rows.shape[1:])
     stored = ragged.kept_counts(counts_se[:, me, :], plan.capacity)
     starts = jnp.arange(r, dtype=jnp.int32) * plan.capacity
-    return received, stored, starts, ragged.kept_counts(send, plan.capacity).sum(-1)
+    return Received(received, stored, starts, ragged.kept_counts(send, plan.capacity).sum(-1))
 
 
 def _exchange_back(y_recv, counts, me, kept_send, num_rows: int, plan: _Plan, axis: str, ragged_fn):
@@ -193,27 +232,27 @@ def _exchange_back(y_recv, counts, me, kept_send, num_rows: int, plan: _Plan, ax
     r, el = plan.num_ranks, plan.local_experts
     out = jnp.zeros((num_rows,) + y_recv.shape[1:], y_recv.dtype)
     if plan.mode == "ragged":
-        io, ss, oo, rs = ragged.combine_exchange_params(counts.reshape(r, r, el).sum(-1), me)
-        return ragged_fn(y_recv, out, io, ss, oo, rs, axis_name=axis)
+        ex = ragged.combine_exchange_params(counts.reshape(r, r, el).sum(-1), me)
+        return ragged_fn(y_recv, out, *ex, axis_name=axis)
     back = lax.all_to_all(y_recv.reshape((r, plan.capacity) + y_recv.shape[1:]), axis, 0, 0, tiled=True)
     send_sizes = counts.reshape(r, r, el)[me].sum(-1)
     return ragged.unpack_slices(back, ragged.exclusive_cumsum(send_sizes), kept_send, out)
 
 
-def _rank_forward(params, x, valid, *, plan: _Plan, axis: str, backend: str, ragged_fn):
-    """One rank: x [T/R, H], valid bool [T/R] -> (out [T/R, H] x.dtype, per-rank stats)."""
+def _rank_forward(params: MoEParams, x, valid, *, plan: _Plan, axis: str, backend: str, ragged_fn) -> RankOutputs:
+    """One rank: x [T/R, H], valid bool [T/R] -> its RankOutputs."""
     cfg, r = plan.cfg, plan.num_ranks
     me = lax.axis_index(axis)
     ids, weights = moe.route(params, x, cfg, valid)
     rows, perm = dispatch_ops.permute(x, jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
     counts = lax.all_gather(perm.tokens_per_expert, axis)  # [R, E]: every exchange size, everywhere
-    received, stored, starts, kept_send = _exchange(rows, counts, me, plan, axis, ragged_fn)
-    pos, group_sizes = ragged.expert_major_positions(stored, starts, plan.recv_rows)
-    xs = jnp.zeros_like(received).at[pos].set(received, mode="drop")
-    ys = experts.grouped_ffn(xs, group_sizes, params["w_gate"], params["w_up"], params["w_down"],
+    got = _exchange(rows, counts, me, plan, axis, ragged_fn)
+    order = ragged.expert_major_positions(got.counts, got.source_starts, plan.recv_rows)
+    xs = jnp.zeros_like(got.rows).at[order.positions].set(got.rows, mode="drop")
+    ys = experts.grouped_ffn(xs, order.group_sizes, params.w_gate, params.w_up, params.w_down,
                              activation=cfg.activation, backend=backend, capacity=plan.expert_rows)
-    y_recv = ys.at[pos].get(mode="fill", fill_value=0)  # padding rows (pos == M) read as 0
-    y_rows = _exchange_back(y_recv, counts, me, kept_send, rows.shape[0], plan, axis, ragged_fn)
+    y_recv = ys.at[order.positions].get(mode="fill", fill_value=0)  # padding rows (pos == M) read as 0
+    y_rows = _exchange_back(y_recv, counts, me, got.kept_send, rows.shape[0], plan, axis, ragged_fn)
     out = dispatch_ops.unpermute(y_rows, perm, weights, out_dtype=jnp.float32)
     if cfg.has_shared:
         out = out + moe.shared_experts(params, x, cfg)
@@ -223,35 +262,38 @@ def _rank_forward(params, x, valid, *, plan: _Plan, axis: str, backend: str, rag
     # Rows on the wire, both directions: ragged moves the routed rows out and back, capacity
     # moves its whole [R, C, H] buffer each way.
     payload = sent + routed_in if plan.mode == "ragged" else 2 * r * plan.capacity
-    per_rank = jnp.stack([sent - kept_send.sum(), group_sizes.sum(), payload, sent + routed_in])
-    return out, perm.tokens_per_expert[None], per_rank[None].astype(jnp.int32)
+    per_rank = jnp.stack([sent - got.kept_send.sum(), order.group_sizes.sum(), payload, sent + routed_in])
+    return RankOutputs(out, ids, weights, perm.tokens_per_expert[None], per_rank[None].astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "mesh", "axis", "backend", "ragged_fn", "num_tokens"))
-def _forward(params, x, valid, *, plan, mesh, axis, backend, ragged_fn, num_tokens):
-    expert_spec = {name: P(axis) if name in EXPERT_KEYS else P() for name in params}
+def _forward(params: MoEParams, x, valid, *, plan, mesh, axis, backend, ragged_fn, num_tokens):
+    expert_spec = params.replace(**{name: P(axis) if name in EXPERT_KEYS else P() for name, _ in params.items()})
     body = functools.partial(_rank_forward, plan=plan, axis=axis, backend=backend, ragged_fn=ragged_fn)
     # check_vma=False: the Pallas expert / router kernels inside need it (jax-on-cpu.md 4).
-    out, tokens, per_rank = jax.shard_map(
-        body, mesh=mesh, in_specs=(expert_spec, P(axis), P(axis)), out_specs=(P(axis), P(axis), P(axis)),
-        check_vma=False)(params, x, valid)
+    out_specs = RankOutputs(*(P(axis),) * len(RankOutputs._fields))
+    res = jax.shard_map(body, mesh=mesh, in_specs=(expert_spec, P(axis), P(axis)), out_specs=out_specs,
+                        check_vma=False)(params, x, valid)
+    per_rank = res.per_rank
     row_bytes = plan.cfg.hidden_size * jnp.dtype(x.dtype).itemsize
     count_bytes = plan.num_ranks * plan.cfg.num_experts * 4  # the all_gather of int32 counts
     bytes_sent = per_rank[:, 2].astype(jnp.float32) * row_bytes + count_bytes
     min_bytes = per_rank[:, 3].astype(jnp.float32) * row_bytes
     total_min = min_bytes.sum()
     stats = {
-        "tokens_per_expert": tokens.sum(axis=0),
+        "topk_ids": res.topk_ids[:num_tokens],
+        "topk_weights": res.topk_weights[:num_tokens],
+        "tokens_per_expert": res.tokens_per_expert.sum(axis=0),
         "dropped_pairs": per_rank[:, 0].sum(),
         "rows_received": per_rank[:, 1],
         "bytes_sent": bytes_sent,
         "min_bytes": min_bytes,
         "bytes_ratio": jnp.where(total_min > 0, bytes_sent.sum() / jnp.maximum(total_min, 1.0), jnp.inf),
     }
-    return out[:num_tokens], stats
+    return res.out[:num_tokens], stats
 
 
-def ep_moe_layer(params: dict, x, cfg: moe.MoEConfig, mesh, *, axis: str = "ep", dispatch: str = "auto",
+def ep_moe_layer(params: MoEParams, x, cfg: moe.MoEConfig, mesh, *, axis: str = "ep", dispatch: str = "auto",
                  capacity_factor=None, valid_tokens=None, return_stats: bool = False, backend: str = "auto",
                  ragged_all_to_all=None):
     """Expert-parallel MoE forward `x [T, H]` -> `[T, H]` (x.dtype); see the module docstring."""

@@ -2,7 +2,7 @@
 
 Written for Pallas-Triton (GPU): every block is a power of two >= 16 and weights are read with
 dynamic `pl.ds` slices of whole-array refs (Triton has no scalar prefetch). On CPU the same
-kernels run in interpret mode (tests only: it is slow). Not yet compiled or measured on a GPU.
+kernels run in interpret mode (tests only: it is slow).
 
 Layout: rows are re-laid so that every expert's block starts on a multiple of the row tile
 `block_m` (pad rows are zero); `tile_expert[i]` names the expert owning row tile i (E for tiles
@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from expertd.kernels.experts import activation_fn, check_ffn_args, matmul_precision, row_experts
+from expertd.kernels.ffn import activation_fn, check_ffn_args, matmul_precision, row_experts
 
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
 

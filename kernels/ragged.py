@@ -1,5 +1,5 @@
 """Ragged all-to-all: a CPU emulation of `jax.lax.ragged_all_to_all` and the offset arithmetic
-expert parallelism needs around it.
+expert parallelism needs around it, with its typed handles (`RaggedExchange`, `ExpertMajorOrder`).
 
 XLA:CPU cannot compile `jax.lax.ragged_all_to_all` ("HLO opcode `ragged-all-to-all` is not
 supported by XLA:CPU ThunkEmitter"). `ragged_all_to_all_emulated` has the same arguments and the
@@ -26,9 +26,38 @@ expert; `worst_case_rows`, `capacity_rows` and `kept_counts` size the fixed-capa
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+class RaggedExchange(NamedTuple):
+    """The four int32 `[R]` size / offset arguments of one `ragged_all_to_all` (module docstring),
+    in its argument order: `ragged_fn(operand, output, *exchange, axis_name=...)`.
+
+    input_offsets:  where my slice i starts in my operand
+    send_sizes:     rows of my slice i
+    output_offsets: where my slice i lands in its receiver's output (a sender-side value)
+    recv_sizes:     rows I receive from rank i
+    """
+
+    input_offsets: jax.Array
+    send_sizes: jax.Array
+    output_offsets: jax.Array
+    recv_sizes: jax.Array
+
+
+class ExpertMajorOrder(NamedTuple):
+    """A received buffer re-sorted by local expert (`expert_major_positions`).
+
+    positions:   int32 [M], where each received row goes in the expert-major layout; M (out of
+                 range: a scatter with mode="drop" skips it) for padding rows
+    group_sizes: int32 [El], rows of each local expert
+    """
+
+    positions: jax.Array
+    group_sizes: jax.Array
 
 
 def exclusive_cumsum(x, axis: int = 0):
@@ -104,11 +133,11 @@ def ragged_all_to_all_emulated(
     return unpack_slices(received, write_offsets, recv_sizes, output)
 
 
-def dispatch_exchange_params(counts, rank):
+def dispatch_exchange_params(counts, rank) -> RaggedExchange:
     """Arguments for the forward (dispatch) ragged exchange with a source-major receive layout.
 
     counts int [R, R] (`counts[s, d]`: rows s sends to d; my rows are stored destination-major);
-    rank: my index. Returns `(input_offsets, send_sizes, output_offsets, recv_sizes)`, int32 [R]:
+    rank: my index. Returns a RaggedExchange, int32 [R] each:
     send_sizes = counts[me], input_offsets = exclusive cumsum of it, recv_sizes = counts[:, me],
     output_offsets[d] = sum(counts[:me, d]) (where my rows land in d's source-major buffer).
     """
@@ -117,10 +146,10 @@ def dispatch_exchange_params(counts, rank):
     input_offsets = exclusive_cumsum(send_sizes)
     output_offsets = exclusive_cumsum(counts, axis=0)[rank]
     recv_sizes = counts[:, rank]
-    return input_offsets, send_sizes, output_offsets, recv_sizes
+    return RaggedExchange(input_offsets, send_sizes, output_offsets, recv_sizes)
 
 
-def combine_exchange_params(counts, rank):
+def combine_exchange_params(counts, rank) -> RaggedExchange:
     """Arguments for the reverse (combine) exchange: send every received row back to its source.
 
     counts int [R, R] as in `dispatch_exchange_params`. My rows are in the dispatch receive layout
@@ -134,18 +163,19 @@ def combine_exchange_params(counts, rank):
     input_offsets = exclusive_cumsum(send_sizes)
     output_offsets = exclusive_cumsum(counts, axis=1)[:, rank]
     recv_sizes = counts[rank]
-    return input_offsets, send_sizes, output_offsets, recv_sizes
+    return RaggedExchange(input_offsets, send_sizes, output_offsets, recv_sizes)
 
 
-def expert_major_positions(counts, source_starts, num_rows: int):
+def expert_major_positions(counts, source_starts, num_rows: int) -> ExpertMajorOrder:
     """Where each received row goes when the receive buffer is re-sorted by local expert.
 
     counts int [R, El]: rows from source s for my local expert e, stored contiguously per source
     in expert order (source s's rows start at `source_starts[s]`, int [R]; gaps between sources are
-    padding). num_rows: static length M of the receive buffer. Returns `(positions int32 [M],
-    group_sizes int32 [El])`: a valid row goes to `positions[r] < sum(counts)` of an expert-major
-    layout (expert e's rows from all sources, source s before s+1, arrival order kept); padding
-    rows get `positions[r] == M` (out of range: a scatter with mode="drop" skips them).
+    padding). num_rows: static length M of the receive buffer. Returns an ExpertMajorOrder
+    (positions int32 [M], group_sizes int32 [El]): a valid row goes to `positions[r] <
+    sum(counts)` of an expert-major layout (expert e's rows from all sources, source s before s+1,
+    arrival order kept); padding rows get `positions[r] == M` (out of range: a scatter with
+    mode="drop" skips them).
     """
     counts = jnp.asarray(counts, jnp.int32)
     num_sources, num_local = counts.shape
@@ -161,7 +191,7 @@ def expert_major_positions(counts, source_starts, num_rows: int):
     seg = jnp.clip(jnp.searchsorted(seg_starts, r, side="right") - 1, 0, num_sources * num_local - 1)
     within = r - seg_starts[seg]
     valid = (within >= 0) & (within < seg_sizes[seg])
-    return jnp.where(valid, seg_dest[seg] + within, num_rows).astype(jnp.int32), group_sizes
+    return ExpertMajorOrder(jnp.where(valid, seg_dest[seg] + within, num_rows).astype(jnp.int32), group_sizes)
 
 
 def worst_case_rows(tokens_per_rank: int, topk: int, experts_per_rank: int) -> int:

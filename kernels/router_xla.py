@@ -7,7 +7,7 @@ Same results as the reference (bit-identical routing maps; weights to fp32 round
   into zeros, instead of masking `[T, E]` arrays with a one-hot expansion.
 
 Note for maintainers: never slice the outputs of `lax.top_k` (e.g. `values[:, k-1]`): on CPU XLA
-then turns the top-k into a full sort of every row (20x slower). Use whole outputs or reductions.
+then turns the top-k into a full sort of every row (far slower). Use whole outputs or reductions.
 """
 from __future__ import annotations
 

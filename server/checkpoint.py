@@ -33,6 +33,7 @@ from safetensors import safe_open
 
 from expertd.kernels.moe import MoEConfig, param_shapes
 from expertd.server.model import LoadedLayer, moe_layer_indices, select_layers
+from expertd.server.models.hf_config import moe_config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -101,7 +102,7 @@ def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, dtype=No
     try:
         chosen = select_layers(moe_layer_indices(config), layers=layers, num_layers=None,
                                what=f"checkpoint {path} ({family})")
-        cfg = MoEConfig.from_hf_config({**config, "model_type": family})
+        cfg = moe_config_from_hf({**config, "model_type": family})
     except CheckpointError:
         raise
     except (ValueError, KeyError, TypeError) as exc:  # bad layer selection or config.json values

@@ -34,7 +34,7 @@ import numpy as np
 
 from expertd.kernels import experts, moe
 from expertd.server import steps
-from expertd.server.model import ROUTER_PARAMS, LoadedLayer
+from expertd.server.model import LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement
 
 
@@ -104,8 +104,8 @@ class Engine:
         self.lock = threading.RLock()
         self._listeners: list[Callable[[CompileEvent], None]] = []
         self._executables: dict[tuple, object] = {}
-        self._keys = {index: (layer.cfg, tuple(sorted((name, p.shape, str(p.dtype)) for name,
-                                                      p in layer.params.items())))
+        self._keys = {index: (layer.cfg, tuple(sorted((name, moe.logical_shape(p), str(p.dtype))
+                                                      for name, p in layer.params.items())))
                       for index, layer in self.layers.items()}
 
     # ------------------------------------------------------------------ running steps
@@ -142,8 +142,7 @@ class Engine:
         params = self.layers[index].params
         if kind == steps.FORWARD:
             return params, tokens, np.asarray(num_valid, np.int32)
-        router = {name: params[name] for name in ROUTER_PARAMS if name in params}
-        return router, tokens, np.asarray(num_valid, np.int32), np.asarray(coeff, np.float32)
+        return params.router, tokens, np.asarray(num_valid, np.int32), np.asarray(coeff, np.float32)
 
     # ------------------------------------------------------------------ compiling steps
 

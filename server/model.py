@@ -7,7 +7,7 @@ in expertd's layouts (`router_weight [H, E]` fp32, `expert_bias [E]` fp32 if any
 `shared_gate [H, 1]` if any). Checkpoints are read by `expertd.server.checkpoint`.
 
 Presets (`PRESETS`), all built from Hugging Face style config dicts through
-`MoEConfig.from_hf_config`, so presets and checkpoints share one path:
+`expertd.server.models.hf_config.moe_config_from_hf`, so presets and checkpoints share one path:
 - `tiny` (default of `make serve`): H=64, E=8, k=2, I=128, 2 layers that differ in routing: even
   layers softmax top-2 (Mixtral style), odd layers grouped sigmoid top-2 with an expert bias, a
   scaling factor, 2 groups of 4 experts (the best group is kept) and a shared expert
@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels.moe import MoEConfig, param_shapes
+from expertd.kernels.params import ROUTER_FIELDS, MoEParams
+from expertd.server.models.hf_config import moe_config_from_hf
 
 DEFAULT_PRESET = "tiny"
 
@@ -42,14 +44,15 @@ class LoadedLayer:
 
     index: the layer's index in the model (what requests name).
     cfg: its MoEConfig (shapes, router settings, shared experts, activation).
-    params: name -> array in expertd's layouts (see module docstring); a dict of numpy arrays for
-      checkpoints, a lazy `SeededParams` mapping for presets.
+    params: as loaded, name -> array in expertd's layouts (see module docstring): a dict of numpy
+      arrays for checkpoints, a lazy `SeededParams` mapping for presets. Start-up
+      (`expertd.server.weights.prepare`) replaces it with the placed, prepared `MoEParams`.
     source: where it came from, for logs and model info ("preset tiny", a checkpoint path).
     """
 
     index: int
     cfg: MoEConfig
-    params: Mapping[str, np.ndarray]
+    params: Mapping[str, np.ndarray] | MoEParams
     source: str = ""
 
 
@@ -148,8 +151,6 @@ def describe_indices(indices: Sequence[int]) -> str:
 
 # ----------------------------------------------------------------------------- seeded weights
 
-ROUTER_PARAMS = ("router_weight", "expert_bias")  # kept in fp32 whatever the weight dtype
-
 
 class SeededParams(Mapping):
     """Lazily generated, deterministic random weights of one layer (see module docstring).
@@ -180,7 +181,7 @@ class SeededParams(Mapping):
 
     def shape_dtype(self, name: str) -> jax.ShapeDtypeStruct:
         """Shape and dtype of `name` without generating it."""
-        return jax.ShapeDtypeStruct(self._shapes[name], jnp.float32 if name in ROUTER_PARAMS else self.dtype)
+        return jax.ShapeDtypeStruct(self._shapes[name], jnp.float32 if name in ROUTER_FIELDS else self.dtype)
 
     def generate(self, name: str, sharding=None, dtype=None) -> jax.Array:
         """Generate tensor `name` on device, laid out with `sharding` (default: the default device).
@@ -296,7 +297,7 @@ def load_preset(name: str = DEFAULT_PRESET, *, num_layers: int | None = None,
         configs = {i: hf for i in chosen}
     out = []
     for index in chosen:
-        cfg = MoEConfig.from_hf_config(configs[index])
+        cfg = moe_config_from_hf(configs[index])
         out.append(LoadedLayer(index, cfg, SeededParams(cfg, layer_index=index, seed=seed, dtype=dtype),
                                source=f"preset {name} (seed {seed})"))
     return out

@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from expertd.kernels import ep as ep_kernels
-from expertd.server.model import ROUTER_PARAMS, LoadedLayer, SeededParams
+from expertd.kernels.params import EXPERT_WEIGHTS, ROUTER_FIELDS, MoEParams
+from expertd.server.model import LoadedLayer, SeededParams
 
 AXIS = "ep"
 
@@ -54,10 +55,10 @@ class MeshPlacement:
                 f"layer {layer.index}: {layer.cfg.num_experts} experts cannot be split evenly over "
                 f"{len(self.devices)} devices; use a device count that divides the expert count")
 
-    def place_layer(self, layer: LoadedLayer, dtype) -> dict:
+    def place_layer(self, layer: LoadedLayer, dtype) -> MoEParams:
         """One layer's params on the mesh: router tensors fp32, expert weights in `dtype`."""
         def target_dtype(name):
-            return jnp.float32 if name in ROUTER_PARAMS else dtype
+            return jnp.float32 if name in ROUTER_FIELDS else dtype
 
         params = layer.params
         if self.ep is not None:
@@ -66,16 +67,18 @@ class MeshPlacement:
             else:
                 placed = {name: np.asarray(value).astype(target_dtype(name), copy=False)
                           for name, value in params.items()}
-            return self.ep.shard_params(placed, layer.cfg, self.mesh, axis=AXIS)  # no-op if placed
+            return self.ep.shard_params(MoEParams.from_dict(placed, layer.cfg), layer.cfg, self.mesh, axis=AXIS)
         if isinstance(params, SeededParams):
             # Generated on device (never on the host), then moved to the mesh's device if needed.
-            return {name: jax.device_put(params.generate(name, dtype=target_dtype(name)), self.replicated)
-                    for name in params}
-        return {name: self.put(np.asarray(value).astype(target_dtype(name), copy=False))
-                for name, value in params.items()}
+            placed = {name: jax.device_put(params.generate(name, dtype=target_dtype(name)), self.replicated)
+                      for name in params}
+        else:
+            placed = {name: self.put(np.asarray(value).astype(target_dtype(name), copy=False))
+                      for name, value in params.items()}
+        return MoEParams.from_dict(placed, layer.cfg)
 
     def _ep_sharding(self, name: str) -> NamedSharding:
-        return NamedSharding(self.mesh, P(AXIS) if name in self.ep.EXPERT_KEYS else P())
+        return NamedSharding(self.mesh, P(AXIS) if name in EXPERT_WEIGHTS else P())
 
     def put(self, array: np.ndarray) -> jax.Array:
         """A host array replicated over the mesh."""
@@ -107,7 +110,11 @@ class MeshPlacement:
         return [np.asarray(multihost_utils.process_allgather(r, tiled=True)) for r in results]
 
 
-def split_over_ep(array: jax.Array) -> bool:
-    """Whether a placed param is split over the ep axis (expert weights on a mesh)."""
-    spec = getattr(array.sharding, "spec", ())
-    return bool(spec) and spec[0] == AXIS
+def split_over_ep(value) -> bool:
+    """Whether a placed param (an array, or prepared expert weights holding arrays) is split over
+    the ep axis (expert weights on a mesh)."""
+    for leaf in jax.tree.leaves(value):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+        if spec and spec[0] == AXIS:
+            return True
+    return False

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from expertd.kernels import moe
 from expertd.server import host_allocator, host_memory, weights
 from expertd.server.checkpoint import load_checkpoint, read_config
 from expertd.server.config import BatchingConfig, ServerConfig
@@ -59,7 +60,7 @@ class Served:
         engine, on_cpu = self.engine, self.engine.platform == "cpu"
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
-                        "params": {name: {"shape": list(np.shape(p)), "dtype": str(p.dtype),
+                        "params": {name: {"shape": list(moe.logical_shape(p)), "dtype": str(p.dtype),
                                           "split_over_ep": split_over_ep(p)} for name, p in layer.params.items()}}
                        for index, layer in sorted(engine.layers.items())],
             "dtype": engine.dtype.name,

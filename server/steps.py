@@ -14,7 +14,7 @@ import numpy as np
 
 from expertd.kernels import moe
 from expertd.kernels import router as router_ops
-from expertd.server.model import ROUTER_PARAMS
+from expertd.kernels.params import MoEParams, RouterParams
 
 FORWARD, ROUTE_HIDDEN, ROUTE_LOGITS = "forward", "route_hidden", "route_logits"
 STEP_KINDS = (ROUTE_HIDDEN, ROUTE_LOGITS, FORWARD)
@@ -36,31 +36,26 @@ def pad_rows(rows: Sequence[np.ndarray], bucket: int) -> np.ndarray:
     return padded
 
 
-def forward_step(params, x, num_valid, *, cfg, backend):
+def forward_step(params: MoEParams, x, num_valid, *, cfg, backend):
     """x [B, H], num_valid int32 scalar -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E])."""
     out, routing = moe.moe_layer(params, x, cfg, backend=backend, valid_tokens=num_valid, return_routing=True)
     return out, routing["topk_ids"], routing["topk_weights"], routing["tokens_per_expert"]
 
 
-def ep_forward_step(params, x, num_valid, *, cfg, backend, mesh, ep, axis):
+def ep_forward_step(params: MoEParams, x, num_valid, *, cfg, backend, mesh, ep, axis):
     """`forward_step` over the expert-parallel mesh: `ep.ep_moe_layer` (tokens sharded over `axis`,
     E / R experts per rank), traced under the engine's jit like every other step.
 
     params: placed as `ep.shard_params` lays them out (expert weights split over `axis`); x [B, H]
-    -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E]). The ids and weights are
-    `moe.route`'s on the same tokens: the per-token routing each rank computes inside the layer,
-    computed here a second time because `ep_moe_layer` does not return it (it needs a
-    `return_routing` like `moe.moe_layer`'s to drop this).
+    -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E]): the routing each rank
+    computed inside the layer (`ep_moe_layer`'s stats), not computed again.
     """
     out, stats = ep.ep_moe_layer(params, x, cfg, mesh, axis=axis, valid_tokens=num_valid, return_stats=True,
                                  backend=backend)
-    valid = jnp.arange(x.shape[0]) < num_valid
-    router = {name: params[name] for name in ROUTER_PARAMS if name in params}
-    ids, weights = moe.route(router, x, cfg, valid)
-    return out, ids, weights, stats["tokens_per_expert"]
+    return out, stats["topk_ids"], stats["topk_weights"], stats["tokens_per_expert"]
 
 
-def route_step(router, tokens, num_valid, coeff, *, cfg, from_logits):
+def route_step(router: RouterParams, tokens, num_valid, coeff, *, cfg, from_logits):
     """tokens [B, H] (hidden) or [B, E] (logits) -> (ids [B, k], weights [B, k], counts [E], aux loss,
     aux scores fp32 [B, E]).
 
@@ -73,8 +68,8 @@ def route_step(router, tokens, num_valid, coeff, *, cfg, from_logits):
         # moe.route computes its logits as x @ router_weight in full fp32: with the identity that
         # product is the given logits, exactly.
         logits = tokens.astype(jnp.float32)
-        identity = {"router_weight": jnp.eye(cfg.num_experts, dtype=jnp.float32)}
-        ids, weights = moe.route({**router, **identity}, logits, cfg, valid)
+        identity = RouterParams(jnp.eye(cfg.num_experts, dtype=jnp.float32), router.expert_bias)
+        ids, weights = moe.route(identity, logits, cfg, valid)
     else:
         ids, weights = moe.route(router, tokens, cfg, valid)
         logits = moe.router_logits(router, tokens)

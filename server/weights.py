@@ -1,17 +1,15 @@
 """The served weights, prepared once at start-up: placed on the mesh, then laid out for the kernel
 that reads them.
 
-1. Placement (``expertd.server.placement``): each layer's params on the mesh once; expert weights
-   in the engine dtype, router weight and expert bias in fp32; seeded preset weights generated
-   straight into their device layout.
-2. Layout: where the native CPU kernel runs every forward (one CPU process, no expert parallelism,
-   backend auto or native_cpu, the kernel built), the routed expert matrices are relaid out
-   panel-major (``expertd.kernels.panels``: same outputs, read faster); ``panel_weights=False``
-   keeps the checkpoint's row-major layout.
+1. Placement (``expertd.server.placement``): each layer's params on the mesh once, as
+   ``MoEParams``; expert weights in the engine dtype, router weight and expert bias in fp32; seeded
+   preset weights generated straight into their device layout.
+2. Layout: ``moe.prepare_params`` once per layer (on CPU, where the native kernel runs every
+   forward: its own layout, same outputs, read faster; elsewhere the params unchanged).
+   ``panel_weights=False`` keeps the layout as loaded.
 
-This module is the server's one caller of the kernels' weight-layout and native-kernel APIs
-(``panels.panel_params``, ``panels.is_panels``, ``experts.native_cpu_available``,
-``native_cpu.available / unavailable_reason / isa``).
+This module is the server's one caller of the kernels' weight-preparation and native-kernel
+status APIs (``moe.prepare_params``, ``cpu.describe``).
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from collections.abc import Sequence
 
 import jax
 
-from expertd.kernels import experts, native_cpu, panels
+from expertd.kernels import cpu, moe
 from expertd.server.model import LoadedLayer
 from expertd.server.placement import MeshPlacement
 
@@ -29,9 +27,9 @@ from expertd.server.placement import MeshPlacement
 class PreparedWeights:
     """What ``prepare`` made.
 
-    layers: the layers, their params now the placed device arrays (panel-major expert matrices
-      where ``layout`` is "panels"); the host copies are released once the caller drops its own.
-    layout: "panels" or "row_major".
+    layers: the layers, their params now the placed, prepared ``MoEParams`` (the host copies are
+      released once the caller drops its own).
+    layout: the routed expert weights' layout: "panels" (the native CPU kernel's) or "row_major".
     panel_columns: the panels' width (None: row-major).
     native_cpu: on CPU, whether the C++ expert kernel (auto's choice there) is usable, why not, and
       the instruction-set level it runs at ({"available", "reason", "isa"}); None elsewhere.
@@ -58,32 +56,26 @@ def prepare(layers: Sequence[LoadedLayer], placement: MeshPlacement, dtype, *, b
         seen.add(layer.index)
         placement.check_layer(layer)
     placed = [dataclasses.replace(layer, params=placement.place_layer(layer, dtype)) for layer in layers]
-    layout = "panels" if panel_weights and native_cpu_runs_every_forward(placement, backend) else "row_major"
-    if layout == "panels":  # once, at load: the layout the native CPU kernel reads fastest
-        placed = [dataclasses.replace(layer, params=panels.panel_params(layer.params)) for layer in placed]
-    w_gate = placed[0].params["w_gate"]
-    return PreparedWeights(placed, layout, w_gate.panel_columns if panels.is_panels(w_gate) else None,
-                           native_cpu_status(placement))
+    if panel_weights and native_cpu_runs_every_forward(placement):
+        platform = placement.devices[0].platform
+        placed = [dataclasses.replace(layer, params=moe.prepare_params(layer.params, layer.cfg, platform,
+                                                                       backend=backend))
+                  for layer in placed]
+    if placement.devices[0].platform != "cpu":  # the native kernel never runs there: not built
+        return PreparedWeights(placed, "row_major", None, None)
+    status = cpu.describe(placed[0].params)
+    return PreparedWeights(placed, status["weight_layout"], status["panel_columns"],
+                           {name: status[name] for name in ("available", "reason", "isa")})
 
 
-def native_cpu_runs_every_forward(placement: MeshPlacement, backend: str) -> bool:
-    """Whether every forward step runs its experts through the native CPU kernel: one CPU process,
-    no expert parallelism, backend auto or native_cpu, and the kernel built (building it now)."""
-    if placement.devices[0].platform != "cpu" or placement.ep is not None or jax.process_count() > 1:
-        return False
-    return backend in ("auto", "native_cpu") and experts.native_cpu_available()
-
-
-def native_cpu_status(placement: MeshPlacement) -> dict | None:
-    """On CPU, the native kernel's {"available", "reason", "isa"}; None on other platforms, which never run it."""
-    if placement.devices[0].platform != "cpu":
-        return None
-    return {"available": native_cpu.available(), "reason": native_cpu.unavailable_reason() or None,
-            "isa": native_cpu.isa()}
+def native_cpu_runs_every_forward(placement: MeshPlacement) -> bool:
+    """Whether every forward step may run its experts through the native CPU kernel: one CPU
+    process, no expert parallelism (``moe.prepare_params`` decides by backend and availability)."""
+    return placement.devices[0].platform == "cpu" and placement.ep is None and jax.process_count() == 1
 
 
 def native_cpu_note(status: dict | None, panel_columns: int | None = None) -> str | None:
-    """The start-up line about the native CPU expert kernel (``native_cpu_status``'s dict): the
+    """The start-up line about the native CPU expert kernel (``PreparedWeights.native_cpu``): the
     instruction set it runs at and the weights' panel width, or why it could not be built; None off CPU."""
     if status is None:
         return None

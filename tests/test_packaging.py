@@ -28,7 +28,8 @@ def test_expertd_is_a_namespace_package():
 @pytest.mark.slow
 def test_regular_wheel_has_only_expertd_packages(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(ROOT)],
         check=True,
     )
     (wheel,) = tmp_path.glob("expertd-*.whl")
@@ -39,7 +40,9 @@ def test_regular_wheel_has_only_expertd_packages(tmp_path):
         assert f"expertd/{pkg}/__init__.py" in names
     assert "expertd/__init__.py" not in names
     # The native CPU kernels compile on first use from their sources and headers.
-    native = sorted(p.name for p in (ROOT / "kernels" / "native").iterdir() if p.suffix in (".cc", ".h"))
+    native = sorted(p.name for p in (ROOT / "kernels" / "cpu" / "csrc").iterdir() if p.suffix in (".cc", ".h"))
     assert {"grouped_matmul_cpu.cc", "dispatch_cpu.cc", "parallel.h", "simd.h"} <= set(native)
     for name in native:
-        assert f"expertd/kernels/native/{name}" in names, name
+        assert f"expertd/kernels/cpu/csrc/{name}" in names, name
+    for pkg in ("kernels/cpu", "server/models"):  # subpackages travel too
+        assert f"expertd/{pkg}/__init__.py" in names, pkg

@@ -16,7 +16,7 @@ AUTH_TOKEN_ENV = "EXPERTD_AUTH_TOKEN"
 DTYPES = ("float32", "bfloat16")
 DEFAULT_COORDINATOR_PORT = 8476
 # The expert FFN backends (expertd.kernels.experts.BACKENDS) and the native CPU kernel's
-# instruction-set levels, lowest first (expertd.kernels.native_cpu.ISA_LEVELS); a test keeps them equal.
+# instruction-set levels, lowest first (expertd.kernels.cpu.ISA_LEVELS); a test keeps them equal.
 EXPERT_BACKENDS = ("reference", "ragged_dot", "capacity", "expert_loop", "native_cpu", "pallas")
 NATIVE_CPU_ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
 

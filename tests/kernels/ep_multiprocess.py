@@ -37,9 +37,10 @@ def case():
     return cfg, params, x
 
 
-def hf_family_config(family: str, num_experts: int = 8, topk: int = 2, hidden: int = HIDDEN,
-                     intermediate: int = INTERMEDIATE):
-    """A MoEConfig with `family`'s router settings, built from a (tiny) Hugging Face config.json.
+def family_layer_config(family: str, num_experts: int = 8, topk: int = 2, hidden: int = HIDDEN,
+                        intermediate: int = INTERMEDIATE):
+    """A MoEConfig with `family`'s router settings at a (tiny) test shape (what the server's
+    registry makes of such a family's config.json).
 
     mixtral: softmax over the top-k logits. qwen2_moe: softmax, norm_topk_prob=False (pre-softmax
     weights), sigmoid-gated shared expert. qwen3_moe: softmax, norm_topk_prob=True. deepseek_v3:
@@ -48,34 +49,36 @@ def hf_family_config(family: str, num_experts: int = 8, topk: int = 2, hidden: i
     """
     from expertd.kernels.moe import MoEConfig
 
-    hf = {
-        "mixtral": dict(num_local_experts=num_experts, intermediate_size=intermediate),
-        "qwen2_moe": dict(num_experts=num_experts, moe_intermediate_size=intermediate, norm_topk_prob=False,
-                          shared_expert_intermediate_size=intermediate + 8),
-        "qwen3_moe": dict(num_experts=num_experts, moe_intermediate_size=intermediate, norm_topk_prob=True),
-        "deepseek_v3": dict(n_routed_experts=num_experts, moe_intermediate_size=intermediate,
-                            n_group=num_experts // 2, topk_group=topk // 2, n_shared_experts=1,
-                            norm_topk_prob=True, routed_scaling_factor=2.5),
-    }[family]
-    return MoEConfig.from_hf_config(dict(model_type=family, hidden_size=hidden, num_experts_per_tok=topk, **hf))
+    base = dict(num_experts=num_experts, topk=topk, hidden_size=hidden, intermediate_size=intermediate)
+    if family == "mixtral" or family == "qwen3_moe":
+        return MoEConfig(**base)
+    if family == "qwen2_moe":
+        return MoEConfig(**base, use_pre_softmax=True, num_shared_experts=1,
+                         shared_intermediate_size=intermediate + 8, shared_expert_gate=True)
+    grouped = num_experts // 2 > 1
+    return MoEConfig(**base, score_function="sigmoid", use_expert_bias=True,
+                     num_groups=num_experts // 2 if grouped else None, group_topk=topk // 2 if grouped else None,
+                     norm_topk_prob=True, scaling_factor=2.5, num_shared_experts=1,
+                     shared_intermediate_size=intermediate)
 
 
 def case_config():
-    return hf_family_config("deepseek_v3")
+    return family_layer_config("deepseek_v3")
 
 
 MODES = ("capacity",)  # the CPU path; the ragged path's offsets are covered in one process
 
 
 def run_case(mesh, params, x):
-    """Outputs and stats of each mode in MODES on `mesh`, gathered to host numpy on every process."""
+    """Outputs and stats of each mode in MODES on `mesh`, gathered to host numpy on every process;
+    params: {name: host array} (what the workers read back from the inputs file)."""
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from expertd.kernels import ep, ragged
+    from expertd.kernels import ep, moe, ragged
 
     cfg = case_config()
-    placed = ep.shard_params(params, cfg, mesh)
+    placed = ep.shard_params(moe.MoEParams.from_dict(params, cfg), cfg, mesh)
     results = {}
     for mode in MODES:
         kw = dict(ragged_all_to_all=ragged.ragged_all_to_all_emulated) if mode == "ragged" else {}
@@ -105,7 +108,8 @@ def run_workers(inputs_path, out_path, *, num_processes=2, devices_per_process=2
     procs = []
     for pid in range(num_processes) if start is None else start:
         cmd = [sys.executable, str(HERE / "ep_multiprocess.py"), "--process-id", str(pid),
-               "--num-processes", str(num_processes), "--port", str(port), "--inputs", str(inputs_path), "--out", str(out_path),
+               "--num-processes", str(num_processes), "--port", str(port), "--inputs", str(inputs_path),
+               "--out", str(out_path),
                "--devices", str(devices_per_process), "--init-timeout", str(initialization_timeout)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_multiprocess import hf_family_config
+from ep_multiprocess import family_layer_config
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,7 +36,7 @@ def mesh_of(r):
 def setup(family, num_experts=None, topk=None, dtype="float32"):
     # Qwen3 with k=4 of 16 experts: more experts per token than a rank holds at R=8 (E/R=2).
     e, k = (16, 4) if family == "qwen3_moe" else (8, 2)
-    cfg = hf_family_config(family, num_experts or e, topk or k, H, I)
+    cfg = family_layer_config(family, num_experts or e, topk or k, H, I)
     params = moe.init_params(cfg, jax.random.key(0), jnp.dtype(dtype))
     return cfg, jax.tree.map(np.asarray, params)
 
@@ -58,12 +58,12 @@ def run_ep(params, x, cfg, r, **kw):
 def skewed_params(cfg, params, target_rank, r):
     """Router weights that send every token to experts of `target_rank` only (x[:, 0] is set to 8)."""
     el = cfg.num_experts // r
-    w = np.array(params["router_weight"])
+    w = np.array(params.router_weight)
     w[0] = -4.0
     w[0, target_rank * el:(target_rank + 1) * el] = 4.0 + np.arange(el) * 0.5
-    params = dict(params, router_weight=w)
-    if "expert_bias" in params:
-        params["expert_bias"] = np.zeros_like(params["expert_bias"])
+    params = params.replace(router_weight=w)
+    if params.expert_bias is not None:
+        params = params.replace(expert_bias=np.zeros_like(params.expert_bias))
     return params
 
 
@@ -82,6 +82,9 @@ def test_capacity_dispatch_equals_moe_layer(family, r):
     got, stats = run_ep(params, x, cfg, r, dispatch="capacity")
     np.testing.assert_allclose(got, want, **FP32_TOL)
     np.testing.assert_array_equal(stats["tokens_per_expert"], routing["tokens_per_expert"])
+    # The routing each rank computed comes back with the stats: a caller needs no second pass.
+    np.testing.assert_array_equal(stats["topk_ids"], routing["topk_ids"])
+    np.testing.assert_allclose(stats["topk_weights"], routing["topk_weights"], rtol=1e-6, atol=0)
     assert stats["dropped_pairs"] == 0
     assert stats["rows_received"].sum() == 24 * cfg.topk
 
@@ -101,10 +104,10 @@ def test_capacity_expert_backend_inside_the_ranks_equals_moe_layer(r):
 def test_native_cpu_expert_backend_inside_the_ranks_equals_moe_layer(dtype, num_tokens):
     """The C++ custom call runs per simulated device inside shard_map (concurrently, each on its
     own thread-local panels in the packed path), on each rank's own groups."""
-    from expertd.kernels import native_cpu
+    from expertd.kernels import cpu
 
-    if not native_cpu.available():
-        pytest.skip(f"no native kernel: {native_cpu.unavailable_reason()}")
+    if not cpu.available():
+        pytest.skip(f"no native kernel: {cpu.unavailable_reason()}")
     cfg, params = setup("mixtral", dtype=dtype)
     x = tokens(num_tokens, dtype=jnp.dtype(dtype))
     got, stats = run_ep(params, x, cfg, 4, dispatch="capacity", backend="native_cpu")
@@ -174,6 +177,9 @@ def test_valid_tokens_count_and_mask_with_nan_padding():
     np.testing.assert_array_equal(got[20:], 0)
     np.testing.assert_array_equal(stats["tokens_per_expert"], routing["tokens_per_expert"])
     assert stats["tokens_per_expert"].sum() == 20 * cfg.topk
+    np.testing.assert_array_equal(stats["topk_ids"], routing["topk_ids"])  # -1 on padding rows
+    np.testing.assert_array_equal(stats["topk_ids"][20:], -1)
+    np.testing.assert_array_equal(stats["topk_weights"][20:], 0)
     mask = np.arange(24) % 3 != 0
     x = tokens(24)
     want, _ = reference(params, x, cfg, valid_tokens=mask)
@@ -208,7 +214,7 @@ def test_low_capacity_factor_reports_the_exact_dropped_pairs():
     cfg, params = setup("deepseek_v3", num_experts=16, topk=4)
     r, t = 4, 32
     params = skewed_params(cfg, params, target_rank=1, r=r)
-    params["router_weight"][0, :4] = 3.0  # most pairs go to rank 1, some to rank 0
+    params.router_weight[0, :4] = 3.0  # most pairs go to rank 1, some to rank 0
     x = tokens(t, seed=5)
     x[:, 0] = 1.5  # moderate logits: sigmoid scores stay distinct (no saturation ties)
     x[::3, 0] = 0.0  # a third of the tokens route by their random features
@@ -255,13 +261,14 @@ def test_device_inputs_and_placed_params_give_the_same_output():
     cfg, params = setup("mixtral")
     mesh = mesh_of(4)
     placed = ep.shard_params(params, cfg, mesh)
-    assert placed["w_gate"].sharding.spec == P("ep")
-    assert placed["w_gate"].addressable_shards[0].data.shape == (2, H, I)
-    assert placed["router_weight"].sharding.is_fully_replicated
-    assert ep.shard_params(placed, cfg, mesh)["w_up"] is placed["w_up"]  # placing again is a no-op
+    assert isinstance(placed, moe.MoEParams) and placed.w_gate.sharding.spec == P("ep")
+    assert placed.w_gate.addressable_shards[0].data.shape == (2, H, I)
+    assert placed.router_weight.sharding.is_fully_replicated
+    assert ep.shard_params(placed, cfg, mesh).w_up is placed.w_up  # placing again is a no-op
     x = tokens(24)
     host = np.asarray(ep.ep_moe_layer(params, x, cfg, mesh, dispatch="capacity"))
-    on_device = ep.ep_moe_layer(placed, jax.device_put(x, NamedSharding(mesh, P("ep"))), cfg, mesh, dispatch="capacity")
+    x_placed = jax.device_put(x, NamedSharding(mesh, P("ep")))
+    on_device = ep.ep_moe_layer(placed, x_placed, cfg, mesh, dispatch="capacity")
     np.testing.assert_array_equal(np.asarray(on_device), host)
 
 
@@ -291,4 +298,6 @@ def test_bad_shapes_raise_value_errors():
     with pytest.raises(ValueError, match=r"x must be \[T, H=32\]"):
         ep.ep_moe_layer(params, np.zeros((4, 8), np.float32), cfg, mesh_of(2))
     with pytest.raises(ValueError, match="w_down"):
-        ep.ep_moe_layer({k: v for k, v in params.items() if k != "w_down"}, tokens(4), cfg, mesh_of(2))
+        ep.ep_moe_layer(params.replace(w_down=None), tokens(4), cfg, mesh_of(2))
+    with pytest.raises(TypeError, match="MoEParams"):
+        ep.ep_moe_layer(params.to_dict(), tokens(4), cfg, mesh_of(2))

@@ -18,7 +18,7 @@ def _failure(results):
 
 def test_two_processes_match_one_process(tmp_path):
     cfg, params, x = case()
-    np.savez(tmp_path / "inputs.npz", x=x, **params)
+    np.savez(tmp_path / "inputs.npz", x=x, **params.to_dict())
     out = tmp_path / "result.npz"
     results = run_workers(tmp_path / "inputs.npz", out, timeout=150)
     assert all(rc == 0 for rc, _ in results), _failure(results)
@@ -26,7 +26,7 @@ def test_two_processes_match_one_process(tmp_path):
     assert got["num_global_devices"] == 4
 
     mesh = jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
-    want = run_case(mesh, params, x)
+    want = run_case(mesh, params.to_dict(), x)
     single = np.asarray(jax.jit(moe.moe_layer, static_argnames="cfg")(params, jnp.asarray(x), cfg))
     for mode in MODES:
         np.testing.assert_allclose(got[f"out_{mode}"], want[f"out_{mode}"], rtol=1e-6, atol=1e-6)

@@ -104,7 +104,8 @@ def test_random_exchanges_match_the_pseudocode(r, slices_per_rank):
         assert cursor <= m
     operands = rng.normal(size=(r, n, h)).astype(np.float32)
     outputs = np.full((r, m, h), -7.0, np.float32)  # rows nobody writes keep this value
-    want = _numpy_ragged_all_to_all(list(operands), list(outputs), input_offsets, send_sizes, output_offsets, recv_sizes)
+    want = _numpy_ragged_all_to_all(list(operands), list(outputs), input_offsets, send_sizes, output_offsets,
+                                    recv_sizes)
     got = _run_per_rank(_emulated, r, operands, outputs, input_offsets, send_sizes, output_offsets, recv_sizes)
     np.testing.assert_array_equal(got, np.stack(want))
 
@@ -125,9 +126,11 @@ def test_exchange_params_by_hand():
     # They go back to where they left: rank s's rows for rank 1 start after s's rows for rank 0.
     np.testing.assert_array_equal(oo, [2, 1, 0])
     np.testing.assert_array_equal(rs, [1, 4, 0])
-    io, ss, oo, rs = (np.asarray(a) for a in ragged.dispatch_exchange_params(counts, 2))
-    np.testing.assert_array_equal(io, [0, 0, 2])
-    np.testing.assert_array_equal(oo, [3, 4, 3])
+    ex = ragged.dispatch_exchange_params(counts, 2)  # a typed handle, in ragged_all_to_all's argument order
+    assert isinstance(ex, ragged.RaggedExchange) and ex._fields == (
+        "input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+    np.testing.assert_array_equal(ex.input_offsets, [0, 0, 2])
+    np.testing.assert_array_equal(ex.output_offsets, [3, 4, 3])
 
 
 @pytest.mark.parametrize("r", [1, 2, 4])
@@ -160,7 +163,9 @@ def test_pack_slices_cuts_at_capacity():
 def test_expert_major_positions_by_hand():
     # 2 sources, 2 local experts; source 0 at rows 0..3 (+1 pad row), source 1 from row 5.
     counts = np.array([[1, 2], [2, 0]])
-    pos, sizes = ragged.expert_major_positions(counts, [0, 5], 8)
+    order = ragged.expert_major_positions(counts, [0, 5], 8)
+    assert isinstance(order, ragged.ExpertMajorOrder)
+    pos, sizes = order.positions, order.group_sizes
     np.testing.assert_array_equal(sizes, [3, 2])
     # rows: 0:(s0,e0) 1,2:(s0,e1) 3,4:pad 5,6:(s1,e0) 7:pad
     # expert-major: e0 = [s0 row0, s1 row5, s1 row6], e1 = [s0 row1, s0 row2]

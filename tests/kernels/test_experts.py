@@ -10,6 +10,7 @@ import pytest
 from oracle import compile_all, compile_fast
 
 from expertd.kernels import dispatch, experts
+from expertd.kernels.cpu import policy as cpu
 from expertd.kernels.experts import BACKENDS, grouped_ffn
 
 H, I = 16, 32
@@ -209,46 +210,16 @@ def test_auto_resolves_to_a_backend_for_every_platform():
             assert experts.choose_backend(rows, 8, 1024, 2048, jnp.bfloat16, platform) in BACKENDS
 
 
-def test_cpu_auto_picks_capacity_for_fp32_few_rows_per_large_expert_with_most_experts_in_use(monkeypatch):
-    monkeypatch.setattr(experts, "native_cpu_available", lambda: False)  # a machine without a C++ compiler
-    mixtral = (8, 1024, 2048)  # fp32 expert matrices of 8 MiB
-    choose = functools.partial(experts.choose_backend, platform="cpu")
-    assert choose(32, *mixtral, jnp.float32) == "capacity"  # T=16, k=2: 4 rows per expert, 98% in use
-    assert choose(8, *mixtral, jnp.float32) == "capacity"  # T=4: 66% of the experts expected in use
-    assert choose(4, *mixtral, jnp.float32) == "expert_loop"  # T=2: 41%
-    assert choose(8 * 15, *mixtral, jnp.float32) == "capacity"
-    assert choose(8 * 16, *mixtral, jnp.float32) == "expert_loop"  # 16 rows per expert: C = 32 pads
-    assert choose(32, *mixtral, jnp.bfloat16) == "expert_loop"  # bf16 weights would be converted whole
-    assert choose(128, 64, 1024, 512, jnp.float32) == "expert_loop"  # 2 MiB matrices
-    assert choose(128, 128, 2048, 768, jnp.float32) == "capacity"  # Qwen3-30B-A3B, T=16
-    assert choose(128 * 16, 128, 2048, 768, jnp.float32) == "expert_loop"  # T=256: measured 0.86x
-    assert choose(32, 128, 2048, 768, jnp.float32) == "expert_loop"  # T=4: 22% in use
+def test_gpu_auto_picks_pallas_for_bf16_from_gpu_pallas_min_rows():
+    mixtral = (8, 1024, 2048)
     assert experts.choose_backend(32, *mixtral, jnp.float32, "gpu") == "ragged_dot"
     gpu_rows = experts.GPU_PALLAS_MIN_ROWS
     assert experts.choose_backend(gpu_rows - 1, *mixtral, jnp.bfloat16, "gpu") == "ragged_dot"
     assert experts.choose_backend(gpu_rows, *mixtral, jnp.bfloat16, "gpu") == "pallas"
     assert experts.choose_backend(gpu_rows, *mixtral, jnp.float32, "gpu") == "ragged_dot"
     assert experts.choose_backend(gpu_rows, 8, 1000, 2048, jnp.bfloat16, "gpu") == "ragged_dot"  # H % 16
-    assert experts.expected_touched_fraction(8, 8) == pytest.approx(1 - (7 / 8) ** 8)
-
-
-def test_compiler_options_turn_ynn_off_only_for_few_rows_per_large_expert(monkeypatch):
-    monkeypatch.setattr(experts, "native_cpu_available", lambda: False)  # a machine without a C++ compiler
-    small_rows = experts.small_rows_cpu_options()
-    assert small_rows == experts.SMALL_ROWS_CPU_OPTIONS  # this jaxlib knows the option
-    mixtral = (8, 1024, 2048)  # fp32 expert matrices of 8 MiB
-    options = functools.partial(experts.compiler_options, platform="cpu")
-    for dtype in DTYPES:  # auto: capacity (fp32) or expert_loop (bf16), both with YNNPACK off
-        assert options(32, *mixtral, dtype=dtype) == small_rows
-        assert options(2, *mixtral, dtype=dtype) == small_rows  # expert_loop for both
-        assert options(8 * 63, *mixtral, dtype=dtype) == small_rows
-        assert options(8 * 64, *mixtral, dtype=dtype) == {}  # 64 rows per expert
-        assert options(32, 64, 1024, 512, dtype=dtype) == {}  # 2 MiB matrices
+    for dtype in DTYPES:
         assert experts.compiler_options(32, *mixtral, dtype=dtype, platform="gpu") == {}
-        assert options(32, *mixtral, dtype=dtype, backend="expert_loop") == small_rows
-        assert options(32, *mixtral, dtype=dtype, backend="ragged_dot") == {}
-    assert options(32, *mixtral, dtype=jnp.float32, backend="capacity") == small_rows
-    assert options(32, *mixtral, dtype=jnp.bfloat16, backend="capacity") == {}  # measured 0.2-0.5x
 
 
 def test_compiled_with_small_rows_options_matches_default():
@@ -261,7 +232,7 @@ def test_compiled_with_small_rows_options_matches_default():
     for backend in ("expert_loop", "capacity"):
         ffn = lambda *a, b=backend: grouped_ffn(*a, backend=b)
         default = jax.jit(ffn).lower(xs, gs, *ws).compile()
-        small = jax.jit(ffn, compiler_options=experts.small_rows_cpu_options()).lower(xs, gs, *ws).compile()
+        small = jax.jit(ffn, compiler_options=cpu.small_rows_cpu_options()).lower(xs, gs, *ws).compile()
         assert "ynn_fusion" in default.as_text() and "ynn_fusion" not in small.as_text(), backend
         np.testing.assert_allclose(np.asarray(small(xs, gs, *ws)), np.asarray(default(xs, gs, *ws)),
                                    rtol=1e-5, atol=1e-5, err_msg=backend)

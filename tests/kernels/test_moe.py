@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from oracle import FAMILIES, assert_close_to_oracle, compile_all, compile_fast, family_config, moe_oracle
 
-from expertd.kernels import experts, moe
+from expertd.kernels import cpu, experts, moe
 from expertd.kernels.experts import BACKENDS
 
 H, I = 16, 32
@@ -135,7 +135,7 @@ def test_valid_count_may_be_traced():
 
 def test_all_tokens_on_one_expert_leaves_the_others_empty():
     cfg, params, x = make_case("mixtral", 8, 1, 40, jnp.float32)
-    params = dict(params, router_weight=jnp.zeros((H, 8), jnp.float32).at[:, 3].set(1.0))
+    params = params.replace(router_weight=jnp.zeros((H, 8), jnp.float32).at[:, 3].set(1.0))
     x = jnp.abs(x)  # every token's logit for expert 3 is its positive feature sum, the others 0
     ref = moe_oracle(params, x, cfg)
     for out, routing in run_layer(cfg, params, x, BACKENDS):
@@ -191,14 +191,15 @@ def test_auto_is_the_chosen_backend():
 def test_init_params_keys_shapes_and_dtypes():
     cfg = family_config("qwen2_moe", 8, 2, H, I)
     params = moe.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    assert {k: tuple(v.shape) for k, v in params.items()} == moe.param_shapes(cfg)
-    assert set(params) == {"router_weight", "w_gate", "w_up", "w_down", "shared_w_gate", "shared_w_up",
+    assert isinstance(params, moe.MoEParams)
+    assert {k: tuple(v.shape) for k, v in params.items()} == moe.param_shapes(cfg) == params.shapes()
+    assert set(params.to_dict()) == {"router_weight", "w_gate", "w_up", "w_down", "shared_w_gate", "shared_w_up",
                            "shared_w_down", "shared_gate"}
-    assert params["router_weight"].dtype == jnp.float32 and params["w_gate"].dtype == jnp.bfloat16
+    assert params.router_weight.dtype == jnp.float32 and params.w_gate.dtype == jnp.bfloat16
     ds = moe.init_params(family_config("deepseek_v3", 8, 2, H, I), jax.random.key(0), jnp.float32)
-    assert ds["expert_bias"].shape == (8,) and ds["expert_bias"].dtype == jnp.float32 and "shared_gate" not in ds
+    assert ds.expert_bias.shape == (8,) and ds.expert_bias.dtype == jnp.float32 and ds.shared_gate is None
     again = moe.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    assert all(np.array_equal(np.asarray(params[k]), np.asarray(again[k])) for k in params)
+    assert all(np.array_equal(np.asarray(v), np.asarray(getattr(again, k))) for k, v in params.items())
 
 
 def test_bad_inputs_name_the_field():
@@ -206,15 +207,17 @@ def test_bad_inputs_name_the_field():
     with pytest.raises(ValueError, match=r"x must be \[T, H=16\]"):
         moe.moe_layer(params, x[:, :8], cfg)
     with pytest.raises(ValueError, match="w_up"):
-        moe.moe_layer({k: v for k, v in params.items() if k != "w_up"}, x, cfg)
+        moe.moe_layer(params.replace(w_up=None), x, cfg)
     with pytest.raises(ValueError, match="router_weight"):
-        moe.moe_layer(dict(params, router_weight=params["router_weight"][:, :3]), x, cfg)
+        moe.moe_layer(params.replace(router_weight=params.router_weight[:, :3]), x, cfg)
     with pytest.raises(ValueError, match="valid_tokens"):
         moe.moe_layer(params, x, cfg, valid_tokens=jnp.ones(4, bool))
     with pytest.raises(ValueError, match="valid_tokens"):
         moe.moe_layer(params, x, cfg, valid_tokens=2.5)
     with pytest.raises(ValueError, match="backend"):
         moe.moe_layer(params, x, cfg, backend="fast")
+    with pytest.raises(TypeError, match="MoEParams.from_dict"):
+        moe.moe_layer(params.to_dict(), x, cfg)
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -227,45 +230,6 @@ def test_bad_inputs_name_the_field():
 def test_config_validation(fields, match):
     with pytest.raises(ValueError, match=match):
         moe.MoEConfig(**{**dict(num_experts=4, topk=2, hidden_size=H, intermediate_size=I), **fields})
-
-
-def test_from_hf_config_families():
-    mixtral = moe.MoEConfig.from_hf_config(dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
-                                                num_local_experts=8, num_experts_per_tok=2, hidden_act="silu"))
-    assert (mixtral.num_experts, mixtral.topk, mixtral.intermediate_size) == (8, 2, 14336)
-    assert mixtral.score_function == "softmax" and not mixtral.use_pre_softmax and not mixtral.has_shared
-
-    qwen2 = moe.MoEConfig.from_hf_config(dict(model_type="qwen2_moe", hidden_size=2048, num_experts=60,
-                                              num_experts_per_tok=4, moe_intermediate_size=1408,
-                                              shared_expert_intermediate_size=5632, norm_topk_prob=False))
-    assert qwen2.use_pre_softmax and qwen2.shared_expert_gate and qwen2.shared_intermediate_size == 5632
-    assert qwen2.intermediate_size == 1408 and qwen2.num_shared_experts == 1
-
-    qwen3 = moe.MoEConfig.from_hf_config(dict(model_type="qwen3_moe", hidden_size=2048, num_experts=128,
-                                              num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True))
-    assert not qwen3.use_pre_softmax and not qwen3.has_shared and qwen3.num_experts == 128
-    assert moe.MoEConfig.from_hf_config(dict(model_type="qwen3_moe", hidden_size=64)).use_pre_softmax  # HF default
-
-    ds = moe.MoEConfig.from_hf_config(dict(model_type="deepseek_v3", hidden_size=7168, n_routed_experts=256,
-                                           num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,
-                                           topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5,
-                                           n_shared_experts=1, scoring_func="sigmoid", topk_method="noaux_tc"))
-    assert (ds.score_function, ds.use_expert_bias, ds.num_groups, ds.group_topk) == ("sigmoid", True, 8, 4)
-    assert ds.norm_topk_prob is True and ds.scaling_factor == 2.5
-    assert (ds.num_shared_experts, ds.shared_intermediate_size, ds.shared_expert_gate) == (1, 2048, False)
-    assert moe.MoEConfig.from_hf_config(dict(model_type="deepseek_v3", hidden_size=7168)) == ds  # HF defaults
-
-
-@pytest.mark.parametrize("config,match", [
-    (dict(model_type="llama", hidden_size=8), "model_type"),
-    (dict(model_type="mixtral", intermediate_size=8), "hidden_size"),
-    (dict(model_type="mixtral", hidden_size=8, intermediate_size=8, hidden_act="relu"), "hidden_act"),
-    (dict(model_type="deepseek_v3", hidden_size=8, num_experts_per_tok=8, topk_group=2), "topk_group"),
-    (dict(model_type="deepseek_v3", hidden_size=8, scoring_func="softmax"), "scoring_func"),
-])
-def test_from_hf_config_errors(config, match):
-    with pytest.raises(ValueError, match=match):
-        moe.MoEConfig.from_hf_config(config)
 
 
 def _fp32_products(jaxpr):
@@ -291,3 +255,24 @@ def test_fp32_products_run_at_highest_precision(backend):
     highest = jax.lax.Precision.HIGHEST
     for name, precision in products:
         assert precision is not None and all(p == highest for p in precision), (name, precision)
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"no native kernel: {cpu.unavailable_reason()}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prepared_params_give_every_backend_the_same_bits(dtype):
+    """`moe_layer(prepare_params(p))` equals `moe_layer(p)` bit for bit on every backend (native_cpu
+    reads the prepared weights in place, the others through cpu.dense_weights), at few rows per
+    expert (streaming) and many (packed)."""
+    cfg = family_config("deepseek_v3", 8, 2, 32, 48)
+    params = moe.init_params(cfg, jax.random.key(11), dtype)
+    prepared = moe.prepare_params(params, cfg, "cpu")
+    assert prepared.w_gate is not params.w_gate and prepared.router_weight is params.router_weight
+    xs = [jax.random.normal(jax.random.key(t), (t, 32), jnp.float32).astype(dtype) for t in (5, 90)]
+    cases = [(t, b) for t in (0, 1) for b in ("auto",) + BACKENDS if b != "pallas" or t == 0]
+
+    def both(p, q, xs):  # one program for every case: the same compiled code runs both params
+        return [(moe.moe_layer(p, xs[t], cfg, backend=b), moe.moe_layer(q, xs[t], cfg, backend=b)) for t, b in cases]
+
+    for (t, backend), (want, got) in zip(cases, compile_fast(both, params, prepared, xs)(params, prepared, xs)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                      err_msg=f"{backend} T={xs[t].shape[0]}")

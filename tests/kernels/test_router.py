@@ -123,8 +123,8 @@ def test_sigmoid_all_very_negative_logits_give_zeros_not_nan():
             probs, rmap = fused_topk_with_score_function(logits, 4, score_function=score_function, backend=backend)
             assert np.isfinite(np.asarray(probs)).all()
             np.testing.assert_array_equal(np.asarray(rmap)[:, :4], True)  # ties / near ties: lowest ids
-            grads = jax.grad(lambda x: fused_topk_with_score_function(
-                x, 4, score_function=score_function, backend=backend)[0].sum())(logits)
+            grads = jax.grad(lambda x, s=score_function, b=backend: fused_topk_with_score_function(
+                x, 4, score_function=s, backend=b)[0].sum())(logits)
             assert np.isfinite(np.asarray(grads)).all()
 
 
@@ -235,8 +235,10 @@ X = jnp.zeros((4, 16), jnp.float32)
     (dict(num_groups=8, group_topk=1, topk=4), r"topk // group_topk must be <= experts per group \(2\)"),
     (dict(num_groups=2.0, group_topk=1), r"num_groups must be an int or None, got 2.0"),
     (dict(expert_bias=jnp.zeros(16)), r"expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus', got 'softmax'"),
-    (dict(expert_bias=jnp.zeros(8), score_function="sigmoid"), r"expert_bias must have shape \[E\]=\(16,\), got \(8,\)"),
-    (dict(expert_bias=jnp.zeros(16, jnp.int32), score_function="sigmoid"), r"expert_bias must be a float array, got dtype int32"),
+    (dict(expert_bias=jnp.zeros(8), score_function="sigmoid"),
+     r"expert_bias must have shape \[E\]=\(16,\), got \(8,\)"),
+    (dict(expert_bias=jnp.zeros(16, jnp.int32), score_function="sigmoid"),
+     r"expert_bias must be a float array, got dtype int32"),
     (dict(backend="cuda"), r"backend must be one of .*got 'cuda'"),
 ])
 def test_router_validation_errors(kwargs, match):
@@ -266,12 +268,14 @@ def test_grouping_disabled_by_none_or_non_positive():
 
 
 @pytest.mark.parametrize("args,kwargs,match", [
-    ((jnp.zeros((4, 8)), jnp.zeros(8), 2, 0.1), dict(num_experts=3), r"num_experts must be an int dividing the 8 columns of probs, got 3"),
+    ((jnp.zeros((4, 8)), jnp.zeros(8), 2, 0.1), dict(num_experts=3),
+     r"num_experts must be an int dividing the 8 columns of probs, got 3"),
     ((jnp.zeros((4, 8)), jnp.zeros(4), 2, 0.1), {}, r"tokens_per_expert must have shape \[C\]=\(8,\), got \(4,\)"),
     ((jnp.zeros((4, 8)), jnp.zeros(8), 0, 0.1), {}, r"topk must be an int >= 1, got 0"),
     ((jnp.zeros((4, 8)), jnp.zeros(8), 2, float("nan")), {}, r"coeff must be a finite Python float, got nan"),
     ((jnp.zeros((4, 8)), jnp.zeros(8), 2, 0.1), dict(total_num_tokens=0), r"total_num_tokens must be >= 1, got 0"),
-    ((jnp.zeros((4, 8)), jnp.zeros(8), 2, 0.1), dict(total_num_tokens=jnp.ones(2)), r"total_num_tokens must be an int or a scalar array"),
+    ((jnp.zeros((4, 8)), jnp.zeros(8), 2, 0.1), dict(total_num_tokens=jnp.ones(2)),
+     r"total_num_tokens must be an int or a scalar array"),
     ((jnp.zeros((2, 4, 8)), jnp.zeros(8), 2, 0.1), {}, r"probs must have shape \[T, C\], got shape \(2, 4, 8\)"),
     ((jnp.zeros((4, 8), jnp.int32), jnp.zeros(8), 2, 0.1), {}, r"probs dtype must be float32, bfloat16 or float16"),
 ])
@@ -281,7 +285,8 @@ def test_aux_loss_validation_errors(args, kwargs, match):
 
 
 @pytest.mark.parametrize("args,match", [
-    ((jnp.zeros((4, 8)), jnp.zeros((4, 7), bool), 2), r"routing_map must have the shape of probs \(4, 8\), got \(4, 7\)"),
+    ((jnp.zeros((4, 8)), jnp.zeros((4, 7), bool), 2),
+     r"routing_map must have the shape of probs \(4, 8\), got \(4, 7\)"),
     ((jnp.zeros((4, 8)), jnp.zeros((4, 8), bool), 9), r"topk must be an int in \[1, E=8\], got 9"),
 ])
 def test_topk_ids_validation_errors(args, match):

@@ -124,7 +124,8 @@ def test_under_jit_with_static_config(backend):
     route(logits + 1.0, 8, expert_bias=bias + 0.5, **kwargs)  # new values: no new compile
     assert route._cache_size() == compiled
     # value_and_grad compiles as one program
-    step = jax.jit(jax.value_and_grad(lambda x: fused_topk_with_score_function(x, 8, expert_bias=bias, **kwargs)[0].sum()))
+    step = jax.jit(jax.value_and_grad(
+        lambda x: fused_topk_with_score_function(x, 8, expert_bias=bias, **kwargs)[0].sum()))
     value, grad = step(logits)
     assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all()
 

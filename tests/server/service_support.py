@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from expertd.kernels import cpu
 from expertd.kernels import router as router_ops
-from expertd.kernels.moe import moe_layer
+from expertd.kernels.moe import MoEParams, moe_layer
 from expertd.server.config import BatchingConfig, ModelConfig, SecurityConfig, ServerConfig
 
 BUCKETS = (1, 8)  # few and small: every bucket is compiled at start-up
@@ -41,9 +42,10 @@ def server_config(tmp_path_factory, *, model: ModelConfig | None = None, securit
 
 
 def host_params(layer, dtype) -> dict[str, np.ndarray]:
-    """A LoadedLayer's params as the engine holds them: router tensors fp32, the rest in ``dtype``."""
+    """A LoadedLayer's params as the engine holds them: router tensors fp32, the rest in ``dtype``
+    (expert weights the engine prepared for the native CPU kernel read back as arrays)."""
     router = {"router_weight", "expert_bias"}
-    return {name: np.asarray(value).astype(np.float32 if name in router else dtype)
+    return {name: np.asarray(cpu.dense_weights(value)).astype(np.float32 if name in router else dtype)
             for name, value in layer.params.items()}
 
 
@@ -64,7 +66,8 @@ def reference_forward(params: dict, cfg, x: np.ndarray, dtype) -> tuple[np.ndarr
     n = len(x)
     padded = np.zeros((REFERENCE_ROWS, x.shape[1]), dtype)
     padded[:n] = x.astype(dtype)
-    out, routing = _moe_layer_padded({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(padded), n, cfg)
+    placed = MoEParams.from_dict({k: jnp.asarray(v) for k, v in params.items()})
+    out, routing = _moe_layer_padded(placed, jnp.asarray(padded), n, cfg)
     routing = {k: np.asarray(v) for k, v in routing.items()}
     routing["topk_ids"], routing["topk_weights"] = routing["topk_ids"][:n], routing["topk_weights"][:n]
     return np.asarray(out)[:n].astype(x.dtype), routing

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertd.kernels import experts, moe, native_cpu, panels, router
+from expertd.kernels import cpu, moe, router
+from expertd.kernels.cpu import build as cpu_build
+from expertd.kernels.cpu.policy import SMALL_ROWS_CPU_OPTIONS
 from expertd.server import console, host_allocator, host_memory, steps, weights
 from expertd.server.engine import CompileEvent
 from expertd.server.model import LoadedLayer, load_preset
@@ -45,8 +47,8 @@ def route(engine, layer, hidden=None, logits=None, num_valid=None, aux_loss_coef
 
 
 def _device_params(layer, dtype):
-    return {name: jnp.asarray(value) if name in ("router_weight", "expert_bias") else jnp.asarray(value, dtype)
-            for name, value in layer.params.items()}
+    return moe.MoEParams.from_dict({name: jnp.asarray(value) if name in ("router_weight", "expert_bias")
+                                    else jnp.asarray(value, dtype) for name, value in layer.params.items()})
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +161,8 @@ def test_route_equals_the_router(warm_engine, tiny, layer_index):
     layer, cfg = tiny[layer_index], tiny[layer_index].cfg
     x = _tokens(20, seed=3)
     params = _device_params(layer, jnp.float32)
-    logits = jnp.asarray(x) @ params["router_weight"]
-    ids, weights, counts, aux = (np.asarray(v) for v in _router_reference(logits, params.get("expert_bias"), cfg))
+    logits = jnp.asarray(x) @ params.router_weight
+    ids, weights, counts, aux = (np.asarray(v) for v in _router_reference(logits, params.expert_bias, cfg))
 
     for result in (route(engine, layer_index, hidden=x, aux_loss_coeff=0.01),
                    route(engine, layer_index, logits=np.asarray(logits), aux_loss_coeff=0.01)):
@@ -185,9 +187,9 @@ def test_forward_equals_moe_layer_bf16(tiny):
     del host_layer
     gc.collect()
     assert host_w_up() is None  # the engine keeps the device copy only
-    w_up = engine.layers[1].params["w_up"]  # made panel-major at load (CPU, native kernel)
-    assert isinstance(w_up, panels.PanelWeights) and isinstance(w_up.panels, jax.Array)
-    assert w_up.dtype == jnp.bfloat16 and w_up.shape == tiny[1].params["w_up"].shape
+    w_up = engine.layers[1].params.w_up  # prepared at load (CPU, native kernel): not an array
+    assert not isinstance(w_up, jax.Array) and all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(w_up))
+    assert w_up.dtype == jnp.bfloat16 and moe.logical_shape(w_up) == tiny[1].params["w_up"].shape
     x = _tokens(7, seed=5, dtype=jnp.bfloat16)
     result = forward(engine, 1, x)
     expected = moe_layer(_device_params(tiny[1], jnp.bfloat16), jnp.asarray(x), cfg=tiny[1].cfg)
@@ -209,9 +211,9 @@ def test_info(served, warm_engine):
                                                      "split_over_ep": False}
     assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
     # The dev box and CI have g++ (and an AVX2 CPU at least).
-    assert info["native_cpu_kernel"] == {"available": True, "reason": None, "isa": native_cpu.isa()}
-    assert info["native_cpu_kernel"]["isa"] in native_cpu.ISA_LEVELS[1:]
-    assert info["weight_layout"] == "panels" and info["panel_columns"] == panels.panel_columns()
+    assert info["native_cpu_kernel"] == {"available": True, "reason": None, "isa": cpu.isa()}
+    assert info["native_cpu_kernel"]["isa"] in cpu.ISA_LEVELS[1:]
+    assert info["weight_layout"] == "panels" and info["panel_columns"] == cpu.panel_columns()
     assert info["layers"][0]["params"]["w_gate"]["shape"] == [8, 64, 128]  # the logical shape, any width
     assert info["forward_expert_backends"] == [  # the two layers' routers differ: one compiled step each
         {"layers": [layer], "bucket": b, "backend": "native_cpu"} for layer in (0, 1) for b in (8, 32)]
@@ -226,7 +228,7 @@ def test_panel_weights_serve_the_same_outputs_as_row_major(tiny):
     assert {layout: b.info()["weight_layout"] for layout, b in built.items()} == {
         "panels": "panels", "row_major": "row_major"}
     both = {layout: b.engine for layout, b in built.items()}
-    assert isinstance(both["row_major"].layers[0].params["w_gate"], jax.Array)
+    assert isinstance(both["row_major"].layers[0].params.w_gate, jax.Array)
     for layer in (0, 1):
         for n in (3, 100, 150, 500):
             x = _tokens(n, seed=n + layer, dtype=jnp.bfloat16)
@@ -241,7 +243,7 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
     """Without the native CPU kernel (no compiler), a layer with 4 MiB fp32 expert matrices: buckets
     under 64 rows per expert compile with YNNPACK off (moe.compiler_options), larger ones with the
     defaults; both equal the kernel."""
-    monkeypatch.setattr(experts, "native_cpu_available", lambda: False)
+    monkeypatch.setattr(cpu_build, "_state", (None, "no C++ compiler (test)"))  # as on a machine without one
     cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=1024, intermediate_size=1024)
     params = {name: np.asarray(value) for name, value in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     layer = LoadedLayer(index=0, cfg=cfg, params=params, source="test")
@@ -251,7 +253,7 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
     events = []
     engine.add_compile_listener(events.append)
     assert served.info()["forward_compiler_options"] == [
-        {"layers": [0], "bucket": 8, "options": experts.SMALL_ROWS_CPU_OPTIONS}]
+        {"layers": [0], "bucket": 8, "options": SMALL_ROWS_CPU_OPTIONS}]
     assert served.info()["forward_expert_backends"] == [
         {"layers": [0], "bucket": 8, "backend": "capacity"}, {"layers": [0], "bucket": 128, "backend": "expert_loop"}]
     for n in (5, 100):
@@ -260,7 +262,7 @@ def test_small_buckets_of_large_experts_compile_with_small_rows_options(monkeypa
         np.testing.assert_allclose(forward(engine, 0, x).output, np.asarray(expected), rtol=1e-4, atol=1e-4)
     route(engine, 0, hidden=_tokens(5, hidden=1024))
     assert [(e.kind, e.bucket, e.compiler_options, e.expert_backend) for e in events] == [
-        ("forward", 8, experts.SMALL_ROWS_CPU_OPTIONS, "capacity"), ("forward", 128, {}, "expert_loop"),
+        ("forward", 8, SMALL_ROWS_CPU_OPTIONS, "capacity"), ("forward", 128, {}, "expert_loop"),
         ("route_hidden", 8, {}, None)]
 
 
@@ -273,7 +275,7 @@ def test_serve_notes_the_native_kernel_level_or_why_it_is_missing(served):
     note = weights.native_cpu_note({"available": False, "reason": "no C++ compiler found (set CXX)", "isa": None})
     assert "unavailable (no C++ compiler found (set CXX))" in note
     # start-up's summary: the native kernel's line and host malloc's (tiny's weights fit no huge page)
-    assert served.notes() == [weights.native_cpu_note(served.info()["native_cpu_kernel"], panels.panel_columns()),
+    assert served.notes() == [weights.native_cpu_note(served.info()["native_cpu_kernel"], cpu.panel_columns()),
                               host_allocator.note(host_allocator.state().as_dict())]
 
 
@@ -367,5 +369,5 @@ def test_expert_parallel_engine_equals_single_device(tiny, warm_engine):
     np.testing.assert_array_equal(routed.topk_ids, alone.topk_ids)
     assert engine.compilations == 3  # all compiled at warm-up
     # The expert weights live split over the 4 devices: 2 experts each.
-    w_gate = engine.layers[1].params["w_gate"]
+    w_gate = engine.layers[1].params.w_gate
     assert {shard.data.shape for shard in w_gate.addressable_shards} == {(2, 64, 128)}

@@ -1,5 +1,6 @@
 """expertd serve configuration: flags, TOML, environment, validation and --help."""
 import dataclasses
+import os
 
 import pytest
 
@@ -145,23 +146,19 @@ def test_multihost_and_native_options_come_from_flags_toml_and_the_old_variables
 
 
 def test_the_configs_lists_match_the_kernels():
-    from expertd.kernels import experts, native_cpu
+    from expertd.kernels import cpu, experts
 
-    assert cfg.EXPERT_BACKENDS == experts.BACKENDS and cfg.NATIVE_CPU_ISA_LEVELS == native_cpu.ISA_LEVELS
+    assert cfg.EXPERT_BACKENDS == experts.BACKENDS and cfg.NATIVE_CPU_ISA_LEVELS == cpu.ISA_LEVELS
 
 
 def test_native_options_are_applied_to_the_process(monkeypatch):
+    from expertd.kernels import cpu
     from expertd.server.process import configure_native_cpu
 
-    for name in ("EXPERTD_NATIVE_CPU_ISA", "EXPERTD_NATIVE_CPU_PORTABLE", "EXPERTD_CACHE_DIR",
-                 "EXPERTD_TRACE_PARALLEL_FOR", "CXX"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("EXPERTD_NATIVE_CPU_PORTABLE", "1")
-    config = cfg.parse_args(["--native-cpu-isa", "avx2", "--native-cpu-trace"])  # this process's environment
+    applied = []
+    monkeypatch.setattr(cpu, "configure", applied.append)
+    config = cfg.parse_args(["--native-cpu-isa", "avx2", "--native-cpu-trace", "--native-cpu-cache-dir", "~/k"],
+                            environ={"CXX": "clang++"})
     configure_native_cpu(config.native_cpu)
-    import os
-
-    assert os.environ["EXPERTD_NATIVE_CPU_ISA"] == "avx2" and "EXPERTD_NATIVE_CPU_PORTABLE" not in os.environ
-    assert os.environ["EXPERTD_TRACE_PARALLEL_FOR"] == "1" and "CXX" not in os.environ
-    configure_native_cpu(cfg.NativeCpuConfig())
-    assert not {"EXPERTD_NATIVE_CPU_ISA", "EXPERTD_TRACE_PARALLEL_FOR"} & os.environ.keys()
+    assert applied == [cpu.BuildOptions(cache_dir=os.path.expanduser("~/k"), isa_cap="avx2", trace=True,
+                                        compiler="clang++")]

@@ -8,9 +8,9 @@ from service_support import reference_forward, server_config
 
 from expertd.client import ExpertClient
 from expertd.client.pb.v1 import expert_pb2
-from expertd.kernels.moe import MoEConfig
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
+from expertd.server.models.hf_config import moe_config_from_hf
 
 # (family, storage dtype, sharded, server dtype, --layers)
 CASES = [
@@ -33,7 +33,7 @@ def served(request, tmp_path_factory):
     handle.wait_ready(timeout=300)
     hf_config = hf_fixtures.hf_config(family, dtype=stored)
     wanted = [1, 2] if layers else hf_fixtures.moe_layer_indices(hf_config, family)
-    yield handle, {i: expected[i] for i in wanted}, MoEConfig.from_hf_config(hf_config), NUMPY_DTYPES[dtype]
+    yield handle, {i: expected[i] for i in wanted}, moe_config_from_hf(hf_config), NUMPY_DTYPES[dtype]
     handle.stop(grace=2)
 
 

@@ -23,7 +23,7 @@
 namespace expertd {
 
 #ifdef EXPERTD_TRACE_PARALLEL_FOR
-// A build with -DEXPERTD_TRACE_PARALLEL_FOR (EXPERTD_TRACE_PARALLEL_FOR=1, native_cpu.py) keeps one
+// A build with -DEXPERTD_TRACE_PARALLEL_FOR (BuildOptions(trace=True), kernels/cpu/build.py) keeps one
 // record per ParallelFor call, steady-clock nanoseconds, for benchmarks/parallel_for_trace.py:
 // when the caller started, ran out of tasks and returned; when the first helper started (0: none
 // yet) and the last one that ran a task finished (0: none did); the tasks, and the caller's share.
@@ -50,7 +50,7 @@ class ParallelForState {
 #endif
 
   // Claims and runs tasks until none are left, then reports how many this thread ran.
-  int64_t Run(bool helper = false) {
+  int64_t Run([[maybe_unused]] bool helper = false) {
 #ifdef EXPERTD_TRACE_PARALLEL_FOR
     if (helper) {
       int64_t unset = 0;
@@ -69,11 +69,11 @@ class ParallelForState {
   }
 
   // Spins up to kSpinNanos for the helpers' last tasks before sleeping on the condition variable:
-  // they finish a median 2-24 us after the caller, and waking from it took another median 22-26 us
-  // on the 2-core Zen 5 VM, where the caller has nothing else to do. A helper that has not started
-  // by the time the caller ran out of tasks is never waited for (it claims nothing), so the spin
-  // only covers tasks already running. The kernel alone: 1.02x median (BENCHMARKS.md "Spinning
-  // before the wait").
+  // the rule is that a helper still running when the caller ran out of tasks usually finishes
+  // sooner than a wake-up from the condition variable takes, and the caller has nothing else to
+  // do (BENCHMARKS.md "Spinning before the wait" has the measurements). A helper that has not
+  // started by the time the caller ran out of tasks is never waited for (it claims nothing), so the
+  // spin only covers tasks already running.
   void Wait() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(kSpinNanos);
     while (done_.load(std::memory_order_acquire) != total_) {

@@ -10,16 +10,15 @@ A row-major expert matrix `[K, C]` (the checkpoint's layout) is read by the kern
           w[e, k, c] = panels[e, c // W, k // 2, 2 * (c % W) + 1 - k % 2]
           (K odd: the last pair row's second row is zero padding)
 
-The panel width W is 64 where the native kernel runs AVX-512 (a block of up to 6 rows keeps the sums
-of a panel's 64 columns in zmm registers and reads the panel as one sequential stream) and 16
-elsewhere (AVX2 blocks hold at most 16 columns x 4 rows or 64 columns x 1 row in their 16 ymm
-registers, and read a 64-column panel in up to 4 strided passes, 0.6-0.8x): `panel_columns()`,
-BENCHMARKS.md "Panels of 64 columns".
+The panel width W (`panel_columns()`) is 64 where the native kernel runs AVX-512 (a block of up to
+6 rows keeps the sums of a panel's 64 columns in zmm registers and reads the panel as one
+sequential stream) and 16 elsewhere (AVX2 blocks hold at most 16 columns x 4 rows or 64 columns x 1
+row in their 16 ymm registers, so they would read a 64-column panel in up to 4 strided passes).
 
 A bf16 pair row holds, per column, w[2j] in the high half of a 32-bit word and w[2j + 1] in its low
 half: the AVX-512 kernel widens both rows of a 64-byte line (16 columns, a "strip") to fp32 with an
 AND and a shift, and its bf16 dot product (vdpbf16ps) multiplies the word as it lies, earlier row
-first (native/panel_layout.h, native/panel_stream_avx512.h).
+first (csrc/panel_layout.h, csrc/panel_stream_avx512.h).
 
 What it buys (BENCHMARKS.md "Panel-major expert weights", "AVX-512 and the bf16 dot product",
 "Panels of 64 columns"): every block reads its weights in place as sequential streams with its sums
@@ -28,11 +27,11 @@ every row count from the panels in place (AVX2 CPUs: the packed path's strips ar
 to 120 rows instead of re-packed each call); on AVX512_BF16 CPUs the pair rows are the bf16 dot
 product's operand as they lie.
 
-`PanelWeights` is a pytree (it goes through `jax.jit` and into params dicts as an array does) whose
-`shape`, `dtype` and `ndim` are the logical `[E, K, C]` array's, so shape checks and configs treat
-it as the weights it stands for. Only `native_cpu.grouped_matmul` reads the panels; every other
-consumer calls `dense(w)`, which gives the `[E, K, C]` array back (a transpose per call: correct,
-not fast; the engine only makes panels where the native kernel runs every expert matmul).
+`PanelWeights` is a pytree (it goes through `jax.jit` and into a MoEParams as an array does) but
+not an array: it has no `shape` or `__array__`; `logical_shape` is the `[E, K, C]` of the weights
+it holds, which shape checks read. Only `ffi.grouped_matmul` reads the panels; every other consumer
+converts with `dense(w)` (exported as `cpu.dense_weights`), which gives the `[E, K, C]` array back
+(a transpose per call: correct, not fast).
 """
 from __future__ import annotations
 
@@ -40,9 +39,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-PANEL_WIDTHS = (16, 64)  # the panel widths the kernel reads (native/panel_layout.h)
+from expertd.kernels.cpu import library
+
+PANEL_WIDTHS = (16, 64)  # the panel widths the kernel reads (csrc/panel_layout.h)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -65,11 +65,13 @@ class PanelWeights:
         return cls(children[0], *aux)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def logical_shape(self) -> tuple[int, int, int]:
+        """[E, K, C]: the shape of the row-major weights these panels hold."""
         return (self.panels.shape[0], self.k_dim, self.columns)
 
     @property
     def dtype(self):
+        """The weights' element dtype (the panels hold them unchanged)."""
         return self.panels.dtype
 
     @property
@@ -77,34 +79,20 @@ class PanelWeights:
         """W, the columns per panel (16 or 64)."""
         return self.panels.shape[3] // (2 if _pairs(self.dtype) else 1)
 
-    ndim = 3
-
     @property
     def nbytes(self) -> int:
         return self.panels.nbytes
 
-    @property
-    def sharding(self):
-        return self.panels.sharding
-
-    def __array__(self, dtype=None, copy=None):
-        """`np.asarray(w)`: the logical `[E, K, C]` weights, row-major (a relayout on the host), so
-        code that reads an engine's weights back as arrays keeps working."""
-        out = np.asarray(dense(self))
-        return out if dtype is None else out.astype(dtype)
-
     def __repr__(self) -> str:
-        return f"PanelWeights(shape={self.shape}, dtype={self.dtype}, panels={tuple(self.panels.shape)})"
+        return (f"PanelWeights(logical_shape={self.logical_shape}, dtype={self.dtype}, "
+                f"panels={tuple(self.panels.shape)})")
 
 
 def panel_columns(isa: str | None = None) -> int:
     """The panel width for native kernel instruction-set level `isa` (default: the level this
-    process runs, `native_cpu.isa()`, which EXPERTD_NATIVE_CPU_ISA caps): 64 for the AVX-512 levels,
-    else 16."""
+    process runs, `library.isa()`): 64 for the AVX-512 levels, else 16."""
     if isa is None:
-        from expertd.kernels import native_cpu  # it imports this module
-
-        isa = native_cpu.isa()
+        isa = library.isa()
     return 64 if isa in ("avx512", "avx512_bf16") else 16
 
 
@@ -117,9 +105,10 @@ def to_panels(w, columns: int | None = None) -> PanelWeights:
         raise ValueError(f"columns must be one of {PANEL_WIDTHS}, got {columns}")
     if isinstance(w, PanelWeights):
         return w if w.panel_columns == columns else to_panels(dense(w), columns)
-    if getattr(w, "ndim", None) != 3:
-        raise ValueError(f"expert weights must be [E, K, C], got shape {getattr(w, 'shape', None)}")
-    return PanelWeights(_relayout(jnp.asarray(w), columns), w.shape[1], w.shape[2])
+    w = jnp.asarray(w)
+    if w.ndim != 3:
+        raise ValueError(f"expert weights must be [E, K, C], got shape {w.shape}")
+    return PanelWeights(_relayout(w, columns), w.shape[1], w.shape[2])
 
 
 def _pairs(dtype) -> bool:
@@ -147,7 +136,7 @@ def dense(w):
     """The row-major `[E, K, C]` array of `w`: a PanelWeights relaid out, anything else as it is."""
     if not isinstance(w, PanelWeights):
         return w
-    e, k, c = w.shape
+    e, k, c = w.logical_shape
     if not _pairs(w.dtype):
         return w.panels.transpose(0, 2, 1, 3).reshape(e, k, -1)[:, :, :c]
     p, k2, columns = w.panels.shape[1], w.panels.shape[2], w.panel_columns
@@ -157,12 +146,3 @@ def dense(w):
 
 def is_panels(w) -> bool:
     return isinstance(w, PanelWeights)
-
-
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # the moe.init_params keys of routed expert matrices
-
-
-def panel_params(params: dict) -> dict:
-    """A MoE layer's params (moe.init_params keys) with the routed expert matrices panel-major; the
-    rest (router, shared experts) as they are."""
-    return {name: to_panels(p) if name in EXPERT_WEIGHTS else p for name, p in params.items()}

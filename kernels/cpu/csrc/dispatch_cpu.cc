@@ -33,8 +33,9 @@ ffi::Error LayoutImpl(ffi::Buffer<ffi::S32> flat, ffi::ResultBuffer<ffi::S32> de
   const int64_t copies = flat.element_count(), n = token_of_row->element_count();
   const int64_t e_dim = group_sizes->element_count();
   if (topk < 1 || copies % topk != 0) return ffi::Error::InvalidArgument("flat must be [T*k] with k = topk >= 1");
-  if (dest->element_count() != copies) return ffi::Error::InvalidArgument("dest must be [T*k] like flat");
-  if (group_offsets->element_count() != e_dim || tokens_per_expert->element_count() != e_dim) {
+  if (static_cast<int64_t>(dest->element_count()) != copies) return ffi::Error::InvalidArgument("dest must be [T*k] like flat");
+  if (static_cast<int64_t>(group_offsets->element_count()) != e_dim ||
+      static_cast<int64_t>(tokens_per_expert->element_count()) != e_dim) {
     return ffi::Error::InvalidArgument("group_sizes, group_offsets and tokens_per_expert must be [E]");
   }
   const int32_t* ids = flat.typed_data();

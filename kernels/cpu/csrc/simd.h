@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 namespace expertd {
@@ -66,23 +65,18 @@ inline Isa DetectIsa() {
   return Isa::kAvx512Bf16;
 }
 
-// The level this CPU runs, capped by EXPERTD_NATIVE_CPU_ISA (portable / avx2 / avx512 /
-// avx512_bf16); EXPERTD_NATIVE_CPU_PORTABLE=1 is EXPERTD_NATIVE_CPU_ISA=portable. Read once per
-// process.
+// The process-wide cap on the level, set once when the library is loaded
+// (expertd_native_cpu_cap_isa, from the loader's `isa_cap` option: how a deployment pins a level).
+inline std::atomic<int>& IsaCap() {
+  static std::atomic<int> cap{static_cast<int>(Isa::kAvx512Bf16)};
+  return cap;
+}
+
+// The level this CPU runs (detected once per process), capped by IsaCap().
 inline Isa DetectedIsa() {
-  static const Isa isa = [] {
-    Isa cap = Isa::kAvx512Bf16;
-    if (std::getenv("EXPERTD_NATIVE_CPU_PORTABLE") != nullptr) cap = Isa::kPortable;
-    if (const char* name = std::getenv("EXPERTD_NATIVE_CPU_ISA")) {
-      const char* names[] = {"portable", "avx2", "avx512", "avx512_bf16"};
-      for (int level = 0; level < 4; ++level) {
-        if (std::strcmp(name, names[level]) == 0 && level < static_cast<int>(cap)) cap = static_cast<Isa>(level);
-      }
-    }
-    const Isa detected = DetectIsa();
-    return detected < cap ? detected : cap;
-  }();
-  return isa;
+  static const Isa detected = DetectIsa();
+  const int cap = IsaCap().load(std::memory_order_relaxed);
+  return static_cast<int>(detected) < cap ? detected : static_cast<Isa>(cap);
 }
 
 // A further cap set at run time between calls (expertd_native_cpu_limit_isa: how the tests and the

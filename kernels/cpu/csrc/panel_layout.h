@@ -1,4 +1,5 @@
-// Panel-major expert weights as the kernels address them (panels.py makes them once at load).
+// Panel-major expert weights as the kernels address them (kernels/cpu/panels.py makes them once at
+// load).
 //
 // An expert's [K, C] matrix is held as P = ceil(C / W) panels of W columns (W = 16 or 64, the
 // panel width; columns past C are zero), one after another:
@@ -8,11 +9,10 @@
 //         in its high half and w[2j + 1][c] in its low half; K odd: the last low halves are zero).
 // The kernels' blocks cover strips of 16 columns (one zmm, two ymm): strip q is the 64-byte piece
 // of every (pair) row at column 16 q. With W = 64, a block of a panel's 4 strips reads one
-// sequential stream of 256-byte rows, which one Zen 4 core streamed at its read rate where 4
-// 16-column panels, 4 streams 16-64 KB apart, ran ~0.8-0.9x (BENCHMARKS.md "Panels of 64 columns").
-// AVX2 blocks cover at most 4 rows x 1 strip or 1 row x 4 strips (16 ymm registers), so they read
-// a 64-column panel in up to 4 strided passes (0.6-0.8x); panels.py therefore picks W per CPU: 64
-// where the kernels run AVX-512, 16 elsewhere.
+// sequential stream of 256-byte rows instead of 4 streams 16-64 KB apart. AVX2 blocks cover at most
+// 4 rows x 1 strip or 1 row x 4 strips (16 ymm registers), so they would read a 64-column panel in
+// up to 4 strided passes; the rule (kernels/cpu/panels.py panel_columns): W = 64 where the kernels
+// run AVX-512, 16 elsewhere (BENCHMARKS.md "Panels of 64 columns" has the measurements).
 #pragma once
 
 #include <cstdint>

@@ -4,7 +4,7 @@
 // and the block reads it as one sequential stream. More rows go in 6-row blocks over each 4 strips
 // in turn (the strips, or their step of kGroupStepBytes, stay in L2).
 //
-// Panel layouts (panel_layout.h; panels.py makes them once at load), W = 64 (or 16) columns:
+// Panel layouts (panel_layout.h; kernels/cpu/panels.py makes them once at load), W = 64 (or 16) columns:
 // - fp32: panel [K][W]: weight row k of strip s is the 16 floats at k * W + 16 s, one zmm.
 // - bf16: panel [ceil(K/2)][2 W] ("pair rows"): dword c of pair row j holds w[2j][c] in its high
 //   half and w[2j+1][c] in its low half (K odd: the last low halves are zero); strip s of pair row j
@@ -19,9 +19,9 @@
 // - bf16 weights, bf16 x (the item's rows all bf16-valued, which the layer's are: x and h are
 //   rounded to the weights' dtype), Isa::kAvx512Bf16: one vdpbf16ps per pair row against the row's
 //   x pair (x[2j] high, x[2j+1] low), whose two roundings are the two FMAs' (simd.h Bf16DotIsFma).
-//   No widening, and 32 multiply-adds per instruction where an FMA does 16: the FMA paths' blocks
-//   of 4+ rows were compute-bound on the 2-core dev box, and many rows run ~1.7x the packed fp32
-//   GEMM's rate (BENCHMARKS.md). AVX512_BF16 reads subnormal inputs as zero and flushes subnormal
+//   No widening, and 32 multiply-adds per instruction where an FMA does 16: the rule is to use it
+//   wherever it gives the FMAs' bits, because the FMA paths' blocks of 4+ rows are compute-bound
+//   (BENCHMARKS.md, "AVX-512 and the bf16 dot product"). AVX512_BF16 reads subnormal inputs as zero and flushes subnormal
 //   sums, which XLA:CPU does to every computation already (FTZ / DAZ), so nothing changes there.
 //
 // The functions carry the avx512bf16 target for the one loop that uses it; the others compile to
@@ -40,14 +40,13 @@
 namespace expertd::avx512 {
 
 // Blocks of up to 6 rows take 4 strips (4-24 zmm sums); more rows run as 6-row blocks plus one
-// block of the rest, each over the 4 strips in turn (StreamPanels). Blocks of up to 7 rows (28
-// sums) ran 1.03-1.17x at 7 rows but 0.89-1.05x at 8-64 (one core, interleaved, both dtypes).
+// block of the rest, each over the 4 strips in turn (StreamPanels). 6 is the largest block that
+// was not slower at any row count (BENCHMARKS.md).
 constexpr int kMaxBlockRows = 6;
+constexpr __mmask16 kAllLanes = 0xFFFF;
 constexpr int64_t kBlockStrips = 4;
 // No software prefetch: on 64-column panels a block reads one sequential stream, which the hardware
-// prefetcher keeps fed (interleaved A/B on one core: none against a prefetch 1 KiB ahead in blocks
-// of 5+ rows 0.97-1.12x, 1.07-1.10x at 6-16 rows; 1-4 row blocks ran 0.65-1.01x with one 1-4 KiB
-// ahead into L1 or L2).
+// prefetcher keeps fed; a software prefetch only added instructions (BENCHMARKS.md).
 
 // One expert's panel-major weights: the first weight, the panel width (16 or 64) and its length.
 template <typename W>
@@ -115,7 +114,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void StreamBlock(const Bl
           const uint16_t* line = strips[g] + j * pair_row;
           const __m512i raw = _mm512_loadu_si512(line);
           const __m512 first = _mm512_castsi512_ps(_mm512_and_si512(raw, high));  // w[2j]
-          const __m512 second = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // w[2j + 1]
+          // w[2j + 1]; the all-ones zero-masked form is the same vpslld, without GCC 12's false
+          // -Wmaybe-uninitialized on the unmasked intrinsic's undefined pass-through operand
+          const __m512 second = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAllLanes, raw, 16));
           for (int r = 0; r < kRows; ++r) {
             acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(in.x[r][2 * j]), first, acc[r][g]);
             acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(in.x[r][2 * j + 1]), second, acc[r][g]);
@@ -201,19 +202,17 @@ inline const uint32_t* const* PairRows(const float* const* x, int64_t rows, int6
 }
 
 // Each block streams its 4 strips over as many weight rows as hold kGroupStepBytes (the whole of K
-// for K up to 2048 fp32 / 4096 bf16), from L2 after the first block. Steps of 256 rows ran
-// 0.77-0.98x whole-K ones at 16-1024 rows per expert (the blocks' sums stored and reloaded every
-// step; 512 / 1024 rows: 0.81-1.0x), so the step only keeps the strips within a 1 MiB L2; at
-// DeepSeek-V3's K = 7168, steps of 256 KiB / 8 MiB ran 0.91-1.02x of these.
+// for K up to 2048 fp32 / 4096 bf16), from L2 after the first block. Rule: steps as long as fit a
+// 1 MiB L2, because every step stores and reloads the blocks' sums, so shorter steps cost and
+// longer ones fall out of L2 (BENCHMARKS.md).
 constexpr int64_t kGroupStepBytes = 512 << 10;
 
 // Columns [c0, c1) (c0 a multiple of 64; c1 = C or a multiple of 64) of y = x @ w for `rows` rows of
 // one expert's panel-major weights `w` (panels of `panel_cols` columns), x from `in`. Up to
 // kMaxBlockRows rows: one block, each 4 strips over all of K. More: each 4 strips (or their step
 // of kGroupStepBytes) for every block of kMaxBlockRows rows and then the block of the rest in turn.
-// 6-row blocks (24 zmm sums) were 1.0-1.29x 8 x 1 blocks on the bf16 dot at 12-256 rows per expert
-// in an interleaved A/B on the dev box, and level with 8 x 2, 8 x 3 and 7 x 3 within 0.9-1.1 (4 x 4
-// and 12 x 2 lost up to 0.8 / 0.69x).
+// 6-row x 4-strip blocks (24 zmm sums) are the fastest shape of those compared (8 x 1, 8 x 2,
+// 8 x 3, 7 x 3, 4 x 4, 12 x 2; BENCHMARKS.md).
 template <typename W>
 void StreamPanels(const BlockRows& in, int64_t rows, const W* w, int64_t k_dim, int64_t panel_cols, int64_t c0,
                   int64_t c1, int64_t c_dim, float* y) {

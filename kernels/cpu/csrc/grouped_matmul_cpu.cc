@@ -3,8 +3,8 @@
 //   y[r, :] = x[r, :] @ w[e(r)]   for the rows r of expert e (expert-major, group_sizes[e] rows each)
 //   x f32 [N, K], group_sizes s32 [E], w bf16 or f32 [E, K, C]  ->  y f32 [N, C]
 //   rows past sum(group_sizes) -> 0; experts without rows are never read.
-// The *Panels entry points take the weights panel-major instead (panels.to_panels in Python, done
-// once at load), P = ceil(C / W) panels of W = 16 or 64 columns per expert (columns past C zero; W
+// The *Panels entry points take the weights panel-major instead (kernels/cpu/panels.py, made once
+// at load by prepare_params), P = ceil(C / W) panels of W = 16 or 64 columns per expert (columns past C zero; W
 // read from w's last dimension):
 //   fp32: w [E, P, K, W], column c of expert e at w[e, c / W, k, c % W];
 //   bf16: w [E, P, ceil(K / 2), 2 W] ("pair rows"): w[e, c / W, k / 2, 2 (c % W) + 1 - k % 2], i.e.
@@ -21,9 +21,9 @@
 //   (a pad row) reads as zeros.
 //
 // Why it exists: XLA:CPU's small-M dots copy each expert's weight slice (and widen bf16 weights to
-// fp32) into fresh buffers before multiplying, so a decode batch moves ~3-5x the weight bytes; and
-// its per-expert GEMMs ran 119-131 GFLOP/s of this dev box's 195 (expert_loop at T=4096) where the
-// packed path here does 133-169 at 256 rows per expert.
+// fp32) into fresh buffers before multiplying, so a decode batch moves several times the weight
+// bytes; here the weights are read in place, and many rows per expert run a packed GEMM
+// (BENCHMARKS.md has the measurements).
 //
 // Work split: items of (expert, block of output columns), shared by the calling thread and helper
 // tasks on XLA's intra-op thread pool (expertd::ParallelFor, parallel.h).
@@ -68,20 +68,18 @@ using expertd::Load8;
 
 namespace {
 
-// Picked by timing on the 2-core AVX2 dev box (one projection, E in {8, 64}, 1-16 rows per expert):
-// 2048 columns x 16 k beat 512 / 1024 / 4096 columns and 4 / 8 k by 1.1-2x at 4-16 rows.
+// Streaming items: 2048 output columns x 16 weight rows per step, the fastest of the column blocks
+// (512-4096) and steps (4-16 rows) compared with benchmarks/native_cpu_kernel.py (BENCHMARKS.md).
 constexpr int64_t kBlockColumns = 2048;  // output columns per work item
 constexpr int64_t kMinBlockColumns = 256;
 // Streaming items on panel-major weights: a narrower block costs nothing (each strip is a stream
-// of its own), and more items even out experts of unequal row counts across the threads: the
-// three projections of the E=8 T=16 layer (8 experts of 3-7 rows) ran 0.94-0.97x the time with 4
-// blocks per expert instead of 1 (interleaved, 6 runs, 2-core Zen 3 VM); E=64 (56 items already)
-// unchanged. The packed path keeps wide blocks (narrow ones repack x per block: 1.00-1.04x slower
-// at 32-256 rows).
+// of its own), and more items even out experts of unequal row counts across the threads, so they
+// are split into up to kItemsPerThreadPanels items per thread. The packed path keeps wide blocks
+// (narrow ones would repack x per block).
 constexpr int64_t kItemsPerThreadPanels = 16;
 constexpr int kRowsPerStep = 16;         // weight rows streamed at once; accumulators stay in registers
-// Items of one row block stream 8 weight rows per step instead: fewer concurrent streams (once the
-// next-step prefetch existed, interleaved A/B: 1.0-1.26x at 1-4 rows, 0.85-0.94x at 8-24).
+// Items of one row block (up to 4 rows) stream 8 weight rows per step instead: fewer concurrent
+// streams, which suits few rows; more rows keep 16 (BENCHMARKS.md).
 constexpr int kRowsPerStepOneBlock = 8;
 constexpr int64_t kRowBlock = 4;
 
@@ -135,9 +133,8 @@ void BlockScalar(const float* const* x, int64_t rows, const ExpertWeights<W>& w,
 // The weights of the next step (its weight rows x the item's columns), prefetched a slice per
 // column chunk while the current step runs, so they arrive one step ahead in memory order. Without
 // it, rows of 1-2 KB (E=64, C=512) restart the hardware prefetcher's streams every step, and bf16's
-// widening leaves too few loads in flight: bf16 0.99-1.51x at 1-4 rows per expert, fp32 0.93-1.29x
-// at 4-16 (interleaved A/B, weights cycled past L3). fp32 with 1-3 rows already streams at the read
-// rate; the extra instructions cost it up to 14%, so it is off below 4 rows.
+// widening leaves too few loads in flight. Rule: on for bf16 weights, and for fp32 from 4 rows
+// (fp32 with 1-3 rows already streams at the read rate, where the extra instructions only cost).
 struct NextStep {
   const char* first;  // the next step's first weight row, at the item's first column
   int64_t rows;       // weight rows it has (0: this is the last step)
@@ -197,10 +194,10 @@ __attribute__((target("avx2,fma"))) void Columns(const float* const* x, const Ex
   }
 }
 
-// One step (kk weight rows from k0) for all rows of the item. bf16 gives its 1- and 2-row blocks
-// wider chunks (8 accumulators as for 4 rows: 1.25-1.43x there) and its 3-row blocks 32 columns
-// (12 accumulators instead of 6: median 1.11x at 3 rows, 1.09x at 7, two interleaved runs); for
-// fp32 they measured 0.93-1.05x at 1-2 rows and 0.87-1.11x at 3, so fp32 keeps 16 columns.
+// One step (kk weight rows from k0) for all rows of the item. Rule: bf16 gives its 1- and 2-row
+// blocks wider chunks (8 accumulators, as for 4 rows) and its 3-row blocks 32 columns (12
+// accumulators instead of 6), where the widening leaves the FMAs room; fp32 keeps 16 columns, where
+// wider chunks gained nothing (BENCHMARKS.md).
 template <int kk, typename W>
 __attribute__((target("avx2,fma"))) void RowBlocks(const float* const* x, int64_t rows,
                                                    const ExpertWeights<W>& w, int64_t k0,
@@ -277,10 +274,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
 // [k0, k1), the kRows x 2 * kPanels accumulators in registers throughout; they start from zero, or
 // with `accumulate` from y. Fewer rows take more strips at once, to keep 8-12 independent FMA
 // chains. Summation in k order, as the row-major path's (the results are equal bit for bit).
-// Measured on the dev box (native_cpu_kernel.py, interleaved against the row-major path): a
-// software prefetch kPanelPrefetchBytes ahead in each stream took fp32 at 1-4 rows from 0.87-1.03x
-// to 1.04-1.6x; unrolling k 4x, with the prefetches hoisted out of the unrolled rows, took 3-24
-// rows from 0.44-1.08x to 0.91-1.51x.
+// Each stream is prefetched kPanelPrefetchBytes ahead in software, and k is unrolled 4x with the
+// prefetches hoisted out of the unrolled rows: both made this path at least level with the
+// row-major one (benchmarks/native_cpu_kernel.py; BENCHMARKS.md).
 constexpr int64_t kPanelPrefetchBytes = 1024;
 template <int kRows, int kPanels, typename W>
 __attribute__((target("avx2,fma"))) void PanelStream(const float* const* x, const ExpertWeights<W>& w,
@@ -337,11 +333,8 @@ constexpr int64_t kPanelStepK = 256;
 // each strip in turn, in steps of kPanelStepK weight rows, each step for blocks of as equal a size
 // as fit (7 = 4 + 3, 13 = 5 + 4 + 4), so that no block is left with 1-2 rows, whose few FMA chains
 // wait on each other's latency.
-// Interleaved A/B on the AVX2 dev box (2-core Zen 3 VM, native_cpu_kernel.py --variant, 4 shapes)
-// against 4-row blocks with 1 strip each, taken k step by k step across all the strips (and x
-// broadcast up front in PanelRow, which spilled): 5-6 rows 1.46-1.64x (bf16) / 1.24-1.32x (fp32),
-// 7-8 rows 1.18-1.45x / 1.08-1.16x, 16 rows 0.90-1.34x / 1.01-1.10x, 1-4 rows level (0.85-1.11x,
-// this VM's noise); BENCHMARKS.md "AVX2 register blocks of 5-6 rows".
+// These blocks replaced 4-row blocks of 1 strip each taken k step by k step across all the strips:
+// faster from 5 rows, level below (BENCHMARKS.md "AVX2 register blocks of 5-6 rows").
 template <typename W>
 __attribute__((target("avx2,fma"))) void StreamPanels(const float* const* x, int64_t rows,
                                                       const ExpertWeights<W>& w, int64_t c0,
@@ -405,16 +398,14 @@ __attribute__((target("avx2,fma"))) void StreamPanels(const float* const* x, int
 constexpr int kPanelRows = 6;
 constexpr int64_t kPackK = 256;
 constexpr int64_t kPackRowsL2 = 120;  // a multiple of kPanelRows
-// Interleaved A/B against the streaming path (weights cycled past L3): 0.64-0.83x at 6-8 rows,
-// 0.87-1.11x at 12-24, 1.09-1.20x at 32, 1.27-1.46x at 64, 1.3-1.4x at 256 and 1.8x at 1024 rows
-// (up to 178 GFLOP/s of this box's 195 FMA peak on two cores).
+// Rule: from kPackedMinRows rows per expert the packed path, below it the streaming one: the
+// packed GEMM is compute-bound and wins from 32 rows on, the streaming path below (BENCHMARKS.md).
 constexpr int64_t kPackedMinRows = 32;
 
 // y[r, 0:16] (+)= sum_k a[k][r] * b[k][0:16] for the first kRows of a 6-row x panel, b's rows
 // `b_stride` floats apart (16 packed, the panel width for a strip read in place); `accumulate`
 // continues from y (later k blocks), else starts from zero. The sums start from the y tile, so k is
-// summed in order across the k blocks as on every other path (one result whatever the path; adding
-// the tile after the loop instead ran 0.91-1.06x, median ~1.02, in an interleaved A/B). The next
+// summed in order across the k blocks as on every other path (one result whatever the path). The next
 // tile's `next_rows` rows from `y_next` are prefetched for its own start.
 template <int kRows>
 __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const float* a,
@@ -432,8 +423,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroKernel(const
     acc[r][0] = accumulate ? _mm256_loadu_ps(y + r * c_dim) : _mm256_setzero_ps();
     acc[r][1] = accumulate ? _mm256_loadu_ps(y + r * c_dim + 8) : _mm256_setzero_ps();
   }
-  // Unrolled 4x: the loop's own add / compare / branch otherwise cost ~8% (interleaved A/B at 64 /
-  // 256 / 1024 rows per expert, both shapes and dtypes: 1.01-1.21x, median 1.08; 2x and 8x the same).
+  // Unrolled 4x, so that the loop's own add / compare / branch do not cost FMA slots (2x and 8x
+  // did the same as 4x; BENCHMARKS.md).
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k, a += kPanelRows, b += b_stride) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
@@ -602,10 +593,10 @@ template <typename W>
 __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_t rows,
                                                    const ExpertWeights<W>& w, int64_t c0, int64_t c1,
                                                    float* y) {
-  // Panel-major weights on AVX-512 CPUs: every row count (its register blocks of up to 6 x 4 panels
-  // matched or beat the packed path at 32-1024 rows per expert, fp32 1.01-1.18x, bf16 widened
-  // 0.89-1.33x, before their whole-K streaming gained 1.02-1.26x more; BENCHMARKS.md "AVX-512 and
-  // the bf16 dot product"), bf16-valued rows on the bf16 dot product; the column tail included.
+  // Panel-major weights on AVX-512 CPUs: every row count (its register blocks of up to 6 x 4 strips
+  // streaming all of K are at least level with the packed path at every row count; BENCHMARKS.md
+  // "AVX-512 and the bf16 dot product"), bf16-valued rows on the bf16 dot product; the column tail
+  // included.
   if (w.Panels() && expertd::CpuIsa() >= expertd::Isa::kAvx512) {
     const uint32_t* const* pairs = nullptr;
     if (ExpertWeights<W>::kBf16 && expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
@@ -789,9 +780,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanels, GroupedMatmulImpl<true
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanelsGathered, GroupedMatmulGatheredImpl<true>, GatheredBinding());
 
 // The expertd::Isa level the kernels run at (0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512 with the bf16 dot
-// product), and the highest one this CPU and the environment allow; limit_isa caps it for later calls.
+// product), and the highest one this CPU runs under the process cap; cap_isa sets that cap (once, at
+// load), limit_isa a further cap for later calls.
 extern "C" int expertd_native_cpu_isa() { return static_cast<int>(expertd::CpuIsa()); }
 extern "C" int expertd_native_cpu_detected_isa() { return static_cast<int>(expertd::DetectedIsa()); }
+extern "C" void expertd_native_cpu_cap_isa(int level) { expertd::IsaCap().store(level); }
 extern "C" void expertd_native_cpu_limit_isa(int level) { expertd::IsaLimit().store(level); }
 // Work items run on each Path since the library loaded (a column tail alone counts as portable).
 extern "C" int64_t expertd_native_cpu_path_items(int path) {

@@ -1,4 +1,4 @@
-"""The C++ dispatch passes of the CPU layer (native_cpu.layout, native_cpu.combine and the grouped
+"""The C++ dispatch passes of the CPU layer (cpu.layout, cpu.combine and the grouped
 matmul reading its rows by index) against their jnp twins in kernels/dispatch.py, over the grid
 of test_dispatch: every Permutation field equal, the combine to fp32 rounding (bitwise for one
 copy per token), NaN garbage in rows no copy points at never read."""
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from expertd.kernels import dispatch, native_cpu
+from expertd.kernels import cpu, dispatch
 
-pytestmark = pytest.mark.skipif(not native_cpu.available(), reason=f"no native kernel: {native_cpu.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no native kernel: {cpu.unavailable_reason()}")
 
 # (E, k, T): the issue's grid, k <= E; T = 1024 with E = 64, k = 8 is the layer's 8192 copies.
 GRID = [(e, k, t) for e, k, t in itertools.product((1, 2, 8, 64), (1, 2, 8), (1, 3, 64, 1024)) if k <= e]
@@ -32,8 +32,8 @@ def valid_mask(t, seed):
 def test_layout_equals_the_sorting_layout(e, k, t):
     ids = random_ids(e, k, t, seed=e * 100 + k * 10 + t, skew=t % 2 == 1)
     for align, valid in ((0, None), (8, None), (128, None), (0, valid_mask(t, t)), (8, valid_mask(t, t + 1))):
-        want = jax.jit(lambda i, v: dispatch.layout(i, e, align_size=align, valid=v))(ids, valid)
-        got = jax.jit(lambda i, v: native_cpu.layout(i, e, align_size=align, valid=v))(ids, valid)
+        want = jax.jit(lambda i, v, a=align: dispatch.layout(i, e, align_size=a, valid=v))(ids, valid)
+        got = jax.jit(lambda i, v, a=align: cpu.layout(i, e, align_size=a, valid=v))(ids, valid)
         for name, a, b in zip(dispatch.Permutation._fields, got, want):
             assert a.dtype == b.dtype == jnp.int32, name
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} align={align}")
@@ -41,7 +41,7 @@ def test_layout_equals_the_sorting_layout(e, k, t):
 
 def test_layout_of_no_routed_copies():
     ids = jnp.zeros((5, 2), jnp.int32)
-    perm = native_cpu.layout(ids, 4, valid=jnp.zeros(5, bool))
+    perm = cpu.layout(ids, 4, valid=jnp.zeros(5, bool))
     np.testing.assert_array_equal(np.asarray(perm.dest), 10)  # N = T * k: nowhere
     np.testing.assert_array_equal(np.asarray(perm.token_of_row), 5)
     np.testing.assert_array_equal(np.asarray(perm.tokens_per_expert), 0)
@@ -64,7 +64,7 @@ def test_combine_matches_unpermute(e, k, t, dtype):
     rows = _rows_with_garbage(perm, 40, dtype, seed=k)  # H = 40: a scalar tail past the 8-wide vectors
     weights = jnp.asarray(np.random.default_rng(t).random((t, k)), jnp.float32)
     for w in (weights, None):
-        got = np.asarray(jax.jit(native_cpu.combine)(rows, perm, w))
+        got = np.asarray(jax.jit(cpu.combine)(rows, perm, w))
         want = np.asarray(jax.jit(lambda r, p, w: dispatch.unpermute(r, p, w, out_dtype=jnp.float32))(rows, perm, w))
         assert got.dtype == np.float32 and got.shape == (t, 40)
         assert np.isfinite(got).all()
@@ -75,9 +75,9 @@ def test_combine_matches_unpermute(e, k, t, dtype):
 def test_round_trip_with_one_copy_is_bitwise():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((50, 24)), jnp.float32)
     ids = random_ids(8, 1, 50, seed=1)
-    perm = native_cpu.layout(ids, 8)
+    perm = cpu.layout(ids, 8)
     rows = x.at[perm.token_of_row].get(mode="fill", fill_value=0)
-    np.testing.assert_array_equal(np.asarray(native_cpu.combine(rows, perm)), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(cpu.combine(rows, perm)), np.asarray(x))
 
 
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
@@ -90,28 +90,28 @@ def test_matmul_reading_rows_by_index_equals_gathering_first(e, k, t, h, c, dtyp
     perm = dispatch.layout(random_ids(e, k, t, seed=h), e, align_size=8)
     w = jnp.asarray(rng.standard_normal((e, h, c)) * 0.1, dtype)
     gathered = x.at[perm.token_of_row].get(mode="fill", fill_value=0)
-    got = np.asarray(jax.jit(lambda x, g, w, s: native_cpu.grouped_matmul(x, g, w, source=s))(
+    got = np.asarray(jax.jit(lambda x, g, w, s: cpu.grouped_matmul(x, g, w, source=s))(
         x, perm.group_sizes, w, perm.token_of_row))
-    want = np.asarray(jax.jit(native_cpu.grouped_matmul)(gathered, perm.group_sizes, w))
+    want = np.asarray(jax.jit(cpu.grouped_matmul)(gathered, perm.group_sizes, w))
     assert got.shape == (perm.token_of_row.shape[0], c)
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_allclose(got, np.asarray(native_cpu.grouped_matmul_reference(gathered, perm.group_sizes, w)),
+    np.testing.assert_allclose(got, np.asarray(cpu.grouped_matmul_reference(gathered, perm.group_sizes, w)),
                                rtol=1e-5, atol=1e-5 * np.sqrt(h))
 
 
 def test_argument_errors_name_the_field():
     ids = jnp.zeros((4, 2), jnp.int32)
-    perm = native_cpu.layout(ids, 3)
+    perm = cpu.layout(ids, 3)
     with pytest.raises(ValueError, match="align_size"):
-        native_cpu.layout(ids, 3, align_size=-1)
+        cpu.layout(ids, 3, align_size=-1)
     with pytest.raises(ValueError, match="valid"):
-        native_cpu.layout(ids, 3, valid=jnp.ones(5, bool))
+        cpu.layout(ids, 3, valid=jnp.ones(5, bool))
     with pytest.raises(ValueError, match="topk_weights"):
-        native_cpu.combine(jnp.zeros((8, 16)), perm, jnp.ones((4, 3)))
+        cpu.combine(jnp.zeros((8, 16)), perm, jnp.ones((4, 3)))
     with pytest.raises(ValueError, match="rows"):
-        native_cpu.combine(jnp.zeros((7, 16)), perm)
+        cpu.combine(jnp.zeros((7, 16)), perm)
     with pytest.raises(ValueError, match="rows must be float32 or bfloat16"):
-        native_cpu.combine(jnp.zeros((8, 16), jnp.float16), perm)
+        cpu.combine(jnp.zeros((8, 16), jnp.float16), perm)
     with pytest.raises(ValueError, match="source"):
-        native_cpu.grouped_matmul(jnp.ones((4, 16)), jnp.ones(3, jnp.int32), jnp.ones((3, 16, 16)),
+        cpu.grouped_matmul(jnp.ones((4, 16)), jnp.ones(3, jnp.int32), jnp.ones((3, 16, 16)),
                                   source=jnp.zeros(8, jnp.float32))

@@ -1,0 +1,66 @@
+"""expertd.kernels.cpu: the native CPU backend behind one door.
+
+A C++ library of XLA:CPU custom calls (csrc/, see its README.md): a grouped matmul that reads each
+used expert's weights once, in place (bf16 widened in registers), or runs a register-blocked GEMM
+for many rows, on AVX-512 / AVX2 / portable paths chosen at run time; and the layer's dispatch
+passes (layout as a counting sort, combine). Built on first use with the system compiler.
+
+What the rest of expertd may use is imported here; the modules behind it:
+
+  build     BuildOptions, configure(options): cache folder, compiler, trace build, instruction-set
+            cap, passed in explicitly (the server's config reads its flags and calls configure
+            once, before the first use); available(), unavailable_reason(), build_log()
+  library   isa(), supported_isas(), limit_isa(level), vectorized(), path_items(),
+            parallel_for_trace(): what the loaded library reports and its run-time controls
+  ffi       grouped_matmul, layout, combine: the custom calls, with grouped_matmul_reference
+            beside them (layout's and combine's twins are dispatch.layout / dispatch.unpermute)
+  panels    the panel-major weight layout (PanelWeights, to_panels, dense, panel_columns)
+  policy    which backend "auto" runs on CPU and the XLA:CPU options it compiles with
+  layer     grouped_ffn (the "native_cpu" backend), routed_experts (the layer's CPU pass),
+            prepare_params, dense_weights, describe
+
+Imports point one way: this package uses the generic pieces it needs (config, params, ffn,
+dispatch) and nothing that uses it; `expertd.kernels.experts` and `expertd.kernels.moe` import
+this door at the top of their modules (the backend table's "native_cpu" entry, the CPU branch of
+`choose_backend`, the layer's CPU pass, `prepare_params`). Outside this package nothing knows what
+a panel is: prepared weights are not arrays, and the other backends read them through
+`dense_weights`.
+"""
+from expertd.kernels.cpu.build import (
+    ISA_LEVELS,
+    BuildOptions,
+    available,
+    build_log,
+    configure,
+    options,
+    unavailable_reason,
+)
+from expertd.kernels.cpu.ffi import combine, grouped_matmul, grouped_matmul_reference, layout
+from expertd.kernels.cpu.layer import (
+    PREPARING_BACKENDS,
+    dense_weights,
+    describe,
+    grouped_ffn,
+    prepare_params,
+    routed_experts,
+)
+from expertd.kernels.cpu.library import (
+    PATHS,
+    TRACE_FIELDS,
+    isa,
+    limit_isa,
+    parallel_for_trace,
+    path_items,
+    supported_isas,
+    vectorized,
+)
+from expertd.kernels.cpu.panels import PANEL_WIDTHS, PanelWeights, panel_columns, to_panels
+from expertd.kernels.cpu.policy import choose_backend, compiler_options
+
+__all__ = [
+    "ISA_LEVELS", "PANEL_WIDTHS", "PATHS", "PREPARING_BACKENDS", "TRACE_FIELDS", "BuildOptions", "PanelWeights",
+    "available", "build_log", "choose_backend", "combine", "compiler_options", "configure", "dense_weights",
+    "describe", "grouped_ffn", "grouped_matmul", "grouped_matmul_reference", "isa", "layout", "limit_isa",
+    "options", "panel_columns", "parallel_for_trace", "path_items", "prepare_params", "routed_experts",
+    "supported_isas", "to_panels", "unavailable_reason", "vectorized",
+]

@@ -1,0 +1,87 @@
+"""The native CPU backend as the MoE layer uses it: the grouped FFN, the layer's routed-expert pass,
+the weights prepared once after loading, and what a server reports about it.
+
+  grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", source=None) -> [N, H]
+      The "native_cpu" grouped-FFN backend (the contract of `expertd.kernels.ffn`): one
+      `ffi.grouped_matmul` per projection, fp32 accumulation. Weights row-major or prepared.
+  routed_experts(params, x, ids, weights, valid, cfg) -> (fp32 [T, H], dispatch.Permutation)
+      `moe.moe_layer`'s routed part with backend "native_cpu": the dispatch in C++ too.
+  prepare_params(params, *, backend="auto") -> MoEParams
+      The routed expert weights in the layout the kernel reads fastest (panel-major, `panels`)
+      where the library is available and `backend` would run it; otherwise `params` unchanged.
+  dense_weights(w) -> the `[E, K, C]` array of prepared weights (arrays as they are): the one door
+      through which the other backends read prepared weights.
+  describe(params=None) -> dict: availability, why not, instruction-set level and weight layout.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from expertd.kernels.config import MoEConfig
+from expertd.kernels.cpu import ffi, library, panels
+from expertd.kernels.cpu.build import available, unavailable_reason
+from expertd.kernels.ffn import activation_fn, check_ffn_args
+from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams
+
+PREPARING_BACKENDS = ("auto", "native_cpu")  # the backends whose CPU runs read prepared weights
+
+dense_weights = panels.dense
+
+
+def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", source=None):
+    """Grouped FFN through the C++ grouped matmul, one call per projection, fp32 accumulation; `h`
+    is rounded to xs.dtype before the down projection as in the other backends. The kernel never
+    reads rows past sum(group_sizes) nor experts without rows, and writes zeros there.
+
+    With `source int32 [N]` (a Permutation's token_of_row), `xs` is the `[T, H]` token rows and the
+    gate / up projections gather their rows by it inside the kernel (the layer's CPU path: the
+    permuted `[N, H]` copy of x is never written); the result is `[N, H]` either way."""
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
+    act = activation_fn(activation)
+    x32 = xs.astype(jnp.float32)
+    h = (act(ffi.grouped_matmul(x32, group_sizes, w_gate, source=source))
+         * ffi.grouped_matmul(x32, group_sizes, w_up, source=source))
+    y = ffi.grouped_matmul(h.astype(xs.dtype).astype(jnp.float32), group_sizes, w_down)
+    return y.astype(xs.dtype)
+
+
+def routed_experts(params: MoEParams, x, ids, weights, valid, cfg: MoEConfig):
+    """(the routed experts' fp32 `[T, H]` output, its Permutation) through the C++ passes: the
+    layout as a counting sort, gate / up reading token rows by index (no permuted copy of x), the
+    combine reading each expert row once. x `[T, H]`, ids int32 `[T, k]` (-1 on padding), weights
+    fp32 `[T, k]`, valid bool `[T]` or None. Each pass equals its jnp twin in the generic path
+    (tests/kernels/test_cpu_dispatch.py) and the layer matches the oracle (test_moe.py)."""
+    perm = ffi.layout(jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
+    ys = grouped_ffn(x, perm.group_sizes, params.w_gate, params.w_up, params.w_down,
+                     activation=cfg.activation, source=perm.token_of_row)
+    return ffi.combine(ys, perm, weights), perm
+
+
+def prepare_params(params: MoEParams, *, backend: str = "auto") -> MoEParams:
+    """`params` with the routed expert matrices panel-major (panels of `panels.panel_columns()`
+    for this CPU) where the library is available and `backend` is one of PREPARING_BACKENDS; the
+    rest (router, shared experts) as they are. Otherwise `params` itself. Exact: a relayout."""
+    if backend not in PREPARING_BACKENDS or not available():
+        return params
+    return params.replace(**{name: panels.to_panels(getattr(params, name)) for name in EXPERT_WEIGHTS})
+
+
+def describe(params: MoEParams | None = None) -> dict:
+    """The native CPU backend as a server reports it:
+
+      available      whether the library is built and loaded (building it now if need be)
+      reason         why not (None when available)
+      isa            the instruction-set level it runs at (`library.isa()`), None without it
+      weight_layout  "panels" or "row_major": of `params`' routed expert weights when given,
+                     else of what `prepare_params` makes on this machine
+      panel_columns  the panels' width (16 or 64), None for row-major
+    """
+    ok = available()
+    if params is not None:
+        w = params.w_gate
+        columns = w.panel_columns if panels.is_panels(w) else None
+    else:
+        columns = panels.panel_columns() if ok else None
+    return {"available": ok, "reason": unavailable_reason() or None, "isa": library.isa(),
+            "weight_layout": "row_major" if columns is None else "panels", "panel_columns": columns}
+
