@@ -254,7 +254,7 @@ class _Reader:
         self.touched: set[str] = set()
 
     def dense(self, name: str, shape, expert: int | None = None, num_experts: int | None = None,
-              dtype=None) -> np.ndarray:
+              dtype=None, in_out: bool = False) -> np.ndarray:
         try:
             found = quant.locate(name, self.stored, self.scheme)
             self.touched.update(found.names)
@@ -269,7 +269,7 @@ class _Reader:
                 array = data  # cast by the copy into the served array
             else:
                 array = quant.dequantize(name, view, self.scheme, dtype or self.out_dtype)
-                if found.layout == "mxfp4":  # stored [.., R, C]; transformers holds the transpose
+                if found.layout == "mxfp4" and in_out:  # MXFP4 rows are outputs; the parameter is [.., in, out]
                     array = np.swapaxes(array, -1, -2)
         except (quant.QuantError, StoredError) as exc:
             raise CheckpointError(f"{self.where}: {exc}") from exc

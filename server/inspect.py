@@ -118,13 +118,21 @@ def format_report(report: dict) -> str:
         lines.append(f"quantised    {q['description']}" + (f"; left unquantised: {', '.join(q['excluded'])}"
                                                           if q["excluded"] else ""))
     if report["servable"]:
-        gib = report["served_bytes"] / 2 ** 30
-        stored = report["checkpoint_bytes"] / 2 ** 30 if report["checkpoint_bytes"] else 0.0
         lines.append(f"dtype        {report['dtype']} ({report['dtype_reason']}; experts stored as "
                      f"{report['stored_dtype']})")
-        lines.append(f"memory       {gib:.3f} GiB of served weights for {len(report['served_layers'])} MoE layers "
-                     f"(checkpoint files {stored:.3f} GiB)")
+        files = _size(report["checkpoint_bytes"])
+        lines.append(f"memory       {_size(report['served_bytes'])} of served weights for "
+                     f"{len(report['served_layers'])} MoE layers (checkpoint files {files})")
         lines.append(f"serve        would serve MoE layers {describe_indices(report['served_layers'])}")
     else:
         lines.append(f"serve        refused: {report['refusal']}")
     return "\n".join(lines) + "\n"
+
+
+def _size(count: int) -> str:
+    value, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.1f} {unit}" if unit != "B" else f"{count} B"

@@ -23,10 +23,12 @@ E experts; every layout yields per expert j: w_gate[j], w_up[j] `[H, I]` and w_d
   FlatRows       `w1`, `v1`, `w2` `[E*I, H]` (DBRX): w_gate[j] = w1[jI:(j+1)I].T, w_down[j] = w2[jI:(j+1)I]
 
 A layout reads through a `reader` (the checkpoint loader's) with one method:
-  reader.dense(name, shape, expert=None, num_experts=None) -> array
+  reader.dense(name, shape, expert=None, num_experts=None, in_out=False) -> array
       the dense weight `name` as transformers holds it (dequantised, in the serving dtype), checked
       against `shape` (the full tensor's); `expert=j` gives only expert j's slice of a tensor with
-      a leading expert axis (`num_experts=E` first views a flat `[E*R, C]` tensor as `[E, R, C]`).
+      a leading expert axis (`num_experts=E` first views a flat `[E*R, C]` tensor as `[E, R, C]`);
+      `in_out`: transformers holds the parameter `[.., in, out]` (MXFP4 stores `[.., out, in]`
+      blocks, so those are transposed back).
 """
 from __future__ import annotations
 
@@ -94,9 +96,9 @@ class FusedColumns:
         return {self.gate_up: (e, h, 2 * i), self.down: (e, i, h)}
 
     def expert(self, reader, j: int, e: int, h: int, i: int):
-        both = reader.dense(self.gate_up, (e, h, 2 * i), expert=j)
+        both = reader.dense(self.gate_up, (e, h, 2 * i), expert=j, in_out=True)
         gate, up = (both[:, 0::2], both[:, 1::2]) if self.interleaved else (both[:, :i], both[:, i:])
-        return gate, up, reader.dense(self.down, (e, i, h), expert=j)
+        return gate, up, reader.dense(self.down, (e, i, h), expert=j, in_out=True)
 
 
 @dataclasses.dataclass(frozen=True)
