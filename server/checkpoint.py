@@ -13,8 +13,9 @@ Two steps, both through the model registry (`expertd.server.models`):
    cast into the serving dtype and transposed into expertd's layouts (`router_weight [H, E]` fp32,
    `expert_bias [E]` fp32, `w_gate / w_up [E, H, I]`, `w_down [E, I, H]`, `shared_w_* [H, Is] /
    [Is, H]`, `shared_gate [H, 1]`), and the pages it read are dropped from the process. Host memory
-   peaks at the served weights plus one expert's tensors and the dequantiser's chunk temporaries;
-   fused `[E, ...]` tensors are read an expert slice at a time, never copied whole.
+   peaks at the served weights plus, per worker thread, one expert's tensors and the dequantiser's
+   chunk temporaries; fused `[E, ...]` tensors are read an expert slice at a time, never copied
+   whole.
 
 Every problem raises `CheckpointError` (a ValueError) naming the file, tensor, layer or key.
 """
@@ -22,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
+import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +40,10 @@ from expertd.server.models.family import Family, LayerTensors
 from expertd.server.models.stored import StoredError, StoredTensors
 
 _DENSE_STORED = ("F32", "BF16", "F16", "F64", "F8_E4M3")  # stored with their dense shape
+TILE = 256  # rows and columns of the blocks a transposing copy moves at a time
+_INTEGER_VIEWS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
+HUGE_ALLOCATION = 16 << 20  # outputs at least this large get their own huge-page mapping
 
 
 class CheckpointError(ValueError):
@@ -149,18 +157,19 @@ def plan_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_laye
 
 
 def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_layers: int | None = None,
-                    dtype: str | None = None) -> list[LoadedLayer]:
+                    dtype: str | None = None, workers: int = DEFAULT_WORKERS) -> list[LoadedLayer]:
     """The MoE layers of the checkpoint at `path` (see the module docstring, step 2).
 
     layers / num_layers: as `plan_checkpoint`. dtype: the expert weights' dtype, "float32" /
     "bfloat16", or None / "auto" for `--dtype auto`'s choice. Router weight and bias are fp32.
+    workers: threads reading a layer's experts (each holds one expert's temporaries).
     Returns a LoadedLayer per layer in index order, params as numpy arrays in expertd's layouts.
     """
     plan = plan_checkpoint(path, layers=layers, num_layers=num_layers, dtype=dtype or dtypes.AUTO)
     out_dtype = quant.codecs.out_dtype_of(plan.dtype)
     where = f"checkpoint {plan.path}"
     with _open(plan.path) as stored:
-        return [LoadedLayer(layer.index, layer.cfg, _load_layer(stored, layer, plan.scheme, out_dtype, where),
+        return [LoadedLayer(layer.index, layer.cfg, _load_layer(stored, layer, plan.scheme, out_dtype, where, workers),
                             source=str(plan.path)) for layer in plan.layers]
 
 
@@ -247,19 +256,21 @@ def _stored_dtype(stored, name, scheme, where) -> str:
 
 
 class _Reader:
-    """Dense weights of one layer for the layouts of `models.family` (see its `reader` contract)."""
+    """Dense weights of one layer for the layouts of `models.family` (see its `reader` contract).
+    One reader per thread: it remembers the stored tensors (or expert slices) it read, and
+    `release` drops their pages from the process."""
 
     def __init__(self, stored: StoredTensors, scheme, out_dtype, where: str):
         self.stored, self.scheme, self.out_dtype, self.where = stored, scheme, out_dtype, where
-        self.touched: set[str] = set()
+        self.touched: list[tuple[str, int | None, int]] = []
 
     def dense(self, name: str, shape, expert: int | None = None, num_experts: int | None = None,
               dtype=None, in_out: bool = False) -> np.ndarray:
         try:
             found = quant.locate(name, self.stored, self.scheme)
-            self.touched.update(found.names)
-            view = self.stored if expert is None else _ExpertSlice(self.stored, found, expert,
-                                                                     num_experts or shape[0])
+            parts = num_experts or shape[0]
+            self.touched += [(n, expert, parts) for n in found.names]
+            view = self.stored if expert is None else _ExpertSlice(self.stored, found, expert, parts)
             data = view[found.data]
             dense_stored = found.layout == "plain" and data.dtype in quant.names.DENSE_DTYPES
             if num_experts and not dense_stored:
@@ -282,7 +293,9 @@ class _Reader:
         return array
 
     def release(self) -> None:
-        self.stored.release(*self.touched)
+        for name, part, parts in self.touched:
+            whole = part is None or len(self.stored.header(name)[1]) < 2
+            self.stored.release(name, None if whole else part, parts)
         self.touched.clear()
 
 
@@ -312,21 +325,29 @@ class _ExpertSlice(Mapping):
         return len(self.names)
 
 
-def _load_layer(stored: StoredTensors, layer: LayerPlan, scheme, out_dtype, where: str) -> dict:
+def _load_layer(stored: StoredTensors, layer: LayerPlan, scheme, out_dtype, where: str, workers: int) -> dict:
     cfg, names = layer.cfg, layer.tensors
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     reader = _Reader(stored, scheme, out_dtype, where)
     params = {"router_weight": _copy(reader.dense(names.router, (e, h), dtype=np.float32).T, np.float32)}
     if cfg.use_expert_bias:
         params["expert_bias"] = np.array(reader.dense(names.bias, (e,), dtype=np.float32), np.float32).reshape(e)
-    reader.release()
-    w_gate, w_up = np.empty((e, h, i), out_dtype), np.empty((e, h, i), out_dtype)
-    w_down = np.empty((e, i, h), out_dtype)
-    for j in range(e):  # one expert at a time: the host holds the outputs plus one expert's tensors
-        gate, up, down = names.experts.expert(reader, j, e, h, i)
-        w_gate[j], w_up[j], w_down[j] = gate, up, down
-        del gate, up, down
-        reader.release()
+    w_gate, w_up, w_down = (host_empty(shape, out_dtype) for shape in ((e, h, i), (e, h, i), (e, i, h)))
+
+    def load_expert(j: int) -> None:  # the host holds the outputs plus one expert's tensors per worker
+        expert_reader = _Reader(stored, scheme, out_dtype, where)
+        gate, up, down = names.experts.expert(expert_reader, j, e, h, i)
+        copy_into(w_gate[j], gate)
+        copy_into(w_up[j], up)
+        copy_into(w_down[j], down)
+        expert_reader.release()
+
+    if workers > 1 and e > 1:
+        with ThreadPoolExecutor(min(workers, e)) as pool:
+            list(pool.map(load_expert, range(e)))  # numpy releases the GIL in the decoders and copies
+    else:
+        for j in range(e):
+            load_expert(j)
     params.update(w_gate=w_gate, w_up=w_up, w_down=w_down)
     if cfg.has_shared:
         s, shared = cfg.shared_intermediate_size, names.shared
@@ -335,11 +356,39 @@ def _load_layer(stored: StoredTensors, layer: LayerPlan, scheme, out_dtype, wher
         params["shared_w_down"] = _copy(reader.dense(shared.down, (h, s)).T, out_dtype)
         if cfg.shared_expert_gate:
             params["shared_gate"] = _copy(reader.dense(shared.gate_weight, (1, h)).T, out_dtype)
-        reader.release()
+    reader.release()
     return params
+
+
+def host_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised array; a large one in its own anonymous mapping marked MADV_HUGEPAGE, so
+    writing it faults in 2 MiB pages rather than 4 KiB ones (where THP is in "madvise" mode)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    if count * dtype.itemsize < HUGE_ALLOCATION or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    buffer = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buffer, dtype, count).reshape(shape)
 
 
 def _copy(array, dtype) -> np.ndarray:
     out = np.empty(array.shape, dtype)
-    out[...] = array
+    copy_into(out, array)
     return out
+
+
+def copy_into(out: np.ndarray, src: np.ndarray) -> None:
+    """`out[...] = src` for 2-D arrays of any strides (a transposed view), cast to out's dtype.
+
+    A transposed source is copied TILE x TILE at a time, so reads and writes both stay in cache, and
+    equal dtypes move as same-size integers (numpy's strided copy of ml_dtypes' bfloat16 is slow)."""
+    if src.ndim != 2 or src.flags.c_contiguous:
+        out[...] = src
+        return
+    if src.dtype == out.dtype and src.dtype.itemsize in _INTEGER_VIEWS:
+        out, src = out.view(_INTEGER_VIEWS[src.dtype.itemsize]), src.view(_INTEGER_VIEWS[src.dtype.itemsize])
+    rows, cols = out.shape
+    for r in range(0, rows, TILE):
+        for c in range(0, cols, TILE):
+            out[r:r + TILE, c:c + TILE] = src[r:r + TILE, c:c + TILE]

@@ -10,6 +10,7 @@
   safetensors' own numpy backend cannot give. No copy is made; pages are read as they are touched.
 - `release(name)` drops the process's mapping of a tensor's pages (madvise DONTNEED; the data stays
   in the page cache), so a loader that has consumed a tensor keeps its resident memory bounded.
+  Reading from several threads is safe.
 
 Every problem raises `StoredError` (a ValueError) naming the file or tensor.
 """
@@ -20,6 +21,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -43,6 +45,7 @@ class _File:
         self.path = path
         self.where = where
         self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
         try:
             size = path.stat().st_size
             with open(path, "rb") as f:
@@ -88,20 +91,26 @@ class _File:
             np_dtype = numpy_dtype(dtype)
         except QuantError as exc:
             raise StoredError(f"{self.where}: tensor {name!r}: {exc}") from exc
-        if self._map is None:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with self._lock:  # loaders read experts from several threads
+            if self._map is None:
+                with open(self.path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         count = math.prod(shape)
         if count == 0:
             return np.zeros(shape, np_dtype)
         return np.frombuffer(self._map, np_dtype, count, self.data_start + begin).reshape(shape)
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, part: int | None = None, parts: int = 1) -> None:
+        """Drop the whole pages inside tensor `name`'s bytes (or inside part `part` of `parts` equal
+        parts, e.g. one expert of an `[E, ...]` tensor) from this process's mapping."""
         if self._map is None or not hasattr(self._map, "madvise"):
             return
         _dtype, _shape, begin, end = self.entries[name]
-        start = (self.data_start + begin) // PAGE * PAGE
-        stop = min(len(self._map), -(-(self.data_start + end) // PAGE) * PAGE)
+        if part is not None:
+            size = (end - begin) // parts
+            begin, end = begin + part * size, begin + (part + 1) * size
+        start = -(-(self.data_start + begin) // PAGE) * PAGE
+        stop = (self.data_start + end) // PAGE * PAGE
         if stop > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
@@ -121,6 +130,7 @@ class StoredTensors(Mapping):
         self.path = Path(path)
         self.where = where or f"checkpoint {self.path}"
         self._files: dict[Path, _File] = {}
+        self._lock = threading.Lock()
         index_file = self.path / INDEX_FILE
         if index_file.is_file():
             try:
@@ -149,9 +159,10 @@ class StoredTensors(Mapping):
         self._files.clear()
 
     def _file(self, path: Path) -> _File:
-        if path not in self._files:
-            self._files[path] = _File(path, self.where)
-        return self._files[path]
+        with self._lock:
+            if path not in self._files:
+                self._files[path] = _File(path, self.where)
+            return self._files[path]
 
     def _holder(self, name: str) -> _File:
         if name not in self.location:
@@ -188,11 +199,11 @@ class StoredTensors(Mapping):
     def file_of(self, name: str) -> Path:
         return self._holder(name).path
 
-    def release(self, *names: str) -> None:
-        """Drop the mapped pages of `names` from this process (they stay in the page cache)."""
-        for name in names:
-            if name in self.location and self.location[name] in self._files:
-                self._files[self.location[name]].release(name)
+    def release(self, name: str, part: int | None = None, parts: int = 1) -> None:
+        """Drop the mapped pages of tensor `name` (or of its part `part` of `parts`, e.g. one expert
+        of a fused `[E, ...]` tensor) from this process; they stay in the page cache."""
+        if name in self.location and self.location[name] in self._files:
+            self._files[self.location[name]].release(name, part, parts)
 
 
 def files_bytes(path) -> int:
