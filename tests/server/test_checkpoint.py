@@ -12,7 +12,15 @@ import pytest
 from hf_fixtures import FAMILIES, hf_reference, write_checkpoint
 
 from expertd.kernels.moe import MoEParams, moe_layer, param_shapes
-from expertd.server.checkpoint import CheckpointError, CheckpointRefused, load_checkpoint, plan_checkpoint, read_config
+from expertd.server.checkpoint import (
+    CheckpointError,
+    CheckpointRefused,
+    copy_into,
+    host_empty,
+    load_checkpoint,
+    plan_checkpoint,
+    read_config,
+)
 from expertd.server.models.stored import StoredTensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -261,3 +269,22 @@ def test_plan_reads_headers_only_and_states_the_served_bytes(tmp_path):
     assert "quantised checkpoint (fp8: float8 e4m3, 8x8 block scales (float))" in plan.dtype_reason
     # router fp32 [16, 8] + bias fp32 [8] + 3 x [8, 16, 32] bf16 experts + 3 x [16, 32] bf16 shared
     assert plan.served_bytes == 16 * 8 * 4 + 8 * 4 + 3 * 8 * 16 * 32 * 2 + 3 * 16 * 32 * 2
+
+
+@pytest.mark.parametrize("src_dtype, out_dtype", [(BF16, BF16), (np.float32, BF16), (np.float16, np.float32),
+                                                  (np.float32, np.float32)])
+def test_transposing_copy_equals_numpy(src_dtype, out_dtype):
+    src = np.random.default_rng(0).standard_normal((300, 700)).astype(src_dtype)
+    for view in (src.T, src[:, ::2].T, src[::3]):
+        out = host_empty(view.shape, out_dtype)
+        copy_into(out, view)
+        np.testing.assert_array_equal(out, view.astype(out_dtype))
+    big = host_empty((4096, 4096), BF16)  # its own huge-page mapping
+    big[...] = 1
+    assert big.dtype == BF16 and big.flags.writeable and float(big[-1, -1]) == 1.0
+
+
+def test_one_worker_loads_what_many_do(tmp_path):
+    expected = write_checkpoint(tmp_path, "mistral4", num_layers=3, quantize="fp8")
+    for workers in (1, 3):
+        assert_layers_equal(load_checkpoint(tmp_path, dtype="float32", workers=workers), expected)
