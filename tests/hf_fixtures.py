@@ -24,13 +24,12 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from hf_quantizers import fp4, fp8_block, fp8_per_tensor, int_packed, mxfp4, save_safetensors
+from hf_quantizers import QUANTIZE, Quantizer, quantization_config, save_safetensors
 
 HIDDEN = 16          # H (32 for FP4 / MXFP4, whose groups are 32 inputs)
 INTERMEDIATE = 32    # I (routed experts' intermediate size)
 SHARED = 24          # Qwen's shared_expert_intermediate_size
 DENSE_INTERMEDIATE = 48
-QUANTIZE = (None, "fp8", "fp8_ue8m0", "fp8_qscale", "fp4", "int4", "mxfp4")
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
 _W = ("w1", "w3", "w2")
@@ -241,7 +240,7 @@ def write_checkpoint(path, family: str, *, num_layers: int = 3, sharded: bool = 
         else:
             text_of(config)[key] = value
     if quantize is not None:
-        config["quantization_config"] = _quantization_config(quantize, block, group)
+        config["quantization_config"] = quantization_config(quantize, block, group)
     _, _, _, _, prefix, router, bias, (kind, names), shared, shared_gate, *_ = {**SPECS, **PENDING_SPECS}[family]
     store = _DTYPES[dtype]
     rng = np.random.default_rng(seed)
@@ -262,7 +261,7 @@ def write_checkpoint(path, family: str, *, num_layers: int = 3, sharded: bool = 
                             p + "mlp.down_proj.weight": rand(hidden, DENSE_INTERMEDIATE)})
             groups.append(tensors)
             continue
-        quant = _Quantizer(quantize, block, group, tensors)
+        quant = Quantizer(quantize, block, group, tensors)
         params = {"router_weight": _store(tensors, p + router, rand(e, hidden)).astype(np.float32).T.copy()}
         if bias is not None:
             value = ((np.arange(e, dtype=np.float32) - e / 2) * 0.01)
@@ -327,61 +326,6 @@ def _experts(kind, names, e, h, inter, rand, quant) -> dict:
         down = quant.weight(names[1], rand(e, h, inter), transposed=True)  # [E, I, H]
         return {"w_gate": gate_up[:, :, 0::2].copy(), "w_up": gate_up[:, :, 1::2].copy(), "w_down": down.copy()}
     raise ValueError(kind)
-
-
-def _quantization_config(quantize, block, group) -> dict:
-    if quantize in ("fp8", "fp8_ue8m0"):
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(block), **({"scale_fmt": "ue8m0"} if quantize == "fp8_ue8m0" else {}),
-                "modules_to_not_convert": ["lm_head", "model.layers.*.mlp.gate"]}
-    if quantize == "fp8_qscale":
-        return {"quant_method": "fp8", "weight_block_size": None, "activation_scheme": "static"}
-    if quantize == "fp4":
-        return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "scale_fmt": "ue8m0",
-                "expert_dtype": "fp4"}
-    if quantize == "mxfp4":
-        return {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.mlp.router", "lm_head"]}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
-                "dynamic": False, "actorder": None}}}, "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_experts.*"]}
-
-
-class _Quantizer:
-    """Stores one layer's weights in the requested format; returns the dequantised float32 weight."""
-
-    def __init__(self, quantize, block, group, tensors):
-        self.quantize, self.block, self.group, self.tensors = quantize, block, group, tensors
-
-    def weight(self, name: str, w: np.ndarray, *, shared: bool = False, transposed: bool = False) -> np.ndarray:
-        """Store `w` (`[.., out, in]`) under `name`; `transposed`: transformers holds `[.., in, out]`
-        (the stored dense weight and the result are transposed, MXFP4 blocks are not)."""
-        q, module = self.quantize, name[:-len(".weight")] if name.endswith(".weight") else None
-        if q is None or (q in ("int4", "mxfp4") and shared):
-            self.tensors[name] = np.swapaxes(w, -1, -2) if transposed else w
-            return self.tensors[name].astype(np.float32)
-        f32 = w.astype(np.float32)
-        if q == "fp8_qscale" or (q == "fp4" and shared):
-            parts, deq = fp8_per_tensor(f32) if q == "fp8_qscale" else fp8_block(f32, self.block, ue8m0=True)
-            suffix = ".qscale_weight" if q == "fp8_qscale" else ".scale"
-            self.tensors.update({name: parts[""], module + suffix: parts["scale"]})
-            if q == "fp8_qscale":
-                self.tensors[module + ".qscale_act"] = np.ones(1, np.float32)
-        elif q in ("fp8", "fp8_ue8m0"):
-            parts, deq = fp8_block(f32, self.block, ue8m0=q == "fp8_ue8m0")
-            # ue8m0 (DeepSeek-V3.1 style): power-of-two scales, stored as float32 weight_scale_inv
-            self.tensors.update({name: parts[""], name + "_scale_inv": parts["scale"].astype(np.float32)})
-        elif q == "fp4":
-            parts, deq = fp4(f32, 32)
-            self.tensors.update({name: parts[""], module + ".scale": parts["scale"]})
-        elif q == "int4":
-            parts, deq = int_packed(f32, self.group)
-            self.tensors.update({name + "_packed": parts["packed"], name + "_scale": parts["scale"],
-                                 name + "_shape": parts["shape"]})
-        else:  # mxfp4: blocks of the [.., out, in] weight
-            parts, deq = mxfp4(f32)
-            self.tensors.update({name + "_blocks": parts["blocks"], name + "_scales": parts["scales"]})
-        return np.swapaxes(deq, -1, -2) if transposed else deq
 
 
 def hf_reference(path, layer: int, x: np.ndarray, params: dict) -> np.ndarray:

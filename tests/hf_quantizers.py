@@ -12,8 +12,10 @@ are written from the formats' definitions, independently of `expertd.server.mode
   as q + 8) + a bfloat16 scale per `group` inputs + the dense shape (compressed-tensors).
 - mxfp4(w): `[..., out, in]` -> blocks `[..., out, in/32, 16]` uint8 + e8m0 scales `[..., out, in/32]`.
 
-`save_safetensors(path, tensors)` writes the format byte by byte (8-byte header length, JSON
-header, data), so float8 / e8m0 tensors get their own dtype strings.
+`Quantizer(quantize, ...)` stores a fixture layer's weights in one of the formats `QUANTIZE` names
+(with the companion tensors' official names) and `quantization_config(quantize, ...)` is the
+matching config.json entry. `save_safetensors(path, tensors)` writes the format byte by byte
+(8-byte header length, JSON header, data), so float8 / e8m0 tensors get their own dtype strings.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import numpy as np
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 BF16 = np.dtype(ml_dtypes.bfloat16)
+QUANTIZE = (None, "fp8", "fp8_ue8m0", "fp8_qscale", "fp4", "int4", "mxfp4")
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 _NAMES = {np.dtype(np.float32): "F32", BF16: "BF16", np.dtype(np.float16): "F16", E4M3: "F8_E4M3", E8M0: "F8_E8M0",
           np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
@@ -113,3 +116,58 @@ def mxfp4(w: np.ndarray):
     deq = (E2M1[nearest] * scale[..., None]).reshape(w.shape).astype(np.float32)
     blocks = (nearest[..., 0::2] | (nearest[..., 1::2] << 4)).astype(np.uint8)  # [.., out, in/32, 16]
     return {"blocks": blocks, "scales": codes}, deq
+
+
+def quantization_config(quantize, block, group) -> dict:
+    if quantize in ("fp8", "fp8_ue8m0"):
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(block), **({"scale_fmt": "ue8m0"} if quantize == "fp8_ue8m0" else {}),
+                "modules_to_not_convert": ["lm_head", "model.layers.*.mlp.gate"]}
+    if quantize == "fp8_qscale":
+        return {"quant_method": "fp8", "weight_block_size": None, "activation_scheme": "static"}
+    if quantize == "fp4":
+        return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "scale_fmt": "ue8m0",
+                "expert_dtype": "fp4"}
+    if quantize == "mxfp4":
+        return {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.mlp.router", "lm_head"]}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
+                "dynamic": False, "actorder": None}}}, "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*shared_experts.*"]}
+
+
+class Quantizer:
+    """Stores one layer's weights in the requested format; returns the dequantised float32 weight."""
+
+    def __init__(self, quantize, block, group, tensors):
+        self.quantize, self.block, self.group, self.tensors = quantize, block, group, tensors
+
+    def weight(self, name: str, w: np.ndarray, *, shared: bool = False, transposed: bool = False) -> np.ndarray:
+        """Store `w` (`[.., out, in]`) under `name`; `transposed`: transformers holds `[.., in, out]`
+        (the stored dense weight and the result are transposed, MXFP4 blocks are not)."""
+        q, module = self.quantize, name[:-len(".weight")] if name.endswith(".weight") else None
+        if q is None or (q in ("int4", "mxfp4") and shared):
+            self.tensors[name] = np.swapaxes(w, -1, -2) if transposed else w
+            return self.tensors[name].astype(np.float32)
+        f32 = w.astype(np.float32)
+        if q == "fp8_qscale" or (q == "fp4" and shared):
+            parts, deq = fp8_per_tensor(f32) if q == "fp8_qscale" else fp8_block(f32, self.block, ue8m0=True)
+            suffix = ".qscale_weight" if q == "fp8_qscale" else ".scale"
+            self.tensors.update({name: parts[""], module + suffix: parts["scale"]})
+            if q == "fp8_qscale":
+                self.tensors[module + ".qscale_act"] = np.ones(1, np.float32)
+        elif q in ("fp8", "fp8_ue8m0"):
+            parts, deq = fp8_block(f32, self.block, ue8m0=q == "fp8_ue8m0")
+            # ue8m0 (DeepSeek-V3.1 style): power-of-two scales, stored as float32 weight_scale_inv
+            self.tensors.update({name: parts[""], name + "_scale_inv": parts["scale"].astype(np.float32)})
+        elif q == "fp4":
+            parts, deq = fp4(f32, 32)
+            self.tensors.update({name: parts[""], module + ".scale": parts["scale"]})
+        elif q == "int4":
+            parts, deq = int_packed(f32, self.group)
+            self.tensors.update({name + "_packed": parts["packed"], name + "_scale": parts["scale"],
+                                 name + "_shape": parts["shape"]})
+        else:  # mxfp4: blocks of the [.., out, in] weight
+            parts, deq = mxfp4(f32)
+            self.tensors.update({name + "_blocks": parts["blocks"], name + "_scales": parts["scales"]})
+        return np.swapaxes(deq, -1, -2) if transposed else deq

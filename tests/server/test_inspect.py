@@ -88,3 +88,17 @@ def test_refusals_name_the_reason(tmp_path, capsys):
 
     code, out = inspect(capsys, tmp_path / "nowhere")
     assert code == 2 and "refused: [Errno 2] No such file or directory" in out
+
+
+def test_serve_states_the_dtype_and_refuses_unserved_checkpoints_before_loading(tmp_path, capsys):
+    from expertd.server.config import ModelConfig
+    from expertd.server.startup import serving_dtype
+
+    write_checkpoint(tmp_path / "fp32", "dbrx", num_layers=1)
+    assert serving_dtype(ModelConfig(checkpoint=str(tmp_path / "fp32"))) == \
+        ("float32", "--dtype auto: config.json's dtype is float32")
+    assert serving_dtype(ModelConfig(checkpoint=str(tmp_path / "fp32"), dtype="bfloat16"))[0] == "bfloat16"
+    assert serving_dtype(ModelConfig()) == ("bfloat16", "--dtype auto: presets are served in bfloat16")
+    write_checkpoint(tmp_path / "gpt", "gpt_oss", num_layers=1)
+    assert main(["serve", "--checkpoint", str(tmp_path / "gpt"), "--port", "0", "--metrics-port", "0"]) == 2
+    assert "error: checkpoint" in capsys.readouterr().out
