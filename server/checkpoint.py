@@ -18,6 +18,8 @@ Two steps, both through the model registry (`expertd.server.models`):
    whole.
 
 Every problem raises `CheckpointError` (a ValueError) naming the file, tensor, layer or key.
+A native FP8 path on GPU would keep step 1 and, instead of step 2's dequantisation, take each
+weight's stored codes and scales as `quant.locate` names them.
 """
 from __future__ import annotations
 

@@ -36,10 +36,14 @@ def inspect_checkpoint(path, *, layers=None, dtype: str = "auto") -> dict:
         report["family"] = family.name
         report["router_rule"], report["formats"] = family.router, family.formats
         report["num_hidden_layers"] = c.get("num_hidden_layers", "n_layers")
-        report["moe_layers"] = models.moe_layer_indices(c)
-        report["layers"] = _layer_groups(c, report["moe_layers"])
-        report["quantization"] = _quantization(config)
-        reason = models.refusal(c)
+        reason = models.refusal(c)  # a refused family is still described as far as its config allows
+        try:
+            report["moe_layers"] = models.moe_layer_indices(c)
+            report["layers"] = _layer_groups(c, report["moe_layers"])
+            report["quantization"] = _quantization(config)
+        except ValueError:
+            if reason is None:
+                raise
         if reason is not None:
             raise models.ConfigError(reason)
         plan = plan_checkpoint(path, layers=layers, dtype=dtype)

@@ -102,3 +102,9 @@ def test_serve_states_the_dtype_and_refuses_unserved_checkpoints_before_loading(
     write_checkpoint(tmp_path / "gpt", "gpt_oss", num_layers=1)
     assert main(["serve", "--checkpoint", str(tmp_path / "gpt"), "--port", "0", "--metrics-port", "0"]) == 2
     assert "error: checkpoint" in capsys.readouterr().out
+
+
+def test_refused_family_with_an_incomplete_config_still_names_what_is_missing(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": 2}))
+    code, out = inspect(capsys, tmp_path)
+    assert code == 2 and "refused: deepseek_v4: the clamped SwiGLU" in out
