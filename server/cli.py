@@ -82,7 +82,7 @@ def serve(argv: list[str]) -> int:
     # Imported here, after prepare_process: the server's modules load JAX, which client commands
     # (and the host allocator's settings) must not pay for or run after.
     from expertd.server import app, multihost, startup
-    from expertd.server.checkpoint import CheckpointRefused
+    from expertd.server.checkpoint import CheckpointRefused  # as above: it loads JAX
 
     if config.multihost.enabled:  # one process of a multi-host group (docs/deploy.md)
         return multihost.serve(config)
