@@ -44,7 +44,7 @@ from expertd.server.models.stored import StoredError, StoredTensors
 _DENSE_STORED = ("F32", "BF16", "F16", "F64", "F8_E4M3")  # stored with their dense shape
 TILE = 256  # rows and columns of the blocks a transposing copy moves at a time
 _INTEGER_VIEWS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
+DEFAULT_WORKERS = min(16, os.cpu_count() or 1)
 HUGE_ALLOCATION = 16 << 20  # outputs at least this large get their own huge-page mapping
 
 
