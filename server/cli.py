@@ -1,13 +1,20 @@
-"""``expertd``: the console script. ``expertd serve [flags]`` runs the server; any other subcommand
-(``info``, ``route``, ``forward``, ``load``, ``health``, ...) belongs to ``expertd.client.cli``.
+"""``expertd``: the console script. ``expertd serve [flags]`` runs the server, ``expertd inspect DIR``
+describes a checkpoint; any other subcommand (``info``, ``route``, ``forward``, ``load``,
+``health``, ...) belongs to ``expertd.client.cli``.
 
-``expertd serve`` prints the ports it bound and the warm-up progress, then serves until SIGTERM or
-SIGINT, on which it drains (finishes accepted requests within ``--drain-grace-s``) and exits 0.
-Exit status 2 for bad flags or configuration, 1 when loading or warm-up fails.
+``expertd serve`` prints the serving dtype and why, the ports it bound and the warm-up progress,
+then serves until SIGTERM or SIGINT, on which it drains (finishes accepted requests within
+``--drain-grace-s``) and exits 0. Exit status 2 for bad flags or configuration and for a checkpoint
+expertd does not serve (an unknown model, missing semantics, an unsupported quantization_config:
+refused before loading), 1 when loading or warm-up fails.
+
+``expertd inspect DIR [--layers LIST] [--dtype D] [--json]`` reads config.json and the safetensors
+headers only (``expertd.server.inspect``): exit 0 when ``serve`` would serve it, 2 when it refuses.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -19,6 +26,7 @@ from expertd.server.console import print_progress, say
 from expertd.server.process import prepare_process
 
 USAGE = """usage: expertd serve [--help] [flags]     serve MoE layers over gRPC
+       expertd inspect DIR [--json]         what a checkpoint is and what serve would do with it
        expertd <command> [...]              client commands (expertd.client.cli): info, route,
                                             forward, load, health, ...
 """
@@ -31,7 +39,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     if argv[0] == "serve":
         return serve(argv[1:])
+    if argv[0] == "inspect":
+        return inspect(argv[1:])
     return client_cli.main(argv)
+
+
+def inspect(argv: list[str]) -> int:
+    """``expertd inspect``: print what the checkpoint is and what serve would do (see module docstring)."""
+    parser = argparse.ArgumentParser(prog="expertd inspect", description="Describe a Hugging Face MoE checkpoint "
+                                     "(config.json and safetensors headers only) and what `expertd serve` would do "
+                                     "with it. Exit 0: servable; 2: refused (the reason is printed).")
+    parser.add_argument("checkpoint", metavar="DIR", help="checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("--layers", default=None, metavar="LIST", help="MoE layers to plan, e.g. '3,5-7'")
+    parser.add_argument("--dtype", default="auto", choices=config_module.DTYPES, help="as expertd serve's --dtype")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    # Imported here, as serve's modules are: client commands must not pay for loading JAX.
+    from expertd.server.inspect import format_report, inspect_checkpoint
+
+    report = inspect_checkpoint(args.checkpoint, layers=args.layers, dtype=args.dtype)
+    print(json.dumps(report, indent=2) if args.json else format_report(report), end="\n" if args.json else "")
+    return 0 if report["servable"] else 2
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,11 +81,20 @@ def serve(argv: list[str]) -> int:
     prepare_process(config)  # before any JAX work
     # Imported here, after prepare_process: the server's modules load JAX, which client commands
     # (and the host allocator's settings) must not pay for or run after.
-    from expertd.server import app, multihost
+    from expertd.server import app, multihost, startup
+    from expertd.server.checkpoint import CheckpointRefused  # as above: it loads JAX
 
     if config.multihost.enabled:  # one process of a multi-host group (docs/deploy.md)
         return multihost.serve(config)
-    say(f"loading {config.model.name} ({config.model.dtype})")
+    try:  # config.json and headers only: a checkpoint expertd does not serve is refused before loading
+        dtype, why = startup.serving_dtype(config.model)
+    except CheckpointRefused as exc:
+        say(f"error: {exc}")
+        return 2
+    except ValueError as exc:
+        say(f"error: {exc}")
+        return 1
+    say(f"loading {config.model.name} in {dtype} ({why})")
     started = time.perf_counter()
     try:
         handle = app.create_server(config, progress=print_progress)

@@ -6,8 +6,9 @@ in expertd's layouts (`router_weight [H, E]` fp32, `expert_bias [E]` fp32 if any
 [E, H, I]`, `w_down [E, I, H]`, `shared_w_gate / shared_w_up [H, Is]`, `shared_w_down [Is, H]`,
 `shared_gate [H, 1]` if any). Checkpoints are read by `expertd.server.checkpoint`.
 
-Presets (`PRESETS`), all built from Hugging Face style config dicts through
-`expertd.server.models.hf_config.moe_config_from_hf`, so presets and checkpoints share one path:
+Presets (`PRESETS`), all built from Hugging Face style config dicts through the model registry
+(`expertd.server.models`: `moe_layer_indices`, `layer_config`), so presets and checkpoints share
+one path:
 - `tiny` (default of `make serve`): H=64, E=8, k=2, I=128, 2 layers that differ in routing: even
   layers softmax top-2 (Mixtral style), odd layers grouped sigmoid top-2 with an expert bias, a
   scaling factor, 2 groups of 4 experts (the best group is kept) and a shared expert
@@ -33,7 +34,7 @@ import numpy as np
 
 from expertd.kernels.moe import MoEConfig, param_shapes
 from expertd.kernels.params import ROUTER_FIELDS, MoEParams
-from expertd.server.models.hf_config import moe_config_from_hf
+from expertd.server import models
 
 DEFAULT_PRESET = "tiny"
 
@@ -79,32 +80,6 @@ def parse_layers(spec: str) -> list[int]:
             raise ValueError(f"layers: range {part!r} in {spec!r} ends before it starts")
         indices.update(range(lo, hi + 1))
     return sorted(indices)
-
-
-def moe_layer_indices(hf_config: Mapping) -> list[int]:
-    """The decoder layers that are MoE blocks, by the rule of the family's transformers modelling code.
-
-    mixtral: every layer. qwen2_moe / qwen3_moe: layer i unless i is in `mlp_only_layers` or
-    (i + 1) % decoder_sparse_step != 0. deepseek_v3: i >= first_k_dense_replace and
-    i % moe_layer_freq == 0. Unknown model types raise ValueError.
-    """
-    model_type = hf_config.get("model_type")
-    n = int(hf_config["num_hidden_layers"])
-    if model_type == "mixtral":
-        return list(range(n))
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        if not hf_config.get("num_experts"):
-            return []
-        step = int(hf_config.get("decoder_sparse_step", 1))
-        dense = set(hf_config.get("mlp_only_layers") or [])
-        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    if model_type == "deepseek_v3":
-        if hf_config.get("n_routed_experts") is None:
-            return []
-        first = int(hf_config.get("first_k_dense_replace", 0))
-        freq = int(hf_config.get("moe_layer_freq", 1))
-        return [i for i in range(n) if i >= first and i % freq == 0]
-    raise ValueError(f"model_type {model_type!r} has no known MoE layer rule")
 
 
 def select_layers(available: Sequence[int], *, layers: Sequence[int] | str | None,
@@ -292,12 +267,12 @@ def load_preset(name: str = DEFAULT_PRESET, *, num_layers: int | None = None,
         configs = {i: _tiny_config(total, i) for i in chosen}
     else:
         hf = _REAL_PRESETS[name]
-        chosen = select_layers(moe_layer_indices(hf), layers=layers, num_layers=num_layers,
+        chosen = select_layers(models.moe_layer_indices(hf), layers=layers, num_layers=num_layers,
                                what=f"preset {name}")
         configs = {i: hf for i in chosen}
     out = []
     for index in chosen:
-        cfg = moe_config_from_hf(configs[index])
+        cfg = models.layer_config(configs[index], index)
         out.append(LoadedLayer(index, cfg, SeededParams(cfg, layer_index=index, seed=seed, dtype=dtype),
                                source=f"preset {name} (seed {seed})"))
     return out

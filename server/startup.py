@@ -1,6 +1,7 @@
 """Start-up: from a configuration to an engine ready to warm up, each step applied once.
 
-1. Layers: the preset or checkpoint the config names (``load_layers``).
+1. Layers: the preset or checkpoint the config names (``load_layers``), in the serving dtype
+   ``serving_dtype`` picks (``--dtype auto``: the checkpoint's; logged with its reason).
 2. JAX's persistent compilation cache (``warmup.enable_compile_cache``).
 3. Mesh (``placement``): the devices given (default: all; an int n takes the first n) form a 1-D
    mesh with axis "ep"; more than one device runs the expert-parallel layer.
@@ -23,11 +24,12 @@ import numpy as np
 
 from expertd.kernels import moe
 from expertd.server import host_allocator, host_memory, weights
-from expertd.server.checkpoint import load_checkpoint, read_config
-from expertd.server.config import BatchingConfig, ServerConfig
+from expertd.server.checkpoint import load_checkpoint, plan_checkpoint
+from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
 from expertd.server.description import MeshDescription, ModelDescription
 from expertd.server.engine import Engine
-from expertd.server.model import LoadedLayer, load_preset, moe_layer_indices, select_layers
+from expertd.server.model import LoadedLayer, load_preset
+from expertd.server.models import dtypes
 from expertd.server.placement import AXIS, MeshPlacement, pick_devices, split_over_ep
 from expertd.server.warmup import enable_compile_cache
 
@@ -85,25 +87,35 @@ class Served:
         return [line for line in lines if line]
 
 
-def load_layers(config: ServerConfig) -> list[LoadedLayer]:
-    """The LoadedLayers the config asks for (ValueError naming the option on bad input)."""
+def serving_dtype(model: ModelConfig) -> tuple[str, str]:
+    """(dtype, why) the model is served in: ``--dtype`` as given, or ``auto``'s choice
+    (``expertd.server.models.dtypes``; a checkpoint's is planned from config.json and the headers).
+    CheckpointRefused (a ValueError) for a checkpoint expertd does not serve."""
+    if model.checkpoint is None:
+        return dtypes.choose(model.dtype, preset=True)
+    plan = plan_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers, dtype=model.dtype)
+    return plan.dtype, plan.dtype_reason
+
+
+def load_layers(config: ServerConfig, dtype: str | None = None) -> list[LoadedLayer]:
+    """The LoadedLayers the config asks for, in ``dtype`` (default: ``serving_dtype``'s choice);
+    ValueError naming the option on bad input."""
     model = config.model
+    dtype = dtype or serving_dtype(model)[0]
     if model.checkpoint is not None:
-        layers = model.layers
-        if model.num_layers is not None:  # the first N MoE layers of the checkpoint
-            layers = select_layers(moe_layer_indices(read_config(model.checkpoint)), layers=None,
-                                   num_layers=model.num_layers, what=f"checkpoint {model.checkpoint}")
-        return load_checkpoint(model.checkpoint, layers=layers, dtype=model.dtype)
+        return load_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers, dtype=dtype)
     return load_preset(model.preset or "tiny", num_layers=model.num_layers, layers=model.layers,
-                       dtype=model.dtype, seed=model.seed)
+                       dtype=dtype, seed=model.seed)
 
 
 def build(config: ServerConfig, layers: Sequence[LoadedLayer] | None = None) -> Served:
     """Start-up steps 1-6 for ``config`` (``layers`` instead of loading ``config.model``)."""
     model = config.model
     cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
-    return build_engine(load_layers(config) if layers is None else layers, buckets=config.batching.bucket_sizes,
-                        dtype=model.dtype, devices=model.num_devices, backend=model.backend, compile_cache_dir=cache,
+    dtype, why = serving_dtype(model)
+    log.info("serving dtype %s (%s)", dtype, why)
+    return build_engine(load_layers(config, dtype) if layers is None else layers, buckets=config.batching.bucket_sizes,
+                        dtype=dtype, devices=model.num_devices, backend=model.backend, compile_cache_dir=cache,
                         huge_pages=model.huge_pages, panel_weights=model.panel_weights)
 
 

@@ -1,29 +1,21 @@
-"""Small synthetic Hugging Face checkpoints for tests: config.json + *.safetensors.
+"""Small synthetic Hugging Face checkpoints of every served MoE family: config.json + *.safetensors.
 
-Writes a checkpoint directory laid out exactly like the real models on the Hub (tensor names and
-`nn.Linear` weight shapes `[out_features, in_features]` as in transformers' modelling code), with
-tiny shapes and seeded random values, and returns what the loader must produce from it.
+Each checkpoint is laid out as the family's real ones are (config.json keys, nested `text_config`,
+layer prefixes, tensor names, `nn.Linear` weights `[out_features, in_features]`, fused / flat
+expert tensors), with tiny shapes and seeded random values, optionally quantised in an official
+format (`tests/hf_quantizers.py`). `write_checkpoint` returns what the loader must produce, and
+`hf_reference` computes a layer's output in float64 by the family's transformers semantics,
+restated here independently of expertd:
 
-    from hf_fixtures import write_checkpoint      # tests/ is on sys.path (tests/conftest.py)
     expected = write_checkpoint(tmp_path, "deepseek_v3", sharded=True, dtype="bfloat16")
-    layers = load_checkpoint(tmp_path)            # expertd.server.checkpoint
-    for layer in layers:
-        np.testing.assert_array_equal(layer.params["w_up"], expected[layer.index]["w_up"])
+    layers = load_checkpoint(tmp_path)                          # expertd.server.checkpoint
+    out = hf_reference(tmp_path, layer.index, x, expected[layer.index])
 
-Families (`FAMILIES`) and their MoE blocks:
-- "mixtral": `model.layers.N.block_sparse_moe.gate` + `experts.J.{w1,w3,w2}`; every layer is MoE.
-- "qwen2_moe": `model.layers.N.mlp.gate` + `experts.J.{gate,up,down}_proj`, plus `shared_expert.*`
-  and `shared_expert_gate` ([1, H]); MoE where `(N+1) % decoder_sparse_step == 0` and N is not in
-  `mlp_only_layers`.
-- "qwen3_moe": as qwen2_moe without the shared expert.
-- "deepseek_v3": `mlp.gate.weight` + `mlp.gate.e_score_correction_bias`, `experts.J.*`,
-  `shared_experts.*`; layers below `first_k_dense_replace` (2 here) are dense MLPs, so the first
-  MoE layer is 2.
-
-Expected params use expertd's layouts: `router_weight [H, E]` fp32, `expert_bias [E]` fp32,
-`w_gate / w_up [E, H, I]`, `w_down [E, I, H]`, `shared_w_gate / shared_w_up [H, Is]`,
-`shared_w_down [Is, H]`, `shared_gate [H, 1]`, expert weights in the checkpoint's dtype.
-Dense layers and attention get a few tensors too, so the loader must skip what it does not need.
+Expected params use expertd's layouts (`router_weight [H, E]`, `expert_bias [E]`, `w_gate / w_up
+[E, H, I]`, `w_down [E, I, H]`, `shared_w_gate / shared_w_up [H, Is]`, `shared_w_down [Is, H]`,
+`shared_gate [H, 1]`), as float32 arrays holding the values exactly as stored (or as
+dequantised: the loader's output in float32 must equal them bit for bit). Dense layers,
+attention and embeddings get a few tensors too, so the loader must skip what it does not need.
 """
 from __future__ import annotations
 
@@ -32,270 +24,361 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
+from hf_quantizers import QUANTIZE, Quantizer, quantization_config, save_safetensors
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-
-HIDDEN = 16          # H
+HIDDEN = 16          # H (32 for FP4 / MXFP4, whose groups are 32 inputs)
 INTERMEDIATE = 32    # I (routed experts' intermediate size)
+SHARED = 24          # Qwen's shared_expert_intermediate_size
 DENSE_INTERMEDIATE = 48
-
-_ARCHITECTURES = {
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-_TORCH_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
+_W = ("w1", "w3", "w2")
+_DS = dict(moe_intermediate_size=INTERMEDIATE, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4,
+           n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid",
+           topk_method="noaux_tc", first_k_dense_replace=2, moe_layer_freq=1)
+_KIMI = dict(_DS, n_group=1, topk_group=1, num_experts_per_tok=2, routed_scaling_factor=2.827,
+             first_k_dense_replace=1)
+_GLM = dict(_DS, n_group=1, topk_group=1, num_experts_per_tok=2, routed_scaling_factor=1.8, first_k_dense_replace=1)
+_QWEN = dict(moe_intermediate_size=INTERMEDIATE, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+             mlp_only_layers=[])
 
 
-def hf_config(family: str, *, num_layers: int = 3, dtype: str = "float32") -> dict:
+def _sparse(first_dense: int, n: int) -> list[str]:
+    return ["dense" if i < first_dense else "sparse" for i in range(n)]
+
+
+# family -> (model_type, architecture, text keys, outer (nested configs: the top level), layer prefix,
+#            router, bias, experts (kind, names), shared (module names) and shared gate, routing, dtype key)
+SPECS = {
+    "mixtral": ("mixtral", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                intermediate_size=INTERMEDIATE, router_jitter_noise=0.0), None, "model.layers.{i}.",
+                "block_sparse_moe.gate.weight", None,
+                ("per_expert", tuple(f"block_sparse_moe.experts.{{j}}.{n}.weight" for n in _W)), None, None,
+                "softmax", "torch_dtype"),
+    "granitemoe": ("granitemoe", "GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                   intermediate_size=INTERMEDIATE), None, "model.layers.{i}.",
+                   "block_sparse_moe.router.layer.weight", None,
+                   ("fused_rows", ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")),
+                   None, None, "softmax", "torch_dtype"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM", dict(_QWEN, shared_expert_intermediate_size=SHARED,
+                  norm_topk_prob=False), None, "model.layers.{i}.", "mlp.gate.weight", None,
+                  ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                  "mlp.shared_expert", "mlp.shared_expert_gate.weight", "softmax", "torch_dtype"),
+    # transformers 5 writes Qwen3MoeConfig's expert count as num_local_experts (and dtype, not torch_dtype)
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM", dict({k: v for k, v in _QWEN.items() if k != "num_experts"},
+                  num_local_experts=4, norm_topk_prob=True), None, "model.layers.{i}.", "mlp.gate.weight", None,
+                  ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)), None, None,
+                  "softmax", "dtype"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM", dict(_QWEN, shared_expert_intermediate_size=SHARED,
+                   norm_topk_prob=True), None, "model.layers.{i}.", "mlp.gate.weight", None,
+                   ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                   "mlp.shared_expert", "mlp.shared_expert_gate.weight", "softmax", "dtype"),
+    "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration",
+                    dict(moe_intermediate_size=INTERMEDIATE, num_experts=4, num_experts_per_tok=2,
+                         shared_expert_intermediate_size=SHARED), dict(model_type="qwen3_5_moe"),
+                    "model.language_model.layers.{i}.", "mlp.gate.weight", None,
+                    ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                    "mlp.shared_expert", "mlp.shared_expert_gate.weight", "softmax_renorm", "dtype"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=INTERMEDIATE,
+              norm_topk_prob=False), None, "model.layers.{i}.", "mlp.gate.weight", None,
+              ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)), None, None, "softmax",
+              "torch_dtype"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM", dict(_DS), None, "model.layers.{i}.", "mlp.gate.weight",
+                    "mlp.gate.e_score_correction_bias",
+                    ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                    "mlp.shared_experts", None, "sigmoid_groups", "torch_dtype"),
+    "deepseek_v32": ("deepseek_v32", "DeepseekV32ForCausalLM", dict(_DS), None, "model.layers.{i}.",
+                     "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+                     ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                     "mlp.shared_experts", None, "sigmoid_groups", "torch_dtype"),
+    "kimi_k2": ("kimi_k2", "DeepseekV3ForCausalLM", dict(_KIMI), None, "model.layers.{i}.", "mlp.gate.weight",
+                "mlp.gate.e_score_correction_bias",
+                ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                "mlp.shared_experts", None, "sigmoid_groups", "torch_dtype"),
+    "kimi_k25": ("kimi_k2", "KimiK25ForConditionalGeneration", dict(_KIMI), dict(model_type="kimi_k25"),
+                 "language_model.model.layers.{i}.", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+                 ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                 "mlp.shared_experts", None, "sigmoid_groups", "torch_dtype"),
+    "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM", dict(_GLM), None, "model.layers.{i}.", "mlp.gate.weight",
+                 "mlp.gate.e_score_correction_bias",
+                 ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                 "mlp.shared_experts", None, "sigmoid_groups", "torch_dtype"),
+    "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM", dict(_GLM, first_k_dense_replace=3), None,
+                    "model.layers.{i}.", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+                    ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                    "mlp.shared_experts", None, "sigmoid_groups", "dtype"),
+    "mistral_large3": ("deepseek_v3", "Mistral3ForConditionalGeneration", dict(_DS, first_k_dense_replace=1),
+                       dict(model_type="mistral3"), "model.language_model.layers.{i}.", "mlp.gate.weight",
+                       "mlp.gate.e_score_correction_bias",
+                       ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                       "mlp.shared_experts", None, "sigmoid_groups", "dtype"),
+    "minimax_m2": ("minimax_m2", "MiniMaxM2ForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                   intermediate_size=INTERMEDIATE, scoring_func="sigmoid", use_routing_bias=True), None,
+                   "model.layers.{i}.", "block_sparse_moe.gate.weight", "block_sparse_moe.e_score_correction_bias",
+                   ("per_expert", tuple(f"block_sparse_moe.experts.{{j}}.{n}.weight" for n in _W)), None, None,
+                   "sigmoid_renorm", "dtype"),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", dict(num_experts=4, moe_topk=2,
+                       intermediate_size=INTERMEDIATE), None, "model.layers.{i}.", "mlp.gate.wg.weight", None,
+                       ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                       "mlp.shared_mlp", None, "softmax_renorm", "torch_dtype"),
+    "dbrx": ("dbrx", "DbrxForCausalLM", dict(ffn_config=dict(moe_num_experts=4, moe_top_k=2,
+             ffn_hidden_size=INTERMEDIATE, moe_normalize_expert_weights=1, ffn_act_fn={"name": "silu"})), None,
+             "transformer.blocks.{i}.", "ffn.router.layer.weight", None,
+             ("flat_rows", ("ffn.experts.mlp.w1", "ffn.experts.mlp.v1", "ffn.experts.mlp.w2")), None, None,
+             "softmax_renorm", "torch_dtype"),
+    "mistral4": ("mistral4", "Mistral4ForCausalLM", dict(_DS, routed_scaling_factor=1.5, first_k_dense_replace=1),
+                 None, "model.layers.{i}.", "mlp.gate.weight", None,
+                 ("fused_rows", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")), "mlp.shared_experts", None,
+                 "softmax_groups", "dtype"),
+    "mistral_large4": ("mistral_large4", "Mistral3ForConditionalGeneration",
+                       dict(_GLM, num_experts_per_tok=2, routed_scaling_factor=1.0, norm_topk_prob=False),
+                       dict(model_type="mistral3"), "layers.{i}.", "gate.weight", None,
+                       ("per_expert", tuple(f"experts.{{j}}.{n}.weight" for n in _W)), "shared_experts", None,
+                       "softmax_groups_renorm", "dtype"),
+    # transformers 5's in-memory names: `mlp.gate` and fused `mlp.experts.gate_up_proj [E, 2I, H]`
+    "mixtral_fused": ("mixtral", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                      intermediate_size=INTERMEDIATE), None, "model.layers.{i}.", "mlp.gate.weight", None,
+                      ("fused_rows", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")), None, None,
+                      "softmax", "dtype"),
+}
+FAMILIES = tuple(SPECS)
+# Recognised but refused families: their tensor layouts only (the loader's naming rules are tested
+# with the refusal lifted; their semantics are not expertd's yet, so no hf_reference).
+PENDING_SPECS = {
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                intermediate_size=INTERMEDIATE, swiglu_limit=7.0), None, "model.layers.{i}.", "mlp.router.weight",
+                None, ("fused_columns_interleaved", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")), None,
+                None, None, "torch_dtype"),
+}
+_SHARED_NAMES = {"mistral_large4": _W}
+
+
+def hf_config(family: str, *, num_layers: int = 3, dtype: str = "float32", hidden: int = HIDDEN) -> dict:
     """The config.json dict of a tiny model of `family` with `num_layers` decoder layers."""
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    base = {
-        "architectures": [_ARCHITECTURES[family]],
-        "model_type": family,
-        "hidden_size": HIDDEN,
-        "intermediate_size": DENSE_INTERMEDIATE,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "vocab_size": 32,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "torch_dtype": _TORCH_DTYPE_NAMES[dtype],
-    }
-    if family == "mixtral":
-        base.update(intermediate_size=INTERMEDIATE, num_local_experts=4, num_experts_per_tok=2,
-                    router_aux_loss_coef=0.02, router_jitter_noise=0.0)
-    elif family in ("qwen2_moe", "qwen3_moe"):
-        base.update(moe_intermediate_size=INTERMEDIATE, num_experts=4, num_experts_per_tok=2,
-                    norm_topk_prob=family == "qwen3_moe", decoder_sparse_step=1, mlp_only_layers=[],
-                    router_aux_loss_coef=0.001)
-        if family == "qwen2_moe":
-            base.update(shared_expert_intermediate_size=24)
-    else:
-        base.update(moe_intermediate_size=INTERMEDIATE, n_routed_experts=8, n_shared_experts=1,
-                    num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                    norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
-                    first_k_dense_replace=2, moe_layer_freq=1)
-    return base
+    if family not in SPECS and family not in PENDING_SPECS:
+        raise ValueError(f"family must be one of {FAMILIES + tuple(PENDING_SPECS)}, got {family!r}")
+    model_type, arch, keys, outer, *_rest, dtype_key = {**SPECS, **PENDING_SPECS}[family]
+    text = {"model_type": model_type, "hidden_size": hidden, "intermediate_size": DENSE_INTERMEDIATE,
+            "num_hidden_layers": num_layers, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32,
+            "hidden_act": "silu", "rms_norm_eps": 1e-6, dtype_key: dtype, **keys}
+    if family == "dbrx":  # DbrxConfig's own names
+        text = {k: v for k, v in text.items() if k not in ("hidden_size", "num_hidden_layers", "intermediate_size")}
+        text.update(d_model=hidden, n_layers=num_layers, n_heads=2)
+    if family in ("glm_moe_dsa", "deepseek_v32", "mistral_large4"):
+        text["mlp_layer_types"] = _sparse(1, num_layers)  # wins over first_k_dense_replace
+    if family == "hunyuan_v1_moe":
+        text["moe_topk"] = [2] * num_layers  # per-layer list
+    if outer is None:
+        return {"architectures": [arch], **text}
+    return {"architectures": [arch], **outer, "text_config": text, dtype_key: dtype}
+
+
+def text_of(config: dict) -> dict:
+    return config.get("text_config", config)
 
 
 def moe_layer_indices(config: dict, family: str) -> list[int]:
-    """Which decoder layers of a `family` fixture config are MoE (the rule in transformers' modelling
-    code, restated here independently of expertd's loader)."""
-    n = config["num_hidden_layers"]
-    if family == "mixtral":
-        return list(range(n))
-    if family in ("qwen2_moe", "qwen3_moe"):
-        step, dense = config["decoder_sparse_step"], set(config["mlp_only_layers"])
-        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    return [i for i in range(n) if i >= config["first_k_dense_replace"] and i % config["moe_layer_freq"] == 0]
+    """Which decoder layers of a `family` fixture config are MoE (the transformers rules, restated)."""
+    c = text_of(config)
+    n = c.get("num_hidden_layers", c.get("n_layers"))
+    if "mlp_layer_types" in c:
+        return [i for i, kind in enumerate(c["mlp_layer_types"]) if kind == "sparse"]
+    if "first_k_dense_replace" in c:
+        return [i for i in range(n) if i >= c["first_k_dense_replace"] and i % c.get("moe_layer_freq", 1) == 0]
+    if "decoder_sparse_step" in c:
+        return [i for i in range(n) if i not in set(c["mlp_only_layers"]) and (i + 1) % c["decoder_sparse_step"] == 0]
+    return list(range(n))
 
 
-def write_checkpoint(
-    path,
-    family: str,
-    *,
-    num_layers: int = 3,
-    sharded: bool = False,
-    dtype: str = "float32",
-    seed: int = 0,
-    config_overrides: dict | None = None,
-    omit: tuple[str, ...] = (),
-    replace: dict[str, np.ndarray] | None = None,
-) -> dict[int, dict[str, np.ndarray]]:
+def _shapes(family, config):
+    """(E, k, I, Is) of a fixture config."""
+    c = text_of(config)
+    if family == "dbrx":
+        f = c["ffn_config"]
+        return f["moe_num_experts"], f["moe_top_k"], f["ffn_hidden_size"], 0
+    e = c.get("num_experts", c.get("num_local_experts", c.get("n_routed_experts")))
+    k = c.get("num_experts_per_tok", c.get("moe_topk"))
+    k = k[0] if isinstance(k, list) else k
+    inter = c.get("moe_intermediate_size", c.get("intermediate_size"))
+    if family == "hunyuan_v1_moe":
+        shared = c["intermediate_size"]
+    elif "shared_expert_intermediate_size" in c:
+        shared = c["shared_expert_intermediate_size"]
+    else:
+        shared = c.get("n_shared_experts", 0) * inter
+    return e, k, inter, shared
+
+
+def write_checkpoint(path, family: str, *, num_layers: int = 3, sharded: bool = False, dtype: str = "float32",
+                     seed: int = 0, config_overrides: dict | None = None, omit: tuple[str, ...] = (),
+                     replace: dict[str, np.ndarray] | None = None, quantize: str | None = None,
+                     hidden: int | None = None, block=(8, 8), group: int = 8) -> dict[int, dict[str, np.ndarray]]:
     """Write a tiny HF checkpoint of `family` into directory `path`; return the expected MoE params.
 
     Args:
-      path: directory to write (created if missing).
-      family: one of FAMILIES.
-      num_layers: decoder layers (`num_hidden_layers`); which are MoE follows the family's rule.
-      sharded: several `model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json`
-        (one file per decoder layer, plus one for embeddings); otherwise one `model.safetensors`.
-      dtype: storage dtype of the weights ("float32", "bfloat16", "float16"); the DeepSeek-V3
-        `e_score_correction_bias` is always stored in fp32, as in the real checkpoint.
-      seed: numpy seed of the random values.
-      config_overrides: keys merged into config.json (e.g. {"mlp_only_layers": [1]}); applied before
-        the tensors are generated, so the tensors follow the overridden config.
-      omit: tensor names to leave out (to test the loader's missing-tensor error).
-      replace: tensor name -> array written instead of the generated one (wrong shapes, etc.).
-
+      dtype: storage dtype of the unquantised weights ("float32", "bfloat16", "float16"); the
+        expert bias is always stored float32, as in the real checkpoints.
+      config_overrides: keys merged into config.json (into text_config for nested ones) before the
+        tensors are generated; a value None removes the key.
+      omit / replace: tensor names to leave out / to write with the given array instead.
+      quantize: one of QUANTIZE: routed experts (and shared experts for the FP8 ones) stored
+        quantised with a matching quantization_config; block: FP8 block size; group: INT4 group.
+      hidden: H (default 16; 32 for fp4 / mxfp4).
     Returns:
-      {layer index: params} for every MoE layer, in expertd's layouts (see module docstring), the
-      values exactly as stored (expert weights in `dtype`, router weight and bias as fp32).
+      {layer index: params} for every MoE layer in expertd's layouts (see module docstring).
     """
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    hidden = hidden or (32 if quantize in ("fp4", "mxfp4") else HIDDEN)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = hf_config(family, num_layers=num_layers, dtype=dtype)
-    config.update(config_overrides or {})
+    config = hf_config(family, num_layers=num_layers, dtype=dtype, hidden=hidden)
+    for key, value in (config_overrides or {}).items():
+        if value is None:
+            text_of(config).pop(key, None)
+            config.pop(key, None)
+        else:
+            text_of(config)[key] = value
+    if quantize is not None:
+        config["quantization_config"] = quantization_config(quantize, block, group)
+    _, _, _, _, prefix, router, bias, (kind, names), shared, shared_gate, *_ = {**SPECS, **PENDING_SPECS}[family]
     store = _DTYPES[dtype]
     rng = np.random.default_rng(seed)
 
-    def rand(*shape, scale=None):
-        scale = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
-        return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(store)
+    def rand(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(store)
 
-    groups: list[dict[str, np.ndarray]] = [{
-        "model.embed_tokens.weight": rand(config["vocab_size"], HIDDEN),
-        "model.norm.weight": np.ones(HIDDEN, store),
-        "lm_head.weight": rand(config["vocab_size"], HIDDEN),
-    }]
-    expected: dict[int, dict[str, np.ndarray]] = {}
-    moe_layers = set(moe_layer_indices(config, family))
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}"
-        tensors = {
-            f"{prefix}.input_layernorm.weight": np.ones(HIDDEN, store),
-            f"{prefix}.post_attention_layernorm.weight": np.ones(HIDDEN, store),
-            f"{prefix}.self_attn.o_proj.weight": rand(HIDDEN, HIDDEN),
-        }
-        if layer in moe_layers:
-            layer_tensors, expected[layer] = _moe_block(family, config, prefix, rand)
-            tensors.update(layer_tensors)
-        else:
-            dense = config["intermediate_size"]
-            tensors.update({
-                f"{prefix}.mlp.gate_proj.weight": rand(dense, HIDDEN),
-                f"{prefix}.mlp.up_proj.weight": rand(dense, HIDDEN),
-                f"{prefix}.mlp.down_proj.weight": rand(HIDDEN, dense),
-            })
+    groups = [{"model.embed_tokens.weight": rand(32, hidden), "lm_head.weight": rand(32, hidden)}]
+    expected = {}
+    e, k, inter, shared_size = _shapes(family, config)
+    for layer in range(num_layers):
+        p = prefix.format(i=layer)
+        tensors = {p + "input_layernorm.weight": np.ones(hidden, store),
+                   p + "self_attn.o_proj.weight": rand(hidden, hidden)}
+        if layer not in moe_layer_indices(config, family):
+            tensors.update({p + "mlp.gate_proj.weight": rand(DENSE_INTERMEDIATE, hidden),
+                            p + "mlp.up_proj.weight": rand(DENSE_INTERMEDIATE, hidden),
+                            p + "mlp.down_proj.weight": rand(hidden, DENSE_INTERMEDIATE)})
+            groups.append(tensors)
+            continue
+        quant = Quantizer(quantize, block, group, tensors)
+        params = {"router_weight": _store(tensors, p + router, rand(e, hidden)).astype(np.float32).T.copy()}
+        if bias is not None:
+            value = ((np.arange(e, dtype=np.float32) - e / 2) * 0.01)
+            params["expert_bias"] = _store(tensors, p + bias, value)
+        params.update(_experts(kind, [p + n for n in names], e, hidden, inter, rand, quant))
+        if shared is not None:
+            proj = _SHARED_NAMES.get(family, _PER_EXPERT)
+            weights = [rand(shared_size, hidden), rand(shared_size, hidden), rand(hidden, shared_size)]
+            deq = [quant.weight(f"{p}{shared}.{n}.weight", w, shared=True) for n, w in zip(proj, weights)]
+            params.update(shared_w_gate=deq[0].T.copy(), shared_w_up=deq[1].T.copy(), shared_w_down=deq[2].T.copy())
+            if shared_gate is not None:
+                params["shared_gate"] = _store(tensors, p + shared_gate, rand(1, hidden)).T.copy()
+        expected[layer] = params
         groups.append(tensors)
-
-    for name, value in (replace or {}).items():
-        for tensors in groups:
-            if name in tensors:
-                tensors[name] = value
-                break
-        else:
-            raise ValueError(f"replace: no tensor named {name!r} in this checkpoint")
-    for name in omit:
-        if not any(tensors.pop(name, None) is not None for tensors in groups):
-            raise ValueError(f"omit: no tensor named {name!r} in this checkpoint")
-
+    _edit(groups, replace or {}, omit)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if sharded:
-        _write_sharded(path, groups)
+        weight_map = {}
+        for n, tensors in enumerate(groups, start=1):
+            filename = f"model-{n:05d}-of-{len(groups):05d}.safetensors"
+            save_safetensors(path / filename, tensors)
+            weight_map.update(dict.fromkeys(tensors, filename))
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     else:
-        save_file({k: v for tensors in groups for k, v in tensors.items()}, path / "model.safetensors",
-                  metadata={"format": "pt"})
+        save_safetensors(path / "model.safetensors", {k: v for t in groups for k, v in t.items()})
     return expected
 
 
-def _moe_block(family, config, prefix, rand):
-    """HF tensors of one MoE block and the params expertd must load from them."""
-    if family == "mixtral":
-        num_experts, block = config["num_local_experts"], f"{prefix}.block_sparse_moe"
-        gate_name, up_name, down_name = "w1", "w3", "w2"
-    else:
-        num_experts = config["num_experts"] if family != "deepseek_v3" else config["n_routed_experts"]
-        block, gate_name, up_name, down_name = f"{prefix}.mlp", "gate_proj", "up_proj", "down_proj"
-    hidden, inter = HIDDEN, INTERMEDIATE
-    tensors = {f"{block}.gate.weight": rand(num_experts, hidden)}
-    experts = [(rand(inter, hidden), rand(inter, hidden), rand(hidden, inter)) for _ in range(num_experts)]
-    for j, (w_gate, w_up, w_down) in enumerate(experts):
-        tensors[f"{block}.experts.{j}.{gate_name}.weight"] = w_gate
-        tensors[f"{block}.experts.{j}.{up_name}.weight"] = w_up
-        tensors[f"{block}.experts.{j}.{down_name}.weight"] = w_down
-    params = {
-        "router_weight": tensors[f"{block}.gate.weight"].astype(np.float32).T.copy(),
-        "w_gate": np.stack([g.T for g, _, _ in experts]),
-        "w_up": np.stack([u.T for _, u, _ in experts]),
-        "w_down": np.stack([d.T for _, _, d in experts]),
-    }
-    shared = None
-    if family == "qwen2_moe":
-        shared = f"{block}.shared_expert", config["shared_expert_intermediate_size"]
-        gate = rand(1, hidden)
-        tensors[f"{block}.shared_expert_gate.weight"] = gate
-        params["shared_gate"] = gate.T.copy()
-    elif family == "deepseek_v3":
-        shared = f"{block}.shared_experts", config["moe_intermediate_size"] * config["n_shared_experts"]
-        bias = (np.arange(num_experts, dtype=np.float32) - num_experts / 2) * 0.01
-        tensors[f"{block}.gate.e_score_correction_bias"] = bias
-        params["expert_bias"] = bias.copy()
-    if shared is not None:
-        name, shared_inter = shared
-        s_gate, s_up, s_down = rand(shared_inter, hidden), rand(shared_inter, hidden), rand(hidden, shared_inter)
-        tensors.update({f"{name}.gate_proj.weight": s_gate, f"{name}.up_proj.weight": s_up,
-                        f"{name}.down_proj.weight": s_down})
-        params.update(shared_w_gate=s_gate.T.copy(), shared_w_up=s_up.T.copy(), shared_w_down=s_down.T.copy())
-    return tensors, params
+def _store(tensors, name, value):
+    tensors[name] = value
+    return value
 
 
-def _write_sharded(path: Path, groups: list[dict[str, np.ndarray]]) -> None:
-    count = len(groups)
-    weight_map, total = {}, 0
-    for i, tensors in enumerate(groups, start=1):
-        filename = f"model-{i:05d}-of-{count:05d}.safetensors"
-        save_file(tensors, path / filename, metadata={"format": "pt"})
-        for name, value in tensors.items():
-            weight_map[name] = filename
-            total += value.nbytes
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+def _edit(groups, replace, omit):
+    for name, value in replace.items():
+        holder = next((t for t in groups if name in t), None)
+        if holder is None:
+            raise ValueError(f"replace: no tensor named {name!r} in this checkpoint")
+        holder[name] = value
+    for name in omit:
+        if not any(t.pop(name, None) is not None for t in groups):
+            raise ValueError(f"omit: no tensor named {name!r} in this checkpoint")
 
 
-def hf_moe_block_reference(path, layer: int, x: np.ndarray) -> np.ndarray:
-    """The MoE block of decoder layer `layer` applied to x `[T, H]`, computed in fp64 numpy straight
-    from the HF-layout tensors with the semantics of transformers' modelling code (an oracle that
-    shares nothing with expertd): Mixtral softmax-top-k-renormalise; Qwen softmax-top-k, renormalised
-    if norm_topk_prob, Qwen2's sigmoid-gated shared expert; DeepSeek-V3 sigmoid scores, selection on
-    score + e_score_correction_bias within the topk_group best groups (sum of each group's top 2),
-    unbiased weights normalised, times routed_scaling_factor, plus the shared experts."""
-    from safetensors import safe_open
+def _experts(kind, names, e, h, inter, rand, quant) -> dict:
+    """Store the routed experts in `kind`'s layout; their dequantised params in expertd's layouts."""
+    if kind == "per_expert":
+        shapes = ((inter, h), (inter, h), (h, inter))
+        w = [[quant.weight(t.format(j=j), rand(*shape)) for t, shape in zip(names, shapes)] for j in range(e)]
+        return {"w_gate": np.stack([g.T for g, _, _ in w]), "w_up": np.stack([u.T for _, u, _ in w]),
+                "w_down": np.stack([d.T for _, _, d in w])}
+    if kind == "fused_rows":  # [E, 2I, H] gate rows first, [E, H, I]
+        gate_up, down = quant.weight(names[0], rand(e, 2 * inter, h)), quant.weight(names[1], rand(e, h, inter))
+        return {"w_gate": np.swapaxes(gate_up[:, :inter], 1, 2).copy(),
+                "w_up": np.swapaxes(gate_up[:, inter:], 1, 2).copy(), "w_down": np.swapaxes(down, 1, 2).copy()}
+    if kind == "flat_rows":  # DBRX [E*I, H] each; down used untransposed
+        w1, v1, w2 = (quant.weight(n, rand(e * inter, h)) for n in names)
+        return {"w_gate": np.swapaxes(w1.reshape(e, inter, h), 1, 2).copy(),
+                "w_up": np.swapaxes(v1.reshape(e, inter, h), 1, 2).copy(), "w_down": w2.reshape(e, inter, h).copy()}
+    if kind == "fused_columns_interleaved":  # gpt-oss: [E, H, 2I] gate even columns, [E, I, H]; MXFP4 transposed
+        gate_up = quant.weight(names[0], rand(e, 2 * inter, h), transposed=True)  # [E, H, 2I]
+        down = quant.weight(names[1], rand(e, h, inter), transposed=True)  # [E, I, H]
+        return {"w_gate": gate_up[:, :, 0::2].copy(), "w_up": gate_up[:, :, 1::2].copy(), "w_down": down.copy()}
+    raise ValueError(kind)
 
-    path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    family = config["model_type"]
-    files = sorted(path.glob("*.safetensors"))
-    tensors = {}
-    for file in files:
-        with safe_open(str(file), framework="np") as f:
-            tensors.update({k: f.get_tensor(k).astype(np.float64) for k in f.keys()
-                            if k.startswith(f"model.layers.{layer}.")})
-    block = f"model.layers.{layer}." + ("block_sparse_moe" if family == "mixtral" else "mlp")
-    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+def hf_reference(path, layer: int, x: np.ndarray, params: dict) -> np.ndarray:
+    """The MoE block of decoder `layer` of the fixture at `path` on x `[T, H]`, in float64, by the
+    family's transformers semantics (restated; `params` are the layer's expected params):
+      softmax           p = softmax(logits); top-k of p; renormalised if norm_topk_prob (Mixtral,
+                        GraniteMoE, DBRX p=1, Hunyuan: always, as `softmax_renorm`)
+      sigmoid_groups    DeepSeek-V3: s = sigmoid; choose on s + bias within the topk_group best of
+                        n_group groups (group score = sum of its top 2, dropped groups masked to 0);
+                        w = s (unbiased) / (sum + 1e-20) if norm_topk_prob; x routed_scaling_factor
+      sigmoid_renorm    MiniMax-M2: top-k of s + bias, w = s / sum
+      softmax_groups    Mistral 4: groups (top-2 sum) on p = softmax; top-k of p; / (sum + 1e-20) if
+                        norm_topk_prob (Large 4: always); x routed_scaling_factor
+    plus the shared expert (Qwen: times sigmoid(x @ shared_gate)).
+    """
+    config = json.loads((Path(path) / "config.json").read_text())
+    family = next(f for f, s in SPECS.items() if s[0] == text_of(config)["model_type"]
+                  and s[1] in config["architectures"])
+    c, routing = text_of(config), SPECS[family][10]
+    p = {name: np.asarray(v, np.float64) for name, v in params.items()}
     x = x.astype(np.float64)
-    k = config["num_experts_per_tok"]
-
-    def mlp(prefix, h):
-        g, u, d = (tensors[f"{prefix}.{n}.weight"] for n in names)
-        a = h @ g.T
-        return ((a / (1 + np.exp(-a))) * (h @ u.T)) @ d.T
-
-    logits = x @ tensors[f"{block}.gate.weight"].T
-    if family == "deepseek_v3":
-        scores = 1 / (1 + np.exp(-logits))
-        choice = scores + tensors[f"{block}.gate.e_score_correction_bias"]
-        groups = choice.reshape(len(x), config["n_group"], -1)
-        group_scores = np.sort(groups, axis=-1)[..., -2:].sum(-1)
-        keep = np.argsort(-group_scores, axis=-1)[:, : config["topk_group"]]
-        mask = np.zeros_like(group_scores, bool)
-        np.put_along_axis(mask, keep, True, axis=-1)
-        choice = np.where(np.repeat(mask, groups.shape[-1], axis=-1), choice, 0.0)
-        ids = np.argsort(-choice, axis=-1)[:, :k]
-        weights = np.take_along_axis(scores, ids, axis=-1)
-        if config["norm_topk_prob"]:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        weights = weights * config["routed_scaling_factor"]
-    else:
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        ids = np.argsort(-probs, axis=-1)[:, :k]
-        weights = np.take_along_axis(probs, ids, axis=-1)
-        if family == "mixtral" or config["norm_topk_prob"]:
-            weights = weights / weights.sum(-1, keepdims=True)
+    e, k, _, _ = _shapes(family, config)
+    logits = x @ p["router_weight"]
+    renorm = routing.endswith("renorm") or c.get("norm_topk_prob", True)
+    scaling = c.get("routed_scaling_factor", 1.0)
     out = np.zeros_like(x)
     for t in range(len(x)):
-        for j in range(k):
-            out[t] += weights[t, j] * mlp(f"{block}.experts.{ids[t, j]}", x[t:t + 1])[0]
-    if family == "qwen2_moe":
-        gate = 1 / (1 + np.exp(-(x @ tensors[f"{block}.shared_expert_gate.weight"].T)))
-        out += gate * mlp(f"{block}.shared_expert", x)
-    elif family == "deepseek_v3":
-        out += mlp(f"{block}.shared_experts", x)
+        if routing.startswith("softmax"):
+            scores = np.exp(logits[t] - logits[t].max())
+            scores /= scores.sum()
+            choice = scores.copy()
+        else:
+            scores = 1 / (1 + np.exp(-logits[t]))
+            choice = scores + p["expert_bias"]
+        if "groups" in routing and c.get("n_group", 1) > 1:
+            per_group = choice.reshape(c["n_group"], -1)
+            kept = np.argsort(-np.sort(per_group, axis=-1)[:, -2:].sum(-1), kind="stable")[:c["topk_group"]]
+            mask = np.zeros(c["n_group"], bool)
+            mask[kept] = True
+            choice = np.where(np.repeat(mask, e // c["n_group"]), choice, 0.0)
+        ids = np.argsort(-choice, kind="stable")[:k]
+        w = scores[ids]
+        if renorm:
+            w = w / (w.sum() + (1e-20 if routing in ("sigmoid_groups", "softmax_groups") else 0.0))
+        if routing in ("sigmoid_groups", "softmax_groups", "softmax_groups_renorm"):
+            w = w * scaling
+        for weight, j in zip(w, ids):
+            a = x[t] @ p["w_gate"][j]
+            out[t] += weight * ((a / (1 + np.exp(-a))) * (x[t] @ p["w_up"][j])) @ p["w_down"][j]
+    if "shared_w_gate" in p:
+        a = x @ p["shared_w_gate"]
+        shared = ((a / (1 + np.exp(-a))) * (x @ p["shared_w_up"])) @ p["shared_w_down"]
+        if "shared_gate" in p:
+            shared = shared / (1 + np.exp(-(x @ p["shared_gate"])))
+        out += shared
     return out

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 AUTH_TOKEN_ENV = "EXPERTD_AUTH_TOKEN"
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_COORDINATOR_PORT = 8476
 # The expert FFN backends (expertd.kernels.experts.BACKENDS) and the native CPU kernel's
 # instruction-set levels, lowest first (expertd.kernels.cpu.ISA_LEVELS); a test keeps them equal.
@@ -54,14 +54,16 @@ def optional_str(text: str) -> str | None:
 class ModelConfig:
     preset: str | None = option(None, "model preset with seeded random weights: tiny (default when no "
                                 "--checkpoint), mixtral-8x7b, qwen3-30b-a3b, deepseek-v3", parse=optional_str)
-    checkpoint: str | None = option(None, "Hugging Face checkpoint directory (config.json + *.safetensors) "
-                                    "of a Mixtral, Qwen2/3-MoE or DeepSeek-V3 model", parse=optional_str,
-                                    metavar="DIR")
+    checkpoint: str | None = option(None, "Hugging Face checkpoint directory (config.json + *.safetensors) of an "
+                                    "MoE model (docs/models.md lists the families; `expertd inspect DIR` tells "
+                                    "what serve would do)", parse=optional_str, metavar="DIR")
     layers: str | None = option(None, "MoE layer indices to serve, e.g. '1,3-5' (default: all MoE layers, or "
                                 "--num-layers)", parse=optional_str, metavar="LIST")
     num_layers: int | None = option(None, "serve the first N MoE layers (default: all; tiny has 2)", parse=int,
                                     metavar="N")
-    dtype: str = option("bfloat16", f"weight and compute dtype: {' or '.join(DTYPES)}")
+    dtype: str = option("auto", "weight and compute dtype: float32 or bfloat16; auto (default): a checkpoint's "
+                        "own (float32 -> float32, bfloat16 / float16 / FP8 / FP4 / INT4 -> bfloat16), bfloat16 for "
+                        "presets")
     seed: int = option(0, "seed of the preset weights (a pure function of seed, layer and tensor name)", parse=int)
     num_devices: int | None = option(None, "devices of the expert-parallel mesh (default: all visible devices)",
                                      parse=int, metavar="N")

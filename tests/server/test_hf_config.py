@@ -1,5 +1,5 @@
-"""moe_config_from_hf: each family's config.json (Hugging Face keys and defaults) -> MoEConfig,
-and errors that name the key."""
+"""moe_config_from_hf (the registry's layer_config): each family's config.json (Hugging Face keys
+and defaults) -> MoEConfig, and errors that name the key."""
 import pytest
 
 from expertd.server.models.hf_config import moe_config_from_hf
@@ -21,6 +21,8 @@ def test_families():
                                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True))
     assert not qwen3.use_pre_softmax and not qwen3.has_shared and qwen3.num_experts == 128
     assert moe_config_from_hf(dict(model_type="qwen3_moe", hidden_size=64)).use_pre_softmax  # HF default
+    # transformers 5 writes Qwen3MoeConfig's expert count as num_local_experts
+    assert moe_config_from_hf(dict(model_type="qwen3_moe", hidden_size=64, num_local_experts=16)).num_experts == 16
 
     ds = moe_config_from_hf(dict(model_type="deepseek_v3", hidden_size=7168, n_routed_experts=256,
                                  num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,

@@ -13,10 +13,10 @@ from expertd.server.model import (
     SeededParams,
     describe_indices,
     load_preset,
-    moe_layer_indices,
     parse_layers,
     preset_hf_config,
 )
+from expertd.server.models import UnsupportedModel, moe_layer_indices
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -124,10 +124,13 @@ def test_moe_layer_rules_follow_the_modelling_code():
             "decoder_sparse_step": 2, "mlp_only_layers": [3]}
     assert moe_layer_indices(qwen) == [1, 5]
     assert moe_layer_indices({**qwen, "num_experts": 0}) == []
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+    assert moe_layer_indices({**{k: v for k, v in qwen.items() if k != "num_experts"}, "num_local_experts": 8}) \
+        == [1, 5]
     deepseek = {"model_type": "deepseek_v3", "num_hidden_layers": 8, "n_routed_experts": 8,
                 "first_k_dense_replace": 3, "moe_layer_freq": 2}
     assert moe_layer_indices(deepseek) == [4, 6]
-    with pytest.raises(ValueError, match="'llama' has no known MoE layer rule"):
+    with pytest.raises(UnsupportedModel, match="unsupported model: model_type 'llama'"):
         moe_layer_indices({"model_type": "llama", "num_hidden_layers": 2})
 
 

@@ -11,7 +11,7 @@ from expertd.server.cli import main
 def test_defaults_match_the_documented_ports_and_model():
     config = cfg.parse_args([], environ={})
     assert (config.port, config.metrics_port) == (8001, 8002)
-    assert config.model.name == "tiny" and config.model.dtype == "bfloat16"
+    assert config.model.name == "tiny" and config.model.dtype == "auto"
     assert config.batching.batch_tokens == config.batching.bucket_sizes[-1] == 256
     assert config.security.token() is None and config.reflection and config.model.huge_pages
     assert config.model.panel_weights
