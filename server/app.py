@@ -265,9 +265,9 @@ class ServerHandle:
         drained = asyncio.ensure_future(parts.batcher.drain())  # stops accepting when it first runs
         await parts.health.enter_graceful_shutdown()
         parts.streams.close()
-        try:
-            await asyncio.wait_for(drained, timeout=max(0.0, deadline - loop.time()))
-        except TimeoutError:
+        await asyncio.wait({drained}, timeout=max(0.0, deadline - loop.time()))
+        if not drained.done():
+            drained.cancel()
             log.warning("drain grace of %ss passed with %d requests unanswered", self._grace, parts.batcher.pending)
         await self._linger_while_calls_arrive(min(began + self._linger, deadline))
         await parts.health.end_watches()
