@@ -159,7 +159,7 @@ class ServerHandle:
         config = self.config
         metrics = (f"metrics: {self.metrics_url} (TLS {'on' if config.metrics_tls else 'off'}, "
                    f"auth {'on' if config.metrics_auth else 'off'}")
-        if config.metrics_host is None and config.metrics_bind_host != config.host:
+        if config.metrics_host is None and config.security.auth_enabled and not config.metrics_auth:
             metrics += "; loopback only: auth is on and --metrics-auth is not, give --metrics-host to change"
         return f"security: {self.credentials.describe()}; {metrics})"
 

@@ -33,6 +33,7 @@ PATH = "/metrics"
 MAX_CONNECTIONS = 64
 READ_TIMEOUT_S = 30.0
 MAX_REQUEST_BYTES = 8192
+CLOSE_LINGER_S = 1.0  # a closing connection reads (and drops) what the client still sends, this long at most
 
 
 class MetricsEndpoint:
@@ -105,9 +106,7 @@ class MetricsEndpoint:
             pass
         finally:
             self._connections.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+            await _close(reader, writer)
 
     async def _answer(self, head: bytes) -> tuple[HTTPStatus, bytes, dict[str, str], bool]:
         """(status, body, extra headers, keep the connection) for one request head."""
@@ -132,6 +131,23 @@ class MetricsEndpoint:
                                                                 compress)
         headers = {"Content-Type": content_type, **({"Content-Encoding": "gzip"} if compress else {})}
         return HTTPStatus.OK, body, headers, keep_alive
+
+
+async def _close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Close gracefully: half-close, then read what the client still sends (briefly), so that
+    unread request bytes do not turn the close into a reset that loses the answer."""
+    with contextlib.suppress(Exception):
+        if writer.can_write_eof():
+            writer.write_eof()
+            await asyncio.wait_for(_discard(reader), CLOSE_LINGER_S)
+    writer.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(writer.wait_closed(), CLOSE_LINGER_S)
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    while await reader.read(65536):
+        pass
 
 
 def _render(encoder, registry: CollectorRegistry, compress: bool) -> bytes:
