@@ -50,7 +50,7 @@ HEALTH_CHECK_SERVICE = ""  # the whole server: NOT_SERVING while warming up and 
 GRPC_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds", "google-c2p")
 # A dead replica's replacement is found within seconds: reconnect attempts at most this far apart
 # (gRPC's default is 120 s), and names re-resolved at most this often after a failure (default 30 s).
-MAX_RECONNECT_BACKOFF_MS = 5000
+MAX_RECONNECT_BACKOFF_MS = 2000
 DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS = 5000
 
 
