@@ -204,10 +204,16 @@ def test_health_transitions_from_warm_up_through_drain(tmp_path_factory):
 
 def test_drain_ends_idle_streams_and_watches_and_answers_late_calls_unavailable(tmp_path_factory):
     grace = 30.0
-    handle = create_server(server_config(tmp_path_factory, model=ONE_LAYER))
+    config = server_config(tmp_path_factory, model=ONE_LAYER, bucket_sizes=SLOW_BUCKETS,
+                           max_queue_delay_ms=QUEUE_DELAY_MS)
+    handle = create_server(config)
     handle.wait_ready(timeout=300)
     idle = IdleCalls(handle.port)
+    busy_items: queue.Queue = queue.Queue()
+    busy = expert_pb2_grpc.ExpertServiceStub(idle.channel).ForwardStream(iter(busy_items.get, None))
     try:
+        busy_items.put(stream_request(7, token(7), 0, False))  # waits in the queue for the bucket to fill
+        wait_until(lambda: handle.batcher.pending == 1)
         started = time.monotonic()
         handle.request_stop(grace=grace)
         assert next(idle.watch).status == NOT_SERVING  # the Watch hears it at once ...
@@ -220,10 +226,17 @@ def test_drain_ends_idle_streams_and_watches_and_answers_late_calls_unavailable(
             late.append(raw_forward(handle.port, timeout=5))
         assert len(late) >= 3 and {code for code, _ in late} == {grpc.StatusCode.UNAVAILABLE}
         assert all("draining" in details for _, details in late)
+        # The busy stream's accepted message is answered, then the stream ends the same way.
+        answer = next(busy)
+        assert answer.request_id == "7" and not answer.HasField("error")
+        with pytest.raises(grpc.RpcError) as ended:
+            next(busy)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
         assert handle.wait(timeout=10)
-        assert time.monotonic() - started < 5, "the open stream and Watch did not hold the process for the grace"
+        assert time.monotonic() - started < 5, "the open streams and Watch did not hold the process for the grace"
         assert list(idle.watch) == []  # the Watch ended with the server, cleanly
     finally:
+        busy_items.put(None)
         idle.close()
         handle.stop(grace=0)
 
