@@ -216,7 +216,7 @@ class ServerHandle:
             await health.set(name, NOT_SERVING)
         await health.set("liveness", SERVING)
         if config.reflection:
-            enable_reflection(registrar, (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
+            enable_reflection(registrar, (*services, HEALTH_SERVICE))
         address = f"{config.host}:{config.port}"
         self.port = server.add_secure_port(address, _server_credentials(credentials.tls)) if credentials.tls \
             else server.add_insecure_port(address)

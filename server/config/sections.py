@@ -272,7 +272,8 @@ class NativeCpuConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    host: str = option("[::]", "address the gRPC and metrics servers bind ('127.0.0.1' for loopback only)")
+    host: str = option("[::]", "address the gRPC server binds, and the metrics endpoint unless --metrics-host "
+                              "(or auth) says otherwise ('127.0.0.1' for loopback only)")
     port: int = option(8001, "gRPC port (0: pick a free port; the bound port is printed)", parse=int)
     metrics_port: int = option(8002, "Prometheus /metrics HTTP port (0: pick a free port)", parse=int)
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
