@@ -4,7 +4,8 @@
         await client.wait_ready(timeout=60)
         y = await client.forward(x, layer=0)
 
-Same arguments, results, retries and typed errors as the blocking client.
+Same arguments (targets: one server or its replicas), results, balancing, retries and typed
+errors as the blocking client.
 """
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ import numpy as np
 from grpc_health.v1 import health_pb2
 
 from expertd.client import errors, messages
-from expertd.client.channel import DEFAULT_BACKOFF, DEFAULT_MAX_MESSAGE_BYTES, Backoff, ClientBase, TlsOptions
+from expertd.client.channel import (
+    CLIENT_RETRIED,
+    DEFAULT_BACKOFF,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Backoff,
+    ClientBase,
+    TlsOptions,
+)
 from expertd.client.pb.v1 import expert_pb2
 
 
@@ -112,8 +120,9 @@ class AsyncExpertClient(ClientBase):
         return messages.expert_loads(await self._unary(self._stub.GetExpertLoad, request, timeout))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> int:
+        """The ``grpc.health.v1`` status of ``service``, over the probe channel (see ExpertClient.health)."""
         request = health_pb2.HealthCheckRequest(service=service)
-        return (await self._unary(self._health.Check, request, timeout, retry=False)).status
+        return (await self._unary(self.probe().Check, request, timeout, retry=False)).status
 
     async def wait_ready(self, timeout: float = 60.0, *, service: str = "") -> None:
         """Wait until the health of ``service`` is SERVING (TimeoutError after ``timeout`` s)."""
@@ -133,7 +142,8 @@ class AsyncExpertClient(ClientBase):
             await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels():
+            await channel.close()
 
     async def __aenter__(self) -> AsyncExpertClient:
         return self
@@ -150,7 +160,7 @@ class AsyncExpertClient(ClientBase):
                 return await method(request, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as rpc_error:
                 error = errors.from_rpc_error(rpc_error)
-            if not error.retryable or attempt >= retries:
+            if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it
                 raise error
             await asyncio.sleep(self._backoff.delay(attempt, error.retry_delay))
             attempt += 1

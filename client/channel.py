@@ -1,9 +1,32 @@
-"""What the sync and asyncio clients share: TLS credentials, channel options, auth metadata, retry backoff."""
+"""What the sync and asyncio clients share: targets, the channel and its service config, TLS
+credentials, auth metadata, retry backoff.
+
+Targets (``resolve_target``), one server or replicas of it:
+- ``host:port``: gRPC resolves the name (DNS), and every address it resolves to is a replica.
+- ``dns:///name:port``: the same, spelled as gRPC's URI; a Kubernetes headless Service name
+  resolves to its ready pods (``dns:///expertd-headless.<namespace>.svc.cluster.local:8001``).
+- ``host1:port1,host2:port2,...``: a fixed list. IP literals become gRPC's own ``ipv4:`` /
+  ``ipv6:`` lists; host names are resolved once, when the client is made (gRPC has no resolver
+  for a list of names), all IPv4 if every name has an IPv4 address, else all IPv6.
+- any other gRPC URI (``ipv4:``, ``ipv6:``, ``unix:``, ...) as it is.
+
+The channel's service config (``service_config``): gRPC's ``round_robin`` over the replicas
+whose ``grpc.health.v1`` status (service "", Watched by gRPC's client-side health checking) is
+SERVING, so warming-up and draining servers get no calls; and a ``retryPolicy`` that retries
+UNAVAILABLE (a replica died, is draining, or none is reachable) with exponential backoff on the
+idempotent unary methods, each attempt picked anew (another replica). The clients' own retry loop
+retries only RESOURCE_EXHAUSTED (with the server's RetryInfo hint): no call is retried twice over.
+Health calls go through a second channel without health checking (``ClientBase.probe``): they
+must reach servers that are not SERVING.
+"""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import json
 import pathlib
 import random
+import socket
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -12,6 +35,23 @@ from expertd.client.pb.v1 import expert_pb2_grpc
 
 # Large enough for a 256 MiB request or response; the server enforces its own, smaller limit.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Unary methods that may run twice without harm: retried on UNAVAILABLE by gRPC's retry policy.
+IDEMPOTENT_METHODS = (
+    ("expertd.v1.ExpertService", "Forward"), ("expertd.v1.ExpertService", "Route"),
+    ("expertd.v1.ExpertService", "GetModelInfo"), ("expertd.v1.ExpertService", "GetExpertLoad"),
+    ("inference.GRPCInferenceService", "ModelInfer"), ("inference.GRPCInferenceService", "ModelMetadata"),
+    ("inference.GRPCInferenceService", "ModelConfig"),
+)
+# gRPC makes at most 5 attempts of a call whatever maxAttempts says (gRFC A6).
+GRPC_MAX_ATTEMPTS = 5
+# Retried by the clients' own loop (the server's RetryInfo hint says when): any replica's queue may be full.
+CLIENT_RETRIED = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
+HEALTH_CHECK_SERVICE = ""  # the whole server: NOT_SERVING while warming up and draining
+GRPC_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds", "google-c2p")
+# A dead replica's replacement is found within seconds: reconnect attempts at most this far apart
+# (gRPC's default is 120 s), and names re-resolved at most this often after a failure (default 30 s).
+MAX_RECONNECT_BACKOFF_MS = 2000
+DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS = 5000
 
 
 def _read(value: bytes | str | pathlib.Path | None) -> bytes | None:
@@ -45,16 +85,132 @@ class TlsOptions:
         )
 
 
-def channel_options(max_message_bytes: int, tls: TlsOptions | None) -> list[tuple[str, int | str]]:
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A target as gRPC takes it: ``uri`` and, for a list, ``authority`` (its first entry: the
+    ``:authority`` header and the name TLS checks, unless ``TlsOptions.server_name`` says otherwise)."""
+
+    uri: str
+    authority: str | None = None
+
+
+def resolve_target(target: str) -> Target:
+    """The gRPC target for one of the forms in the module docstring (ValueError naming a bad entry)."""
+    text = target.strip()
+    if not text:
+        raise ValueError("target is empty: give host:port, host1:port,host2:port or dns:///name:port")
+    if text.partition(":")[0] in GRPC_SCHEMES:
+        return Target(text)
+    entries = [entry.strip() for entry in text.split(",")]
+    if len(entries) == 1:
+        return Target(text)
+    endpoints = [_host_port(entry, target) for entry in entries]
+    literals = [_ip(host) for host, _ in endpoints]
+    if all(literals):
+        versions = {ip.version for ip in literals}
+        if len(versions) > 1:
+            raise ValueError(f"target {target!r} mixes IPv4 and IPv6 addresses: give one family, or a DNS name")
+        addresses = [(str(ip), port) for ip, (_, port) in zip(literals, endpoints)]
+    else:
+        addresses = _resolve_names(endpoints, target)
+    version = ipaddress.ip_address(addresses[0][0]).version
+    listed = ",".join(f"[{host}]:{port}" if version == 6 else f"{host}:{port}" for host, port in addresses)
+    return Target(f"ipv{version}:{listed}", authority=entries[0])
+
+
+def _host_port(entry: str, target: str) -> tuple[str, int]:
+    host, sep, port = entry.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"target {target!r}: entry {entry!r} is not host:port")
+    return host, int(port)
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _resolve_names(endpoints: list[tuple[str, int]], target: str) -> list[tuple[str, int]]:
+    """Every address of every host (resolved now), in one family: IPv4 if all hosts have one."""
+    by_family: dict[int, list[tuple[str, int]]] = {4: [], 6: []}
+    families: list[set[int]] = []
+    for host, port in endpoints:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ValueError(f"target {target!r}: cannot resolve {host!r} ({exc.strerror})") from None
+        found = set()
+        for family, _, _, _, sockaddr in infos:
+            version = 4 if family == socket.AF_INET else 6 if family == socket.AF_INET6 else None
+            if version is not None and (sockaddr[0], port) not in by_family[version]:
+                by_family[version].append((sockaddr[0], port))
+                found.add(version)
+        families.append(found)
+    for version in (4, 6):
+        if all(version in found for found in families):
+            return by_family[version]
+    raise ValueError(f"target {target!r}: the hosts share no address family (some IPv4 only, some IPv6 only)")
+
+
+def service_config(retries: int, backoff: Backoff) -> dict:
+    """The channel's service config (module docstring): round_robin over healthy replicas and,
+    with ``retries`` > 0, UNAVAILABLE retried up to ``min(retries + 1, 5)`` attempts with ``backoff``."""
+    config: dict = {"loadBalancingConfig": [{"round_robin": {}}],
+                    "healthCheckConfig": {"serviceName": HEALTH_CHECK_SERVICE}}
+    if retries > 0:
+        config["methodConfig"] = [{
+            "name": [{"service": service, "method": method} for service, method in IDEMPOTENT_METHODS],
+            "retryPolicy": {
+                "maxAttempts": min(retries + 1, GRPC_MAX_ATTEMPTS),
+                "initialBackoff": _duration(backoff.initial),
+                "maxBackoff": _duration(max(backoff.maximum, backoff.initial)),
+                "backoffMultiplier": max(backoff.multiplier, 1.0),
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }]
+    return config
+
+
+def _duration(seconds: float) -> str:
+    """A service-config duration (gRPC refuses 0): ``"0.050000s"``."""
+    return f"{max(seconds, 1e-3):.6f}s"
+
+
+def channel_options(max_message_bytes: int, tls: TlsOptions | None, *, retries: int = 0,
+                    backoff: Backoff | None = None, authority: str | None = None,
+                    health_checked: bool = True) -> list[tuple[str, int | str]]:
+    """Channel arguments: message limits, the service config (``health_checked=False``: plain
+    round_robin, no retries: the probe channel), reconnection and re-resolution bounds, TLS name."""
+    config = service_config(retries, backoff or DEFAULT_BACKOFF) if health_checked else \
+        {"loadBalancingConfig": [{"round_robin": {}}]}
     options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        # Retries are done by the client itself (typed errors, RetryInfo); keep gRPC's own off.
-        ("grpc.enable_retries", 0),
+        ("grpc.service_config", json.dumps(config)),
+        ("grpc.enable_retries", 1),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+        ("grpc.dns_min_time_between_resolutions_ms", DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS),
     ]
+    if authority is not None:
+        options.append(("grpc.default_authority", authority))
     if tls is not None and tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return options
+
+
+def open_channel(target: str, *, aio: bool, tls: TlsOptions | None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 retries: int = 0, backoff: Backoff | None = None, health_checked: bool = True):
+    """A ``grpc.Channel`` (``grpc.aio.Channel`` with ``aio``) to ``target`` (any form of ``resolve_target``)."""
+    resolved = resolve_target(target)
+    options = channel_options(max_message_bytes, tls, retries=retries, backoff=backoff, authority=resolved.authority,
+                              health_checked=health_checked)
+    module = grpc.aio if aio else grpc
+    if tls is None:
+        return module.insecure_channel(resolved.uri, options=options)
+    return module.secure_channel(resolved.uri, tls.credentials(), options=options)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -96,7 +252,12 @@ DEFAULT_BACKOFF = Backoff()  # immutable: one instance serves every client's def
 
 
 class ClientBase:
-    """Channel, stubs and call settings of ExpertClient (``aio=False``) and AsyncExpertClient (``aio=True``)."""
+    """Channel, stubs and call settings of ExpertClient (``aio=False``) and AsyncExpertClient (``aio=True``).
+
+    ``_channel``: balanced over the healthy replicas, UNAVAILABLE retried by gRPC (module
+    docstring). ``probe()``: the health stub on a second channel, opened on first use, with no
+    health checking and no retries, so that health reaches servers that are not SERVING.
+    """
 
     def __init__(
         self,
@@ -113,16 +274,25 @@ class ClientBase:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         tls_options = normalize_tls(tls)
-        options = channel_options(max_message_bytes, tls_options)
-        module = grpc.aio if aio else grpc
-        if tls_options is None:
-            self._channel = module.insecure_channel(target, options=options)
-        else:
-            self._channel = module.secure_channel(target, tls_options.credentials(), options=options)
+        self._channel = open_channel(target, aio=aio, tls=tls_options, max_message_bytes=max_message_bytes,
+                                     retries=retries, backoff=backoff)
         self.target = target
+        self._aio = aio
+        self._tls = tls_options
         self._timeout = timeout
         self._retries = retries
         self._backoff = backoff
         self._metadata = auth_metadata(token)
         self._stub = expert_pb2_grpc.ExpertServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._probe_channel = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+
+    def probe(self) -> health_pb2_grpc.HealthStub:
+        """The health stub on the probe channel (opened now if it is not yet)."""
+        if self._health is None:
+            self._probe_channel = open_channel(self.target, aio=self._aio, tls=self._tls, health_checked=False)
+            self._health = health_pb2_grpc.HealthStub(self._probe_channel)
+        return self._health
+
+    def _channels(self) -> list:
+        return [self._channel] + ([self._probe_channel] if self._probe_channel is not None else [])

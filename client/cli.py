@@ -8,7 +8,9 @@
     expertd loadtest --layer L --concurrency 1,4,16 | --rate 50,200  (see expertd.client.loadtest)
 
 Tables for people by default; ``--json`` prints one JSON document on stdout for machines.
-Every command only talks to ``--target`` (default ``$EXPERTD_TARGET`` or ``localhost:8001``).
+Every command only talks to ``--target`` (default ``$EXPERTD_TARGET`` or ``localhost:8001``): one
+server or its replicas (``host1:port,host2:port``, ``dns:///name:port``), calls balanced over the
+SERVING ones (``expertd.client.channel``).
 
 Exit codes (stable; scripts may rely on them):
   0  success (health: SERVING)
@@ -65,7 +67,8 @@ def exit_code_for(code: grpc.StatusCode) -> int:
 def _connection_arguments(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
     group = parser.add_argument_group("connection")
     group.add_argument("--target", default=os.environ.get("EXPERTD_TARGET", "localhost:8001"),
-                       help="server host:port (default: $EXPERTD_TARGET or localhost:8001)")
+                       help="server host:port, or replicas: host1:port,host2:port or dns:///name:port (a name "
+                            "with several addresses) (default: $EXPERTD_TARGET or localhost:8001)")
     group.add_argument("--timeout", type=float, default=30.0, help="deadline of each call in seconds (default 30)")
     group.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-cert)")
     group.add_argument("--ca-cert", help="PEM file of the CA that signed the server certificate (implies --tls)")

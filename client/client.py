@@ -6,9 +6,12 @@
         y = client.forward(x, layer=0)            # x [T, H] float32 / bfloat16 -> y [T, H], same dtype
         r = client.route(x, layer=0)              # r.topk_ids [T, k], r.topk_weights [T, k], r.aux_loss
 
-Unary calls are retried with exponential backoff (and the server's RetryInfo hint) on UNAVAILABLE
-and RESOURCE_EXHAUSTED only; every other failure raises at once. Failures raise the typed
-exceptions of :mod:`expertd.client.errors`, carrying the server's message.
+The target is one server or its replicas (``"host:port"``, ``"host1:port,host2:port"``,
+``"dns:///name:port"``: :mod:`expertd.client.channel`). Calls are balanced round-robin over the
+replicas whose health is SERVING. Unary calls are retried with exponential backoff on UNAVAILABLE
+(by gRPC's retry policy, on another replica: at most 4 retries) and on RESOURCE_EXHAUSTED (by the
+client, honouring the server's RetryInfo hint); every other failure raises at once. Failures raise
+the typed exceptions of :mod:`expertd.client.errors`, carrying the server's message.
 """
 from __future__ import annotations
 
@@ -20,7 +23,14 @@ import numpy as np
 from grpc_health.v1 import health_pb2
 
 from expertd.client import errors, messages
-from expertd.client.channel import DEFAULT_BACKOFF, DEFAULT_MAX_MESSAGE_BYTES, Backoff, ClientBase, TlsOptions
+from expertd.client.channel import (
+    CLIENT_RETRIED,
+    DEFAULT_BACKOFF,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Backoff,
+    ClientBase,
+    TlsOptions,
+)
 from expertd.client.pb.v1 import expert_pb2
 
 
@@ -28,9 +38,12 @@ class ExpertClient(ClientBase):
     """Blocking client. Thread-safe: one client (one HTTP/2 channel) can serve many threads.
 
     Args:
-      target: ``host:port`` of the server.
-      timeout: per-attempt deadline in seconds for unary calls (None: no deadline).
-      retries: extra attempts after UNAVAILABLE / RESOURCE_EXHAUSTED (0 disables retries).
+      target: ``host:port``, ``host1:port1,host2:port2,...`` or ``dns:///name:port`` (replicas of
+        one server; see :mod:`expertd.client.channel`).
+      timeout: deadline in seconds of each unary call, its UNAVAILABLE retries included; each
+        RESOURCE_EXHAUSTED retry gets a new one (None: no deadline).
+      retries: extra attempts after UNAVAILABLE (gRPC's retry policy, at most 4) or
+        RESOURCE_EXHAUSTED (the client's own loop); 0 disables both.
       tls: False (plaintext), True (TLS with the system roots) or :class:`TlsOptions` (own CA,
         mutual TLS with a client certificate, server-name override).
       token: bearer token sent as ``authorization: Bearer <token>`` on every call.
@@ -128,9 +141,13 @@ class ExpertClient(ClientBase):
         return messages.expert_loads(self._unary(self._stub.GetExpertLoad, request, timeout))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> int:
-        """The ``grpc.health.v1`` status of ``service`` ("" = the whole server): a HealthCheckResponse.ServingStatus."""
+        """The ``grpc.health.v1`` status of ``service`` ("" = the whole server): a HealthCheckResponse.ServingStatus.
+
+        Asked over the probe channel (no health checking), so a server that is not SERVING answers
+        too; with several replicas, the next one in round-robin order answers.
+        """
         request = health_pb2.HealthCheckRequest(service=service)
-        return self._unary(self._health.Check, request, timeout, retry=False).status
+        return self._unary(self.probe().Check, request, timeout, retry=False).status
 
     def wait_ready(self, timeout: float = 60.0, *, service: str = "") -> None:
         """Block until the server's health for ``service`` is SERVING (raises TimeoutError after ``timeout`` s)."""
@@ -150,7 +167,8 @@ class ExpertClient(ClientBase):
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels():
+            channel.close()
 
     def __enter__(self) -> ExpertClient:
         return self
@@ -167,7 +185,7 @@ class ExpertClient(ClientBase):
                 return method(request, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as rpc_error:
                 error = errors.from_rpc_error(rpc_error)
-            if not error.retryable or attempt >= retries:
+            if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it
                 raise error
             time.sleep(self._backoff.delay(attempt, error.retry_delay))
             attempt += 1

@@ -8,7 +8,9 @@ request carries a deadline, so a hung server shows up as DEADLINE_EXCEEDED, not 
 Per step it reports requests/s, tokens/s, latency p50/p90/p95/p99/max of successful requests and
 errors by gRPC status code; ``sent == ok + sum(errors)`` always holds for the measured phase.
 Either protocol: ``expertd`` (expertd.v1 Forward through :class:`AsyncExpertClient`) or ``kserve``
-(inference.GRPCInferenceService/ModelInfer on model ``moe-layer-<layer>``).
+(inference.GRPCInferenceService/ModelInfer on model ``moe-layer-<layer>``). The target takes every
+form the client does (one server or replicas: ``expertd.client.channel``), balanced the same way;
+``retries`` (default 0: every failure counts) turns on the client's retries.
 
 Shapes: every request is ``x [T, H]`` with T drawn from the token distribution, H the layer's
 hidden size as the server reports it.
@@ -28,7 +30,7 @@ import numpy as np
 
 from expertd.client import errors
 from expertd.client.aio import AsyncExpertClient
-from expertd.client.channel import TlsOptions, auth_metadata, channel_options, normalize_tls
+from expertd.client.channel import TlsOptions, auth_metadata, normalize_tls, open_channel
 from expertd.client.kserve_protos import service_grpc, service_pb2
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
@@ -99,6 +101,7 @@ class LoadTestConfig:
     seed: int = 0
     tls: bool | TlsOptions = False
     token: str | None = None
+    retries: int = 0
 
     def __post_init__(self):
         if self.protocol not in ("expertd", "kserve"):
@@ -117,6 +120,8 @@ class LoadTestConfig:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.layer < 0:
             raise ValueError(f"layer must be >= 0, got {self.layer}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
 
 
 @dataclasses.dataclass
@@ -309,16 +314,11 @@ class _Target:
         self.hidden_size = 0
         self._inputs: np.ndarray | None = None
         if config.protocol == "expertd":
-            self._client = AsyncExpertClient(config.target, timeout=config.timeout, retries=0, tls=config.tls,
-                                             token=config.token)
+            self._client = AsyncExpertClient(config.target, timeout=config.timeout, retries=config.retries,
+                                             tls=config.tls, token=config.token)
         else:
-            tls = normalize_tls(config.tls)
-            options = channel_options(256 * 1024 * 1024, tls)
-            self._channel = (
-                grpc.aio.insecure_channel(config.target, options=options)
-                if tls is None
-                else grpc.aio.secure_channel(config.target, tls.credentials(), options=options)
-            )
+            self._channel = open_channel(config.target, aio=True, tls=normalize_tls(config.tls),
+                                         retries=config.retries)
             self._stub = service_grpc.GRPCInferenceServiceStub(self._channel)
             self._metadata = auth_metadata(config.token)
 
@@ -388,6 +388,7 @@ async def run_loadtest(config: LoadTestConfig, progress=None) -> dict:
         "duration_s": config.duration,
         "requests": config.requests,
         "timeout_s": config.timeout,
+        "retries": config.retries,
         "steps": steps,
     }
 

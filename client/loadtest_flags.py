@@ -33,6 +33,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-inflight", type=int, default=1024,
                         help="open loop: most requests in flight at once (default 1024)")
     parser.add_argument("--seed", type=int, default=0, help="seed of inputs, token counts and arrivals")
+    parser.add_argument("--retries", type=int, default=0,
+                        help="retry UNAVAILABLE (on another replica) and RESOURCE_EXHAUSTED like the client does "
+                             "(default 0: every failure is counted)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="write the report as JSON to PATH (no PATH: print it instead of the table)")
     parser.add_argument("--plot", metavar="PNG", help="write latency against throughput to this PNG (needs matplotlib)")
@@ -67,4 +70,5 @@ def config_from(args, *, tls=False) -> loadtest.LoadTestConfig:
         seed=args.seed,
         tls=tls,
         token=args.token,
+        retries=args.retries,
     )

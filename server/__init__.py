@@ -11,6 +11,7 @@ One job per module:
 - batcher, expert_load: requests merged into engine steps; per-expert load.
 - servicer (expertd.v1), kserve (KServe v2): the front ends, over the batcher and the description.
 - errors: every failure and its gRPC status. metrics, statistics, interceptors: one observation per event.
-- app: assembly and lifecycle; cli, console: ``expertd serve``; multihost*: groups of processes.
+- app: assembly and lifecycle; metrics_http: the /metrics endpoint; drain: what a drain ends (health
+  Watches, request streams); cli, console: ``expertd serve``; multihost*: groups of processes.
 - version: the one version string.
 """

@@ -6,17 +6,30 @@ Start-up, in order:
    front ends see.
 2. Start a grpc.aio server on its own thread and event loop: ``expertd.v1.ExpertService`` and the
    KServe v2 service (both over the Batcher and the ModelDescription, never the engine),
-   ``grpc.health.v1`` (services "", each served service, "liveness", "readiness"), reflection
-   (optional), the metrics and bearer-token wrappers (applied once per method:
-   ``expertd.server.interceptors``), TLS / mutual TLS, message limits sized from the request limit.
-   Prometheus ``/metrics`` listens on its own HTTP port. Port 0 binds a free port.
+   ``grpc.health.v1`` (services "", each served service, "liveness", "readiness";
+   ``expertd.server.drain.HealthServicer``), reflection (optional), the metrics and bearer-token
+   wrappers (applied once per method: ``expertd.server.interceptors``) and the drain's
+   stream-input wrapper (``expertd.server.drain.StreamInputs``), TLS / mutual TLS from the
+   credentials read and checked at start (``SecurityConfig.credentials``: fail closed), message
+   limits sized from the request limit. ``GET /metrics`` is served on the same event loop
+   (``expertd.server.metrics_http``) at ``config.metrics_bind_host`` (loopback by default when auth
+   is on), optionally behind TLS and the token. The start-up log states TLS, mTLS, auth and the
+   metrics endpoint (``security_summary``). Port 0 binds a free port.
 3. Warm up (``expertd.server.warmup``: compile every bucket) on the device-worker thread while
    health says NOT_SERVING ("liveness" is SERVING from the start); then SERVING and
    ``expertd_model_ready`` 1.
 
-Drain (``handle.stop()``, SIGTERM in ``expertd serve``): health NOT_SERVING and new calls get
-UNAVAILABLE while accepted requests (queued ones included) finish, then the gRPC server stops
-accepting and everything closes, all within the grace.
+Drain (``handle.stop()``, SIGTERM in ``expertd serve``), all within the grace:
+1. ``expertd_model_ready`` 0; the batcher stops accepting (new Forward / Route / ModelInfer calls
+   get UNAVAILABLE "draining", retryable on another replica); health NOT_SERVING for every service
+   (open Watches receive it at once, so balancing clients stop picking this server); the input of
+   every request stream is closed (ForwardStream answers what it has read, then ends UNAVAILABLE).
+2. Accepted requests, queued ones included, finish.
+3. The port stays open, answering UNAVAILABLE, while calls still arrive (another within
+   ``LINGER_QUIET_S``), up to ``--drain-linger-s`` after the drain began: clients move to other
+   replicas before the port closes. (Why: calls that reach grpc's server core after ``stop`` began
+   are cancelled by it, CANCELLED, before any handler sees them.)
+4. Watches end; the gRPC server stops (nothing is left to wait for); the metrics endpoint closes.
 """
 from __future__ import annotations
 
@@ -30,15 +43,17 @@ from collections.abc import Callable
 import grpc
 import jax
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server import kserve, startup, warmup
 from expertd.server.batcher import Batcher
 from expertd.server.config import ServerConfig
-from expertd.server.interceptors import wrapping
+from expertd.server.config.credentials import Credentials, TlsMaterial
+from expertd.server.drain import HealthServicer, StreamInputs
+from expertd.server.interceptors import WrappingServer, wrapping
 from expertd.server.metrics import Metrics
+from expertd.server.metrics_http import MetricsEndpoint
 from expertd.server.reflection import enable_reflection
 from expertd.server.servicer import ExpertServicer
 from expertd.server.version import VERSION
@@ -49,6 +64,8 @@ EXPERT_SERVICE = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_na
 PROBE_SERVICES = ("liveness", "readiness")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+LINGER_QUIET_S = 0.2  # drain step 3: no new call for this long means clients have moved on
 
 
 @dataclasses.dataclass
@@ -57,16 +74,19 @@ class _Parts:
 
     loop: asyncio.AbstractEventLoop
     server: grpc.aio.Server
-    health: health_aio.HealthServicer
+    health: HealthServicer
+    streams: StreamInputs
     batcher: Batcher
     services: tuple[str, ...]
+    metrics_endpoint: MetricsEndpoint
 
 
 class ServerHandle:
     """A running server (see module docstring). Thread-safe; every test and ``expertd serve`` use it.
 
-    Attributes: ``port`` and ``metrics_port`` (the bound ports), ``config``, ``served`` (what
-    start-up built: ``served.info()``, ``served.notes()``), ``engine`` (its Engine), ``model`` (the
+    Attributes: ``port`` and ``metrics_port`` (the bound ports), ``metrics_url``, ``config``,
+    ``credentials`` (what start-up read: token, TLS material), ``served`` (what start-up built:
+    ``served.info()``, ``served.notes()``), ``engine`` (its Engine), ``model`` (the
     ModelDescription the front ends see), ``metrics`` (the Metrics on ``registry``), ``registry``.
     """
 
@@ -83,6 +103,8 @@ class ServerHandle:
         self.metrics.set_ready(False)
         self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
         self.port = self.metrics_port = 0
+        self.metrics_url = ""
+        self.credentials = Credentials()
         self._step_runner = step_runner or self.engine
         self._on_warm = on_warm
         self._progress = progress
@@ -93,6 +115,7 @@ class ServerHandle:
         self._parts: _Parts | None = None
         self._stop_requested: asyncio.Event | None = None
         self._grace = config.drain_grace_s
+        self._linger = config.drain_linger_s
         self._thread = threading.Thread(target=self._run, name="expertd-grpc", daemon=True)
 
     # -- control (any thread) -----------------------------------------------------------------
@@ -130,6 +153,16 @@ class ServerHandle:
     def batcher(self) -> Batcher:
         return self._parts.batcher
 
+    def security_summary(self) -> str:
+        """``security: TLS on, mTLS off, auth on (...); metrics: https://...:8002/metrics (TLS on,
+        auth off)``: what the start-up log states."""
+        config = self.config
+        metrics = (f"metrics: {self.metrics_url} (TLS {'on' if config.metrics_tls else 'off'}, "
+                   f"auth {'on' if config.metrics_auth else 'off'}")
+        if config.metrics_host is None and config.security.auth_enabled and not config.metrics_auth:
+            metrics += "; loopback only: auth is on and --metrics-auth is not, give --metrics-host to change"
+        return f"security: {self.credentials.describe()}; {metrics})"
+
     # -- server thread --------------------------------------------------------------------------
     def _start(self) -> None:
         self._thread.start()
@@ -150,30 +183,26 @@ class ServerHandle:
     async def _main(self) -> None:
         self._stop_requested = asyncio.Event()
         self._parts = await self._build()
-        try:
-            httpd, _ = start_http_server(self.config.metrics_port, addr=self.config.host.strip("[]"),
-                                         registry=self.registry)
-        except OSError:
-            await self._parts.server.stop(0)
-            raise
-        self.metrics_port = httpd.server_port
+        log.info("%s", self.security_summary())
         self._started.set()
         try:
             await self._warm_up()
             await self._stop_requested.wait()
             await self._drain()
         finally:
-            httpd.shutdown()
-            httpd.server_close()
+            await self._parts.metrics_endpoint.close()
 
     async def _build(self) -> _Parts:
         config, model = self.config, self.model
+        self.credentials = credentials = config.security.credentials()  # ValueError naming a bad option
         limit = model.max_message_bytes()
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0)])
-        # Every service registers through this stand-in: metrics and auth wrap each method once.
-        registrar = wrapping(server, self.metrics, config.security.token())
+        # Every service registers through this stand-in: metrics and auth wrap each method once,
+        # and request streams read through inputs the drain can close.
+        streams = StreamInputs()
+        registrar = WrappingServer(wrapping(server, self.metrics, credentials.token), [streams.wrap])
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
         batcher = Batcher(self._step_runner, model, config.batching, self.metrics, executor)
         servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION)
@@ -181,18 +210,29 @@ class ServerHandle:
         services = [EXPERT_SERVICE, *kserve.add_to_server(registrar, model=model, batcher=batcher,
                                                           statistics=self.metrics.statistics,
                                                           batching=config.batching, version=VERSION)]
-        health = health_aio.HealthServicer()
+        health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, registrar)
         for name in ("", *services, "readiness"):
             await health.set(name, NOT_SERVING)
         await health.set("liveness", SERVING)
         if config.reflection:
-            enable_reflection(registrar, (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
+            enable_reflection(registrar, (*services, HEALTH_SERVICE))
         address = f"{config.host}:{config.port}"
-        self.port = server.add_secure_port(address, _server_credentials(config)) if config.security.tls_cert \
+        self.port = server.add_secure_port(address, _server_credentials(credentials.tls)) if credentials.tls \
             else server.add_insecure_port(address)
         await server.start()
-        return _Parts(asyncio.get_running_loop(), server, health, batcher, tuple(services))
+        endpoint = MetricsEndpoint(self.registry, token=credentials.token if config.metrics_auth else None,
+                                   ssl_context=credentials.tls.server_context() if config.metrics_tls else None)
+        try:
+            self.metrics_port = await endpoint.start(config.metrics_bind_host, config.metrics_port)
+        except OSError:
+            await server.stop(0)
+            await endpoint.close()
+            raise
+        host = config.metrics_bind_host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        self.metrics_url = f"{endpoint.scheme}://{host}:{self.metrics_port}/metrics"
+        return _Parts(asyncio.get_running_loop(), server, health, streams, batcher, tuple(services), endpoint)
 
     async def _warm_up(self) -> None:
         parts = self._parts
@@ -216,20 +256,39 @@ class ServerHandle:
             self._on_warm()
 
     async def _drain(self) -> None:
+        """The drain's four steps (module docstring), within the grace."""
         parts = self._parts
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._grace
+        began = loop.time()
+        deadline = began + self._grace
         self.metrics.set_ready(False)
+        drained = asyncio.ensure_future(parts.batcher.drain())  # stops accepting when it first runs
         await parts.health.enter_graceful_shutdown()
-        # Readiness is NOT_SERVING and new calls get UNAVAILABLE ("draining", retryable elsewhere)
-        # while every accepted request, queued ones included, finishes; then the gRPC server
-        # stops accepting and delivers the last answers within what is left of the grace.
-        try:
-            await asyncio.wait_for(parts.batcher.drain(), timeout=self._grace)
-        except TimeoutError:
+        parts.streams.close()
+        await asyncio.wait({drained}, timeout=max(0.0, deadline - loop.time()))
+        if not drained.done():
+            drained.cancel()
             log.warning("drain grace of %ss passed with %d requests unanswered", self._grace, parts.batcher.pending)
+        await self._linger_while_calls_arrive(min(began + self._linger, deadline))
+        await parts.health.end_watches()
         await parts.server.stop(max(0.0, deadline - loop.time()))
         await parts.batcher.close()
+
+    async def _linger_while_calls_arrive(self, until: float) -> None:
+        """Drain step 3: wait until no call (health calls aside) started for LINGER_QUIET_S, or ``until``."""
+        loop = asyncio.get_running_loop()
+        seen = self._calls_started()
+        while (left := until - loop.time()) > 0:
+            await asyncio.sleep(min(LINGER_QUIET_S, left))
+            now = self._calls_started()
+            if now == seen:
+                return
+            seen = now
+
+    def _calls_started(self) -> float:
+        """Calls started on this server so far, health checks not counted (``grpc_server_started_total``)."""
+        return sum(sample.value for family in self.metrics.grpc_started.collect() for sample in family.samples
+                   if sample.name.endswith("_total") and sample.labels.get("grpc_service") != HEALTH_SERVICE)
 
 
 def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = None,
@@ -257,14 +316,7 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     return handle
 
 
-def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
-    security = config.security
-    with open(security.tls_key, "rb") as key, open(security.tls_cert, "rb") as cert:
-        pair = (key.read(), cert.read())
-    client_ca = None
-    if security.tls_client_ca:
-        with open(security.tls_client_ca, "rb") as ca:
-            client_ca = ca.read()
-    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
-
-
+def _server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
+    """The gRPC port's TLS (mutual when a client CA was given) from the material read at start."""
+    return grpc.ssl_server_credentials([(tls.private_key, tls.certificate_chain)], root_certificates=tls.client_ca,
+                                       require_client_auth=tls.mutual)

@@ -103,7 +103,7 @@ def serve(argv: list[str]) -> int:
         return 1
     host = config.host
     say(f"gRPC listening on {host}:{handle.port}" + (" (TLS)" if config.security.tls_cert else ""))
-    say(f"metrics on http://{host}:{handle.metrics_port}/metrics")
+    say(f"metrics on {handle.metrics_url}")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: handle.request_stop())
     try:

@@ -134,7 +134,7 @@ def _serve_leader(config: ServerConfig, group: MultihostConfig, lost: threading.
     handle = create_server(config, progress=print_progress, step_runner=lambda engine: LeaderEngine(engine, channel),
                            on_warm=lambda: channel.accept(group.join_timeout_s))
     say(f"gRPC listening on {config.host}:{handle.port}")
-    say(f"metrics on http://{config.host}:{handle.metrics_port}/metrics")
+    say(f"metrics on {handle.metrics_url}")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: handle.request_stop())
     try:

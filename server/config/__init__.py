@@ -1,6 +1,7 @@
 """expertd serve's configuration: frozen dataclasses (``sections``), parsed once at the entry
 point from flags, an optional TOML file and the environment (``sources``, the only module of the
-server that reads any of them)."""
+server that reads any of them); the security files they name read and checked once
+(``credentials``: fail closed)."""
 from expertd.server.config.sections import (
     AUTH_TOKEN_ENV,
     DEFAULT_COORDINATOR_PORT,

@@ -2,15 +2,21 @@
 
 Every field made with ``option`` is one flag and one TOML key (``sources`` reads them); a field
 made with ``from_environment`` is neither: only an environment variable fills it. Bad values raise
-``ValueError`` naming the flag. Nothing here reads flags, files or the environment.
+``ValueError`` naming the flag. Nothing here reads flags or the environment; the security files are
+read by ``credentials`` (``SecurityConfig.credentials()``), the one module that reads them.
+
+Fail closed: a security option (``nonempty``: token, token file, certificate paths) that is set to
+an empty or whitespace-only value is an error wherever it was set (flag, TOML key, environment),
+never the same as leaving it unset.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 from collections.abc import Callable
 from typing import Any
+
+from expertd.server.config.credentials import Credentials, check_token, load_tls, read_token_file
 
 AUTH_TOKEN_ENV = "EXPERTD_AUTH_TOKEN"
 DTYPES = ("auto", "float32", "bfloat16")
@@ -23,15 +29,17 @@ NATIVE_CPU_ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
 
 def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, metavar: str | None = None,
            env: str | None = None, env_set: tuple[str, Any] | None = None, env_unless: tuple[str, ...] = (),
-           repr: bool = True):
+           repr: bool = True, nonempty: bool = False):
     """A field that is also a flag and a TOML key; ``parse`` turns the flag's text into the value.
 
     ``env`` names an environment variable that fills it when neither a flag nor the file set it
     (nor any of the fields ``env_unless``); ``env_set = (variable, value)``: where that variable
-    is set at all, the field takes ``value`` instead (it wins over ``env``).
+    is set at all, the field takes ``value`` instead (it wins over ``env``). ``nonempty``: a text
+    value set empty or whitespace-only, by any source, is an error (fail closed).
     """
     return dataclasses.field(default=default, repr=repr, metadata={
-        "help": help, "parse": parse, "metavar": metavar, "env": env, "env_set": env_set, "env_unless": env_unless})
+        "help": help, "parse": parse, "metavar": metavar, "env": env, "env_set": env_set, "env_unless": env_unless,
+        "nonempty": nonempty})
 
 
 def from_environment(default: Any, env: str, help: str):
@@ -134,34 +142,54 @@ class BatchingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SecurityConfig:
-    tls_cert: str | None = option(None, "PEM server certificate chain; enables TLS", parse=optional_str,
-                                  metavar="FILE")
-    tls_key: str | None = option(None, "PEM private key of --tls-cert", parse=optional_str, metavar="FILE")
+    """TLS, mutual TLS and the bearer token. Each is on exactly when its option is set; a set option
+    is never ignored (empty values and unusable files are errors: ``credentials``)."""
+
+    tls_cert: str | None = option(None, "PEM server certificate chain; enables TLS", metavar="FILE", nonempty=True)
+    tls_key: str | None = option(None, "PEM private key of --tls-cert (unencrypted)", metavar="FILE", nonempty=True)
     tls_client_ca: str | None = option(None, "PEM CA for client certificates; enables mutual TLS (clients must "
-                                       "present a certificate it signed)", parse=optional_str, metavar="FILE")
+                                       "present a certificate it signed)", metavar="FILE", nonempty=True)
     auth_token: str | None = option(None, f"bearer token every call except health must send (prefer "
                                           f"${AUTH_TOKEN_ENV} or --auth-token-file: argv is visible to other users)",
-                                    parse=optional_str, metavar="TOKEN", env=AUTH_TOKEN_ENV,
-                                    env_unless=("auth_token_file",), repr=False)
-    auth_token_file: str | None = option(None, "file whose first line is the bearer token", parse=optional_str,
-                                         metavar="FILE")
+                                    metavar="TOKEN", env=AUTH_TOKEN_ENV, env_unless=("auth_token_file",), repr=False,
+                                    nonempty=True)
+    auth_token_file: str | None = option(None, "file whose first line is the bearer token", metavar="FILE",
+                                         nonempty=True)
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{flag('security', field)} is set but empty: give a value, or leave it unset "
+                                 f"(security options are never ignored)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.auth_token is not None and self.auth_token_file is not None:
             raise ValueError("give either --auth-token or --auth-token-file, not both")
+        if self.auth_token is not None:
+            check_token(self.auth_token, f"--auth-token (or ${AUTH_TOKEN_ENV})")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.auth_token is not None or self.auth_token_file is not None
+
+    def credentials(self) -> Credentials:
+        """Read and check the token file and the TLS files (ValueError naming the option)."""
+        token = source = None
+        if self.auth_token_file is not None:
+            token, source = read_token_file(self.auth_token_file), "--auth-token-file"
+        elif self.auth_token is not None:
+            token, source = check_token(self.auth_token, "--auth-token"), f"--auth-token or ${AUTH_TOKEN_ENV}"
+        tls = load_tls(self.tls_cert, self.tls_key, self.tls_client_ca) if self.tls_cert is not None else None
+        return Credentials(token, source, tls)
 
     def token(self) -> str | None:
-        """The bearer token, read from --auth-token-file when given."""
-        if self.auth_token_file is None:
-            return self.auth_token
-        lines = pathlib.Path(self.auth_token_file).read_text().splitlines()
-        if not lines or not lines[0].strip():
-            raise ValueError(f"--auth-token-file {self.auth_token_file} is empty")
-        return lines[0].strip()
+        """The bearer token (read from --auth-token-file when given), or None without auth."""
+        if self.auth_token_file is not None:
+            return read_token_file(self.auth_token_file)
+        return None if self.auth_token is None else check_token(self.auth_token, "--auth-token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,11 +274,23 @@ class NativeCpuConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    host: str = option("[::]", "address the gRPC and metrics servers bind ('127.0.0.1' for loopback only)")
+    host: str = option("[::]", "address the gRPC server binds, and the metrics endpoint unless --metrics-host "
+                              "(or auth) says otherwise ('127.0.0.1' for loopback only)")
     port: int = option(8001, "gRPC port (0: pick a free port; the bound port is printed)", parse=int)
     metrics_port: int = option(8002, "Prometheus /metrics HTTP port (0: pick a free port)", parse=int)
+    metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
+                                      "when auth is on and --metrics-auth is not: unauthenticated metrics of an "
+                                      "authenticated server stay local unless asked)", metavar="ADDRESS",
+                                      nonempty=True)
+    metrics_tls: bool = option(False, "serve /metrics over TLS with --tls-cert / --tls-key (with --tls-client-ca "
+                                      "scrapers need a client certificate too)")
+    metrics_auth: bool = option(False, "require the bearer token on /metrics ('Authorization: Bearer <token>')")
     drain_grace_s: float = option(30.0, "on SIGTERM: seconds to finish accepted requests before exiting",
                                   parse=float, metavar="SECONDS")
+    drain_linger_s: float = option(2.0, "on SIGTERM, after accepted requests finish: keep answering new calls "
+                                   "UNAVAILABLE while they still arrive, up to this many seconds after the drain "
+                                   "began (clients move to other replicas before the port closes); within the "
+                                   "grace", parse=float, metavar="SECONDS")
     compile_cache_dir: str | None = option(os.path.join("~", ".cache", "expertd", "jax"),
                                            "JAX persistent compilation cache ('' disables it)", parse=optional_str,
                                            metavar="DIR")
@@ -277,9 +317,27 @@ class ServerConfig:
             raise ValueError(f"--port and --metrics-port must differ, both are {self.port}")
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
+        if self.drain_linger_s < 0:
+            raise ValueError(f"--drain-linger-s must be >= 0, got {self.drain_linger_s}")
+        if self.metrics_host is not None and not self.metrics_host.strip():
+            raise ValueError("--metrics-host is set but empty: give an address, or leave it unset")
+        if self.metrics_tls and self.security.tls_cert is None:
+            raise ValueError("--metrics-tls needs --tls-cert and --tls-key (the metrics endpoint serves the gRPC "
+                             "port's certificate)")
+        if self.metrics_auth and not self.security.auth_enabled:
+            raise ValueError("--metrics-auth needs a bearer token (--auth-token-file, --auth-token or "
+                             f"${AUTH_TOKEN_ENV})")
         if self.multihost.enabled and self.model.num_devices is not None:
             raise ValueError("--num-devices cannot be combined with a multi-host group: the mesh is every device "
                              "of every process")
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where the metrics endpoint listens: --metrics-host; else loopback when auth is on and the
+        metrics are not behind the token; else --host."""
+        if self.metrics_host is not None:
+            return self.metrics_host
+        return "127.0.0.1" if self.security.auth_enabled and not self.metrics_auth else self.host
 
 
 # TOML table -> (section class, flag prefix); None is the top level.

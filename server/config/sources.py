@@ -18,6 +18,11 @@ the native CPU kernel's ``EXPERTD_NATIVE_CPU_ISA``, ``EXPERTD_NATIVE_CPU_PORTABL
 portable level), ``EXPERTD_CACHE_DIR``, ``EXPERTD_TRACE_PARALLEL_FOR`` (``1``: on) and ``CXX``;
 ``LD_PRELOAD`` (read, never set: host_allocator's check). Bad values raise ``ValueError`` naming
 the option or variable.
+
+Fail closed: a security option (``nonempty``) set to an empty or whitespace-only value is an error
+in a flag, a TOML key (``[security] tls_cert = ""``) and ``$EXPERTD_AUTH_TOKEN`` alike; and
+``from_args`` reads the files the security options name (``SecurityConfig.credentials``), so an
+unreadable or unparsable one stops ``expertd serve`` before anything loads.
 """
 from __future__ import annotations
 
@@ -62,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """The config from parsed flags (see ``add_arguments``), the TOML file they name and ``environ``
-    (default: this process's environment)."""
+    (default: this process's environment); the security files it names are read and checked."""
     environ = os.environ if environ is None else environ
     given = vars(args)
     values: Values = {section: {} for section in SECTIONS}
@@ -72,7 +77,9 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         section, _, name = dest.rpartition(".")
         if dest != "config":
             values[section or None][name] = value
-    return build(values, environ)
+    config = build(values, environ)
+    config.security.credentials()  # unreadable or unparsable: ValueError naming the option, before anything loads
+    return config
 
 
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
@@ -115,6 +122,9 @@ def _from_environment(cls: type, given: Mapping[str, Any], environ: Mapping[str,
             out[field.name] = env_set[1]
             continue
         text = environ.get(name)
+        if text is not None and field.metadata.get("nonempty") and not text.strip():
+            raise ValueError(f"${name} is set but empty: give a value, or unset it (security settings are never "
+                             f"ignored)")
         if text is None or (text == "" and field.type != "str"):
             continue
         out[field.name] = _parse_environment(field, name, text)
@@ -180,6 +190,8 @@ def _coerce(field: dataclasses.Field, value: Any, where: str) -> Any:
         ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if not ok:
         raise ValueError(f"{where} must be {base}, got {value!r}")
+    if field.metadata.get("nonempty") and isinstance(value, str) and not value.strip():
+        raise ValueError(f"{where} is empty: give a value, or remove the key (security settings are never ignored)")
     if base == "float":
         return float(value)
     return tuple(value) if base == "tuple[int, ...]" else value

@@ -103,16 +103,28 @@ def test_table_and_progress(capsys, target):
 
 def test_bad_arguments_and_unreachable_target(capsys, tmp_path, target, monkeypatch):
     for argv in (["--tokens", "0"], ["--tokens", "9-3"], ["--concurrency", "0"], ["--rate", "fast"],
-                 ["--layer", "7"], ["--duration", "-1"]):
+                 ["--layer", "7"], ["--duration", "-1"], ["--retries", "-1"]):
         code = cli.main(["loadtest", "--target", target, "--no-progress", *argv])
         assert code == cli.EXIT_INVALID_ARGUMENT, (argv, capsys.readouterr().err)
     with pytest.raises(SystemExit):
         cli.main(["loadtest", "--concurrency", "1", "--rate", "5"])
     code = cli.main(["loadtest", "--target", f"127.0.0.1:{free_port()}", "--timeout", "2", "--no-progress"])
     assert code == cli.EXIT_UNAVAILABLE
+    code = cli.main(["loadtest", "--target", f"{target},127.0.0.1", "--no-progress"])
+    assert code == cli.EXIT_INVALID_ARGUMENT and "is not host:port" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code = cli.main(["loadtest", "--target", target, "--plot", str(tmp_path / "p.png")])
     assert code == cli.EXIT_ERROR and "expertd[plot]" in capsys.readouterr().err
+
+def test_a_list_of_replicas_as_target_with_retries(capsys, server, target):
+    """One live replica and one dead address: with retries every call lands on the live one."""
+    for protocol, counter in (("expertd", forward_ok_count), ("kserve", model_infer_ok_count)):
+        before = counter(server)
+        report = loadtest(capsys, f"{target},127.0.0.1:{free_port()}", "--protocol", protocol, "--concurrency", "2",
+                          "--requests", "10", "--warmup", "0", "--retries", "2", "--dtype", "float32")
+        (step,) = report["steps"]
+        assert report["retries"] == 2 and step["ok"] == 10 and step["errors"] == {}, step
+        assert counter(server) - before == 10
 
 def test_token_distributions():
     rng = np.random.default_rng(0)

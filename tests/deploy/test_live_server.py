@@ -91,7 +91,7 @@ def server(tmp_path_factory):
 def test_container_args_are_expertd_serve_flags(tmp_path):
     """Each workload's args, with its ConfigMap's config.toml, parse as `expertd serve` flags."""
     defaults = config_module.ServerConfig()
-    for name in ("base", "overlays/multihost", "overlays/multihost-statefulset"):
+    for name in ("base", "overlays/replicas", "overlays/multihost", "overlays/multihost-statefulset"):
         (tmp_path / "config.toml").write_text(configmap_file(name))
         for key, template in pod_templates(rendered(name)).items():
             main = container(template)
@@ -102,7 +102,7 @@ def test_container_args_are_expertd_serve_flags(tmp_path):
             assert (config.port, config.metrics_port) == (ports["grpc"], ports["metrics"]) == \
                 (defaults.port, defaults.metrics_port), key
             assert config.drain_grace_s + 15 <= template["spec"]["terminationGracePeriodSeconds"], key
-            if name == "base":
+            if not name.startswith("overlays/multihost"):
                 assert not group.enabled, key
                 continue
             assert group.enabled and group.process_id == 1 and group.num_processes == 2, key

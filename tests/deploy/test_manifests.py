@@ -20,6 +20,7 @@ import yaml
 from deploy_manifests import (
     ADAPTER_RULES,
     K8S,
+    ROOT,
     by_kind,
     container,
     container_ports,
@@ -33,12 +34,15 @@ from deploy_manifests import (
     selects,
 )
 
+from expertd.client.channel import resolve_target
+
 VARIANTS = {
     "base": {"Deployment"},
     "overlays/multihost": {"LeaderWorkerSet", "PodMonitor"},
     "overlays/multihost-statefulset": {"StatefulSet", "PodMonitor"},
     "overlays/autoscaling": {"Deployment", "HorizontalPodAutoscaler"},
     "overlays/multihost-autoscaling": {"LeaderWorkerSet", "PodMonitor", "HorizontalPodAutoscaler"},
+    "overlays/replicas": {"Deployment"},
 }
 COMMON_KINDS = {"ConfigMap", "Service", "ServiceMonitor", "PodDisruptionBudget"}
 
@@ -223,3 +227,32 @@ def test_autoscaler_targets_the_workload_on_the_adapter_metric(name, workload):
     rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]["custom"]
     served = {rule["name"]["as"] for rule in rules}
     assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] in served
+
+
+def test_replicas_behind_a_headless_service():
+    """N replicas; the headless Service resolves to exactly the ready front-end pods on the gRPC port,
+    is not scraped twice, and the documented client target is one the client takes."""
+    resources = rendered("overlays/replicas")
+    deployment = one(resources, "Deployment")
+    assert deployment["spec"]["replicas"] >= 2
+    strategy = deployment["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    budget = one(resources, "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1  # drains evict one replica at a time
+    (headless,) = [s for s in by_kind(resources, "Service") if s["spec"].get("clusterIP") == "None"]
+    assert not headless["spec"].get("publishNotReadyAddresses", False), "only ready (SERVING) pods in DNS"
+    created = pods(resources)
+    selected = [p["name"] for p in created if selects(headless["spec"]["selector"], p["labels"])]
+    assert len(selected) == deployment["spec"]["replicas"] == len(created)
+    (port,) = headless["spec"]["ports"]
+    assert (port["name"], port["port"], port["appProtocol"]) == ("grpc", 8001, "kubernetes.io/h2c")
+    assert all(container_ports(p["template"])[port["targetPort"]] == 8001 for p in created)
+    for template in pod_templates(resources).values():  # readiness is the gRPC health probe
+        assert container(template)["readinessProbe"]["grpc"] == {"port": 8001, "service": "readiness"}
+    monitor = one(resources, "ServiceMonitor")
+    assert not selects(monitor["spec"]["selector"], headless["metadata"]["labels"]), "pods scraped once"
+    target = f"dns:///{headless['metadata']['name']}.<namespace>.svc.cluster.local:{port['port']}"
+    assert target in (K8S / "overlays" / "replicas" / "kustomization.yaml").read_text()
+    assert target in (ROOT / "docs" / "deploy.md").read_text()
+    concrete = target.replace("<namespace>", "default")
+    assert resolve_target(concrete).uri == concrete  # gRPC's own DNS resolver takes it as it is

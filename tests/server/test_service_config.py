@@ -1,8 +1,12 @@
-"""expertd serve configuration: flags, TOML, environment, validation and --help."""
+"""expertd serve configuration: flags, TOML, environment, validation, --help, and fail-closed security."""
 import dataclasses
 import os
+import re
+import subprocess
+import sys
 
 import pytest
+from service_support import make_pki
 
 from expertd.server import config as cfg
 from expertd.server.cli import main
@@ -162,3 +166,139 @@ def test_native_options_are_applied_to_the_process(monkeypatch):
     configure_native_cpu(config.native_cpu)
     assert applied == [cpu.BuildOptions(cache_dir=os.path.expanduser("~/k"), isa_cap="avx2", trace=True,
                                         compiler="clang++")]
+
+
+# -- fail closed: every empty or unusable security input is an error at start ---------------------
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, pki):
+    """Files that must each stop the server: empty, whitespace, garbage, an encrypted key, ..."""
+    directory = tmp_path_factory.mktemp("bad")
+    files = {"empty": "", "blank": "  \n\n", "garbage": "not a certificate\n", "spaced-token": "two words\n"}
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    (directory / "good-token").write_text("s3cret\n")
+    (directory / "broken-cert").write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    subprocess.run(["openssl", "pkey", "-in", str(pki.server_key), "-aes256", "-passout", "pass:x", "-out",
+                    str(directory / "encrypted.key")], check=True, capture_output=True)
+    return directory
+
+
+def _cases(pki, bad):
+    """(argv, environ, TOML, message) for every fail-closed rule."""
+    tls = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
+    return [
+        # set but empty, by flag, environment or TOML key
+        (["--auth-token-file", ""], {}, None, "--auth-token-file is set but empty"),
+        (["--auth-token-file", "   "], {}, None, "--auth-token-file is set but empty"),
+        (["--auth-token", ""], {}, None, "--auth-token is set but empty"),
+        ([], {cfg.AUTH_TOKEN_ENV: ""}, None, r"\$EXPERTD_AUTH_TOKEN is set but empty"),
+        ([], {cfg.AUTH_TOKEN_ENV: " \t"}, None, r"\$EXPERTD_AUTH_TOKEN is set but empty"),
+        (["--tls-cert", "", "--tls-key", ""], {}, None, "--tls-cert is set but empty"),
+        (["--tls-cert", str(pki.server_cert), "--tls-key", " "], {}, None, "--tls-key is set but empty"),
+        ([*tls, "--tls-client-ca", ""], {}, None, "--tls-client-ca is set but empty"),
+        ([], {}, '[security]\nauth_token_file = ""\n', "security.auth_token_file is empty"),
+        ([], {}, '[security]\nauth_token = " "\n', "security.auth_token is empty"),
+        ([], {}, '[security]\ntls_cert = ""\ntls_key = ""\n', "security.tls_cert is empty"),
+        ([], {}, 'metrics_host = ""\n', "metrics_host is empty"),
+        (["--metrics-host", ""], {}, None, "--metrics-host is set but empty"),
+        # half of a pair, or an option that needs another
+        (["--tls-key", str(pki.server_key)], {}, None, "--tls-cert and --tls-key must be given together"),
+        (["--metrics-tls"], {}, None, "--metrics-tls needs --tls-cert"),
+        (["--metrics-auth"], {}, None, "--metrics-auth needs a bearer token"),
+        # unreadable
+        (["--auth-token-file", str(bad / "missing")], {}, None, "--auth-token-file .*missing: cannot read it"),
+        (["--auth-token-file", str(bad)], {}, None, "--auth-token-file .*: cannot read it"),
+        (["--tls-cert", str(bad / "missing"), "--tls-key", str(pki.server_key)], {}, None,
+         "--tls-cert .*missing: cannot read it"),
+        (["--tls-cert", str(pki.server_cert), "--tls-key", str(bad / "missing")], {}, None,
+         "--tls-key .*missing: cannot read it"),
+        ([*tls, "--tls-client-ca", str(bad / "missing")], {}, None, "--tls-client-ca .*missing: cannot read it"),
+        # empty, or not what it should be
+        (["--auth-token-file", str(bad / "empty")], {}, None, r"--auth-token-file .*empty \(first line\) is empty"),
+        (["--auth-token-file", str(bad / "blank")], {}, None, r"--auth-token-file .*blank \(first line\) is empty"),
+        (["--auth-token-file", str(bad / "spaced-token")], {}, None, "printable ASCII characters without whitespace"),
+        ([], {cfg.AUTH_TOKEN_ENV: "t\u00f6ken"}, None, "printable ASCII characters without whitespace"),
+        (["--tls-cert", str(bad / "empty"), "--tls-key", str(pki.server_key)], {}, None,
+         "--tls-cert .*empty holds no PEM certificate"),
+        (["--tls-cert", str(bad / "garbage"), "--tls-key", str(pki.server_key)], {}, None,
+         "--tls-cert .*garbage holds no PEM certificate"),
+        (["--tls-cert", str(pki.server_key), "--tls-key", str(pki.server_key)], {}, None,
+         "--tls-cert .*server.key holds no PEM certificate"),
+        (["--tls-cert", str(bad / "broken-cert"), "--tls-key", str(pki.server_key)], {}, None,
+         "--tls-cert .*broken-cert is not a valid PEM certificate"),
+        (["--tls-cert", str(pki.server_cert), "--tls-key", str(bad / "garbage")], {}, None,
+         "--tls-key .*garbage is not a PEM private key of the --tls-cert certificate"),
+        (["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.client_key)], {}, None,
+         "--tls-key .*client.key is not a PEM private key of the --tls-cert certificate"),
+        (["--tls-cert", str(pki.server_cert), "--tls-key", str(bad / "encrypted.key")], {}, None,
+         "--tls-key .*encrypted.key is encrypted"),
+        ([*tls, "--tls-client-ca", str(bad / "garbage")], {}, None, "--tls-client-ca .*garbage holds no PEM"),
+    ]
+
+
+def _argv(tmp_path, argv, toml):
+    if toml is None:
+        return list(argv)
+    path = tmp_path / "expertd.toml"
+    path.write_text(toml)
+    return ["--config", str(path), *argv]
+
+
+def test_every_empty_or_unusable_security_input_is_an_error_naming_it(tmp_path, pki, bad_files):
+    cases = _cases(pki, bad_files)
+    assert len(cases) >= 30
+    for argv, environ, toml, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cfg.parse_args(_argv(tmp_path, argv, toml), environ=environ)
+
+
+def test_expertd_serve_refuses_to_start_with_exit_status_2(tmp_path, pki, bad_files, capsys, monkeypatch):
+    """One real start per rule: `expertd serve` stops at its configuration, before loading anything."""
+    for argv, environ, toml, message in _cases(pki, bad_files):
+        monkeypatch.delenv(cfg.AUTH_TOKEN_ENV, raising=False)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--port", "0", "--metrics-port", "0", *_argv(tmp_path, argv, toml)])
+        assert info.value.code == 2, argv
+        assert re.search(message, capsys.readouterr().err), (argv, environ, toml)
+
+
+def test_a_refused_start_is_exit_status_2_from_the_process(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "expertd.server.cli", "serve", "--auth-token-file", ""],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, cfg.AUTH_TOKEN_ENV: "ignored-when-a-file-is-given"})
+    assert result.returncode == 2 and "--auth-token-file is set but empty" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "expertd.server.cli", "serve"], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, cfg.AUTH_TOKEN_ENV: ""})
+    assert result.returncode == 2 and "$EXPERTD_AUTH_TOKEN is set but empty" in result.stderr
+
+
+def test_good_security_settings_are_read_once_and_described(tmp_path, pki):
+    token_file = tmp_path / "token"
+    token_file.write_text(" s3cret \nsecond line ignored\n")
+    config = cfg.parse_args(["--auth-token-file", str(token_file), "--tls-cert", str(pki.server_cert),
+                             "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca)], environ={})
+    credentials = config.security.credentials()
+    assert credentials.token == "s3cret" and credentials.tls.mutual
+    assert credentials.tls.certificate_chain == pki.server_cert.read_bytes()
+    assert credentials.describe() == "TLS on, mTLS on, auth on (--auth-token-file)"
+    assert "s3cret" not in repr(credentials) and "PRIVATE KEY" not in repr(credentials)
+    assert cfg.parse_args([], environ={cfg.AUTH_TOKEN_ENV: "abc"}).security.credentials().describe() == \
+        "TLS off, mTLS off, auth on (--auth-token or $EXPERTD_AUTH_TOKEN)"
+    assert cfg.parse_args([], environ={}).security.credentials().describe() == "TLS off, mTLS off, auth off"
+
+
+def test_metrics_bind_loopback_by_default_when_auth_is_on():
+    plain = cfg.ServerConfig(host="0.0.0.0")
+    assert plain.metrics_bind_host == "0.0.0.0"
+    with_auth = cfg.ServerConfig(host="0.0.0.0", security=cfg.SecurityConfig(auth_token="t"))
+    assert with_auth.metrics_bind_host == "127.0.0.1"
+    assert dataclasses.replace(with_auth, metrics_auth=True).metrics_bind_host == "0.0.0.0"
+    assert dataclasses.replace(with_auth, metrics_host="10.0.0.5").metrics_bind_host == "10.0.0.5"

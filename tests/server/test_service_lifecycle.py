@@ -3,9 +3,13 @@
 The servers here have one bucket of 8 tokens and a long ``--max-queue-delay-ms``: single-token
 requests wait in the queue for others to fill the bucket (8 queued tokens would start at once),
 which makes queue states observable without timing luck.
+
+What the server itself answers is asked over a plain channel (``raw_forward``): the client balances
+over healthy replicas only, so it never sends a call to a server that is not SERVING.
 """
 import asyncio
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -16,7 +20,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_support import cache_dir, sample, scrape, server_config
 
 from expertd.client import (
@@ -27,7 +31,7 @@ from expertd.client import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from expertd.client.messages import forward_request
+from expertd.client.messages import forward_request, stream_request
 from expertd.client.pb.v1 import expert_pb2_grpc
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
@@ -51,6 +55,33 @@ def slow_server(tmp_path_factory):
 
 def token(seed=0):
     return np.random.default_rng(seed).standard_normal((1, H)).astype(np.float32)
+
+
+def raw_forward(port: int, timeout: float = 10.0) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of one Forward sent on a plain channel (no health checking, no retries)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            expert_pb2_grpc.ExpertServiceStub(channel).Forward(forward_request(token(), 0, False), timeout=timeout)
+        except grpc.RpcError as error:
+            return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+class IdleCalls:
+    """A ForwardStream that got one answer and stays open, and a health Watch, on one channel."""
+
+    def __init__(self, port: int):
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self._items: queue.Queue = queue.Queue()
+        self.stream = expert_pb2_grpc.ExpertServiceStub(self.channel).ForwardStream(iter(self._items.get, None))
+        self._items.put(stream_request(0, token(), 0, False))
+        assert next(self.stream).request_id == "0"
+        self.watch = health_pb2_grpc.HealthStub(self.channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(self.watch).status == SERVING
+
+    def close(self):
+        self._items.put(None)
+        self.channel.close()
 
 
 def wait_until(predicate, timeout=20.0):
@@ -138,8 +169,10 @@ def test_health_transitions_from_warm_up_through_drain(tmp_path_factory):
         # Warming up: alive, not ready, requests refused with a retryable status.
         assert client.health("liveness") == SERVING
         assert [client.health(s) for s in ("", "readiness", "expertd.v1.ExpertService")] == [NOT_SERVING] * 3
-        with pytest.raises(UnavailableError, match="warming up"):
+        with pytest.raises(UnavailableError):  # not sent: no replica is SERVING
             client.forward(token(), layer=0)
+        code, details = raw_forward(handle.port)
+        assert code == grpc.StatusCode.UNAVAILABLE and "warming up" in details
         assert sample(scrape(handle.metrics_port), "expertd_model_ready") == 0
         release.set()
         client.wait_ready(timeout=120)
@@ -154,8 +187,10 @@ def test_health_transitions_from_warm_up_through_drain(tmp_path_factory):
         handle.request_stop(grace=20)
         wait_until(lambda: client.health("") == NOT_SERVING)
         assert client.health("readiness") == NOT_SERVING
-        with pytest.raises(UnavailableError, match="draining"):
+        with pytest.raises(UnavailableError):
             client.forward(token(), layer=0)
+        code, details = raw_forward(handle.port)
+        assert code == grpc.StatusCode.UNAVAILABLE and "draining" in details
         worker.join()
         assert len(answer) == 1 and answer[0].shape == (1, H)
         assert handle.wait(timeout=30)
@@ -164,6 +199,45 @@ def test_health_transitions_from_warm_up_through_drain(tmp_path_factory):
     finally:
         release.set()
         client.close()
+        handle.stop(grace=0)
+
+
+def test_drain_ends_idle_streams_and_watches_and_answers_late_calls_unavailable(tmp_path_factory):
+    grace = 30.0
+    config = server_config(tmp_path_factory, model=ONE_LAYER, bucket_sizes=SLOW_BUCKETS,
+                           max_queue_delay_ms=QUEUE_DELAY_MS)
+    handle = create_server(config)
+    handle.wait_ready(timeout=300)
+    idle = IdleCalls(handle.port)
+    busy_items: queue.Queue = queue.Queue()
+    busy = expert_pb2_grpc.ExpertServiceStub(idle.channel).ForwardStream(iter(busy_items.get, None))
+    try:
+        busy_items.put(stream_request(7, token(7), 0, False))  # waits in the queue for the bucket to fill
+        wait_until(lambda: handle.batcher.pending == 1)
+        started = time.monotonic()
+        handle.request_stop(grace=grace)
+        assert next(idle.watch).status == NOT_SERVING  # the Watch hears it at once ...
+        with pytest.raises(grpc.RpcError) as ended:    # ... the idle stream is ended, retryable elsewhere
+            next(idle.stream)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in ended.value.details()
+        # Calls that arrive while the drain lingers get UNAVAILABLE from the server, none CANCELLED.
+        late = []
+        while time.monotonic() - started < 0.6:
+            late.append(raw_forward(handle.port, timeout=5))
+        assert len(late) >= 3 and {code for code, _ in late} == {grpc.StatusCode.UNAVAILABLE}
+        assert all("draining" in details for _, details in late)
+        # The busy stream's accepted message is answered, then the stream ends the same way.
+        answer = next(busy)
+        assert answer.request_id == "7" and not answer.HasField("error")
+        with pytest.raises(grpc.RpcError) as ended:
+            next(busy)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert handle.wait(timeout=10)
+        assert time.monotonic() - started < 5, "the open streams and Watch did not hold the process for the grace"
+        assert list(idle.watch) == []  # the Watch ended with the server, cleanly
+    finally:
+        busy_items.put(None)
+        idle.close()
         handle.stop(grace=0)
 
 
@@ -188,6 +262,8 @@ def test_sigterm_drains_accepted_requests_and_exits_zero(tmp_path_factory):
             assert "host memory: freed buffers kept for reuse" in output, output
         port = int(re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", output).group(1))
         metrics_port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", output).group(1))
+        assert f"security: TLS off, mTLS off, auth off; metrics: http://127.0.0.1:{metrics_port}/metrics " \
+               "(TLS off, auth off)" in output, output
         assert re.search(r"compiled 3/3: \w+ bucket 8 for layers 0", output), output  # progress shown
         n = 6
         answers, errors = [], []
@@ -203,14 +279,16 @@ def test_sigterm_drains_accepted_requests_and_exits_zero(tmp_path_factory):
         for t in threads:
             t.start()
         wait_until(lambda: sample(scrape(metrics_port), "expertd_pending_requests") == n)
+        idle = IdleCalls(port)  # an idle stream and Watch do not hold the exit
         sent = time.monotonic()
         server.send_signal(signal.SIGTERM)
         for t in threads:
             t.join()
         assert not errors and len(answers) == n  # every accepted request was answered
         rest, _ = server.communicate(timeout=30)
+        idle.close()
         assert server.returncode == 0, output + rest
-        assert time.monotonic() - sent < 20
+        assert time.monotonic() - sent < 8  # well within --drain-grace-s 20: the queue delay (1.5 s) and a linger
         assert "drained, exiting" in rest
         with pytest.raises(UnavailableError):
             ExpertClient(f"127.0.0.1:{port}", retries=0, timeout=5).forward(token(), layer=0)
