@@ -102,22 +102,13 @@ def _stop_all(processes: list[Process]) -> None:
         process.popen.wait(10)
 
 
-def _leader_exit_after_losing(leader: Process, port: int, since: float) -> tuple[float | None, float]:
-    """(seconds until readiness left SERVING, seconds until the leader exited), both from ``since``.
-    Polls over one channel (a fresh connection per poll took longest on a loaded machine)."""
-    unready_after = None
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while leader.popen.poll() is None and time.monotonic() - since < 30:
-            if unready_after is None:
-                try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=2).status
-                except grpc.RpcError as error:
-                    status = error.code()
-                if status != health_pb2.HealthCheckResponse.SERVING:
-                    unready_after = time.monotonic() - since
-            time.sleep(0.05)
-    return unready_after, time.monotonic() - since
+def _seconds_until_exit(leader: Process, since: float, limit_s: float = 30) -> float:
+    """Seconds from ``since`` until the leader process exited (or ``limit_s``). Readiness is not
+    polled: a leader with nothing in flight drains at once and may exit before any poll could see
+    NOT_SERVING, so the log line is the evidence of that state."""
+    while leader.popen.poll() is None and time.monotonic() - since < limit_s:
+        time.sleep(0.05)
+    return time.monotonic() - since
 
 
 @pytest.mark.multiprocess
@@ -157,9 +148,8 @@ def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_die
         assert steps == 6, "the follower ran every step of the leader (2 forward, 2 route, 2 route by logits)"
 
         follower.popen.kill()
-        unready_after, exited_after = _leader_exit_after_losing(leader, port, time.monotonic())
+        exited_after = _seconds_until_exit(leader, time.monotonic())
         assert leader.popen.wait(5) == multihost.EXIT_PEER_LOST, leader.output
-        assert unready_after is not None and unready_after <= exited_after
         # Bound: a dead peer's socket closes at once; then NOT_SERVING for at most the exit grace.
         assert exited_after <= PEER_TIMEOUT_S + EXIT_GRACE_S + 5, f"leader exited after {exited_after:.1f} s"
         assert "process 1" in leader.output and "NOT_SERVING" in leader.output
@@ -181,12 +171,11 @@ def test_the_leader_exits_when_the_follower_freezes(tmp_path_factory):
             x = np.random.default_rng(1).standard_normal((3, 64), dtype=np.float32)
             assert client.forward(x, layer=0).shape == (3, 64)  # the group works before the freeze
         follower.popen.send_signal(signal.SIGSTOP)
-        unready_after, exited_after = _leader_exit_after_losing(leader, port, time.monotonic())
+        exited_after = _seconds_until_exit(leader, time.monotonic())
         assert leader.popen.wait(5) == multihost.EXIT_PEER_LOST, leader.output
-        assert unready_after is not None and unready_after <= exited_after
         # Silence is noticed after peer_timeout_s (heartbeats every peer_timeout_s / 4), then the exit grace.
         assert PEER_TIMEOUT_S * 0.5 <= exited_after <= PEER_TIMEOUT_S + EXIT_GRACE_S + 5, \
             f"leader exited after {exited_after:.1f} s"
-        assert "process 1" in leader.output
+        assert "process 1" in leader.output and "NOT_SERVING" in leader.output
     finally:
         _stop_all(processes)
