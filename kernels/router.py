@@ -28,8 +28,8 @@ from expertd.kernels import router_xla
 from expertd.kernels.router_reference import SCORE_FUNCTIONS, RouterConfig, router_reference, routing_weights
 
 BACKENDS = ("auto", "reference", "xla", "pallas")
-# Chosen from benchmarks/router.py (BENCHMARKS.md, "Router"). GPU: the Pallas kernel is written for
-# Pallas-Triton but has not been measured on a GPU yet, so "auto" stays on the XLA path there.
+# Chosen from benchmarks/router.py (BENCHMARKS.md, "Router"). GPU: "xla" until the Pallas router's
+# gain at large T (BENCHMARKS.md, H100) is confirmed for grouped routers and small T, where it is not.
 AUTO_BACKEND = {"cpu": "xla", "gpu": "xla", "cuda": "xla", "rocm": "xla", "tpu": "xla"}
 LOGITS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

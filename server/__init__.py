@@ -3,7 +3,9 @@
 One job per module:
 - config (package): the only reader of flags, the TOML file and the environment.
 - process: process-wide settings applied once before JAX (host allocator, native kernel options).
-- model, checkpoint: the layers served (presets, Hugging Face checkpoints).
+- models (package): the model registry (one module per family: config.json -> MoE layers, tensor
+  names), checkpoint formats and dequantisers; model, checkpoint: the layers served (presets,
+  Hugging Face checkpoints); inspect: ``expertd inspect DIR`` (what serve would do, or why not).
 - startup: layers -> placement -> weights -> host_memory -> Engine, and the ModelDescription.
 - placement, weights, host_memory, host_allocator, warmup: the start-up steps, each applied once.
 - engine, steps: compile and run the steps (trusted inputs).

@@ -30,8 +30,8 @@ inline uint32_t FloatBits(float v) {
   return bits;
 }
 
-// vdpbf16ps adds the products of a dword's two bf16 halves to an fp32 lane; on the CPUs measured
-// (AMD Zen 4) it adds the high half's product first, then the low half's, each rounded as an FMA
+// vdpbf16ps adds the products of a dword's two bf16 halves to an fp32 lane; on the CPUs this was
+// checked on it adds the high half's product first, then the low half's, each rounded as an FMA
 // rounds: acc' = fma(lo_x, lo_w, fma(hi_x, hi_w, acc)). The kernels rely on exactly that (weights
 // and x laid out so that the high half holds the earlier k), so it is checked once on this CPU over
 // cases whose two roundings differ from one rounding of the sum (cancellation, a dominant
