@@ -172,8 +172,8 @@ class ServerHandle:
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0)])
-        # Every service registers through this stand-in: metrics and auth wrap each method once.
-        registrar = wrapping(server, self.metrics, config.security.token())
+        # Every service registers through this stand-in: auth, limits and metrics wrap each method once.
+        registrar = wrapping(server, self.metrics, config.security.token(), max_request_bytes=limit)
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
         batcher = Batcher(self._step_runner, model, config.batching, self.metrics, executor)
         servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION)
@@ -198,6 +198,7 @@ class ServerHandle:
         parts = self._parts
         try:
             await parts.batcher.run_on_device(self._warm)
+            await parts.batcher.calibrate()  # step times for admission
         except Exception as exc:  # noqa: BLE001 - the server stays NOT_SERVING; wait_ready raises it
             log.exception("warm-up failed")
             self._failure = exc

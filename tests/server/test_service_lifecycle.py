@@ -76,7 +76,8 @@ def test_full_queue_answers_resource_exhausted_at_once(slow_server):
     answers, refused_after, error = asyncio.run(run())
     assert len(answers) == 4 and all(a.shape == (1, H) for a in answers)
     assert refused_after < QUEUE_DELAY_MS / 1000 / 2  # not queued: refused while the others wait
-    assert "--max-queue-size 4" in error.message and error.retry_delay == pytest.approx(QUEUE_DELAY_MS / 1000)
+    # RetryInfo: when the queued requests will be answered (they wait for the queue delay to pass)
+    assert "--max-queue-size 4" in error.message and 0.5 <= error.retry_delay <= QUEUE_DELAY_MS / 1000
 
 
 def test_client_retries_resource_exhausted_until_served(slow_server):
