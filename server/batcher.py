@@ -19,7 +19,8 @@ nothing here checks them again:
 4. The step's bucket is chosen once and its row ranges (views of the requests' arrays) are copied
    once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
    which the engine runs as one step on the single device-worker thread (``run_in_executor``):
-   the loop never blocks on device work. The step's seconds there feed the step-time estimates.
+   the loop never blocks on device work. Its seconds on that thread feed the step-time estimates
+   (the device's time alone: a busy event loop must not make the device look slower).
    Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
    with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
    re-run one by one, so one bad request never fails the others in its batch.
@@ -347,7 +348,7 @@ class Batcher:
 
     def _step(self, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int):
         """Device-worker thread: the parts padded to ``bucket`` rows, run as one engine step;
-        (result, its seconds, per-row flags of non-finite results or None when all are finite)."""
+        (result, its seconds on the device thread, per-row flags of non-finite results or None)."""
         started = time.perf_counter()
         tokens = steps.pad_rows(parts, bucket)
         if kind == steps.FORWARD:
