@@ -33,6 +33,7 @@ import dataclasses
 import hmac
 import inspect
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -51,6 +52,8 @@ CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
 DEADLINE_TOLERANCE_S = 0.01
 _ENDED = {"DEADLINE_EXCEEDED": "the call's deadline passed", "CANCELLED": "the client cancelled or went away"}
 UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
+Wrap = Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]
+"""A registration wrapper: (method, handler) -> the handler served instead (``WrappingServer``)."""
 _FACTORIES = {
     "unary": grpc.unary_unary_rpc_method_handler,
     "server_stream": grpc.unary_stream_rpc_method_handler,
@@ -308,7 +311,7 @@ class _Router(grpc.GenericRpcHandler):
         return None
 
 
-class WrappingServer:
+class RoutedServer:
     """A grpc.aio server stand-in for ``add_*_to_server``: every method handler registered through
     it (method dicts and generic handlers alike) is served by one ``_Router`` on the real server."""
 
@@ -328,9 +331,53 @@ class WrappingServer:
         return getattr(self._server, name)
 
 
+class WrappingServer:
+    """A stand-in that passes every method handler registered through it through ``wraps`` (each a
+    ``Wrap``, innermost first) before registering it on ``server`` (the real server or another
+    stand-in, such as ``wrapping``'s). A generic handler is wrapped lazily, per method, and cached."""
+
+    def __init__(self, server, wraps: list[Wrap]):
+        self._server = server
+        self._wraps = wraps
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+        if handler is None:
+            return None
+        for wrap in self._wraps:
+            handler = wrap(method, handler)
+        return handler
+
+    def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: self.wrap(f"/{service}/{name}", handler) for name, handler in method_handlers.items()})
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_WrappedGeneric(h, self.wrap) for h in handlers))
+
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
+
+class _WrappedGeneric(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler, wrap: Wrap):
+        self._inner, self._wrap = inner, wrap
+        self._cache: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def service(self, handler_call_details):
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._cache.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._cache[method] = (handler, self._wrap(method, handler))
+        return cached[1]
+
+
 def wrapping(server: grpc.aio.Server, metrics: Metrics, token: str | None, *,
-             max_request_bytes: int | None = None) -> WrappingServer:
-    """The stand-in through which expertd registers every service (see module docstring).
+             max_request_bytes: int | None = None) -> RoutedServer:
+    """The stand-in through which expertd registers every service (see module docstring); further
+    registration wrappers go in front of it (``WrappingServer(wrapping(...), wraps)``).
 
     Args:
       server: the grpc.aio server (its ``grpc.max_receive_message_length`` is the server-wide limit).
@@ -340,4 +387,4 @@ def wrapping(server: grpc.aio.Server, metrics: Metrics, token: str | None, *,
       max_request_bytes: the request limit of ``TENSOR_METHODS`` (None: only the server-wide one).
     """
     quiet_grpc_client_errors()
-    return WrappingServer(server, _Router(metrics, token, max_request_bytes))
+    return RoutedServer(server, _Router(metrics, token, max_request_bytes))

@@ -284,6 +284,8 @@ class ServerConfig:
     native_cpu: NativeCpuConfig = dataclasses.field(default_factory=NativeCpuConfig)
 
     def __post_init__(self):
+        if not 0 <= self.aux_loss_coeff < float("inf"):  # NaN fails every comparison
+            raise ValueError(f"--aux-loss-coeff must be finite and >= 0, got {self.aux_loss_coeff}")
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
