@@ -241,8 +241,9 @@ def test_a_1_token_client_is_not_held_up_by_an_8192_token_client(server):
     assert len(alone) >= 20 and len(near) >= 20 and big
     p50_alone, p50_near = np.percentile(alone, 50), np.percentile(near, 50)
     print(dict(p50_alone=p50_alone, p50_near=p50_near, step=step, big_p50=np.percentile(big, 50)))
-    # at most the running step and the one it joins, beside the big requests' rows (plus slack for the box)
-    assert p50_near <= p50_alone + 4 * step, (p50_alone, p50_near, step)
+    # the running step and the one it joins (the exact bound: the fixed-time test above), with slack for a
+    # shared CI box and the event loop's own work on the big requests: a few steps, not a big request's 32
+    assert p50_near <= p50_alone + 6 * step, (p50_alone, p50_near, step)
     assert p50_near < np.percentile(big, 50) / 4  # never behind a whole 8192-token request (32 steps)
 
 

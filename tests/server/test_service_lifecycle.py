@@ -122,7 +122,7 @@ def test_a_split_request_past_its_deadline_is_dropped_once_and_ends_deadline_exc
     x = np.random.default_rng(1).standard_normal((21, H)).astype(np.float32)  # 8 + 8 run, 5 wait for company
     with ExpertClient(f"127.0.0.1:{slow_server.port}", retries=0) as client:
         with pytest.raises(DeadlineExceededError):
-            client.forward(x, layer=0, timeout=0.3)
+            client.forward(x, layer=0, timeout=0.6)  # well before the 1 s wait for company, after the 16 rows
     wait_until(lambda: slow_server.batcher.pending == 0)
     after = scrape(slow_server.metrics_port)
     labels = dict(grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Forward")
