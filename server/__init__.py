@@ -10,7 +10,8 @@ One job per module:
 - placement, weights, host_memory, host_allocator, warmup: the start-up steps, each applied once.
 - engine, steps: compile and run the steps (trusted inputs).
 - description, requests: what the front ends see; requests decoded, validated and cast once.
-- batcher, expert_load: requests merged into engine steps; per-expert load.
+- batcher, queues, admission, expert_load: requests admitted by cost and deadline, queued fairly and
+  merged into engine steps; per-expert load.
 - servicer (expertd.v1), kserve (KServe v2): the front ends, over the batcher and the description.
 - errors: every failure and its gRPC status. metrics, statistics, interceptors: one observation per event.
 - app: assembly and lifecycle; metrics_http: the /metrics endpoint; drain: what a drain ends (health

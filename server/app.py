@@ -199,10 +199,11 @@ class ServerHandle:
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0)])
-        # Every service registers through this stand-in: metrics and auth wrap each method once,
+        # Every service registers through this stand-in: auth, limits and metrics wrap each method once,
         # and request streams read through inputs the drain can close.
         streams = StreamInputs()
-        registrar = WrappingServer(wrapping(server, self.metrics, credentials.token), [streams.wrap])
+        registrar = WrappingServer(wrapping(server, self.metrics, credentials.token, max_request_bytes=limit),
+                                   [streams.wrap])
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
         batcher = Batcher(self._step_runner, model, config.batching, self.metrics, executor)
         servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION)
@@ -238,6 +239,7 @@ class ServerHandle:
         parts = self._parts
         try:
             await parts.batcher.run_on_device(self._warm)
+            await parts.batcher.calibrate()  # step times for admission
         except Exception as exc:  # noqa: BLE001 - the server stays NOT_SERVING; wait_ready raises it
             log.exception("warm-up failed")
             self._failure = exc

@@ -1,38 +1,43 @@
-"""The batcher: merges concurrent requests for one layer into engine steps, off the asyncio loop.
+"""The batcher: admits requests, merges concurrent requests for one layer into engine steps, off the asyncio loop.
 
-How a request flows (T tokens, H hidden, E experts, k top-k); requests arrive decoded, validated
-and in the engine dtype (``expertd.server.requests``), and nothing here checks them again:
+How a request flows (T tokens, H hidden, E experts, k top-k, M rows per step = max_batch_tokens);
+requests arrive decoded, validated and in the engine dtype (``expertd.server.requests``), and
+nothing here checks them again:
 
-1. ``forward`` / ``route`` check capacity (``Overloaded`` past ``max_queue_size`` accepted
-   requests; ``NotReady`` while warming up or draining), split the tokens into parts of at most
-   ``max_batch_tokens`` rows (views, no copies; requests bigger than the largest bucket are
-   served, not refused) and queue the parts on the queue of their (layer, step kind).
-2. One scheduler task per queue waits (``_gather``) until the queued rows fill a bucket exactly
-   or ``max_batch_tokens``, or ``max_queue_delay`` has passed since the first part arrived or the
-   previous step ended, then takes parts in arrival order up to ``max_batch_tokens`` rows. Parts
-   whose request was cancelled or whose deadline passed are dropped here, before compute.
-3. The step's bucket is chosen once, and the parts are copied once into one buffer of that many
-   rows (``steps.pad_rows``; no copy when one part fills it), which the engine runs as one step on
-   the single device-worker thread (``run_in_executor``): the loop never blocks on device work.
-4. Results are cut back per part (views); each request's output is cast once to its caller's dtype
-   (``requests.cast``) and answered as the client's own result types (``ForwardResult``,
-   ``RouteResult`` of ``expertd.client.messages``) with its ``Timing``. If a merged step fails,
-   its parts are re-run one by one, so one bad request never fails the others in its batch.
-5. Per-expert token counts feed the load tracker (GetExpertLoad) and the metrics. Each request's
-   ``Timing`` has its ``compute_seconds`` (the engine steps that computed its parts) and
-   ``queue_seconds`` (the rest of its time until its last step ended); the latter is observed in
-   ``expertd_queue_duration_seconds`` once per request, the steps in the compute histogram.
+1. ``admit`` (from the request's header, before its tensor is decoded): ``NotReady`` while warming
+   up or draining, else ``expertd.server.admission`` decides from the queued work and the measured
+   step times (``Overloaded``: RESOURCE_EXHAUSTED with a RetryInfo delay). The ``Ticket`` it gives
+   counts the request's tokens as queued from that moment until ``forward`` / ``route`` queue the
+   decoded request or the ticket is released.
+2. A request joins the queue of its (layer, step kind) (``expertd.server.queues``). A timer drops
+   it at its deadline, a cancelled call at once; each dropped request is counted once.
+3. One scheduler task per queue waits (``_gather``) until the queued rows fill a bucket exactly or
+   M, or ``max_queue_delay`` has passed since the oldest request arrived or the previous step
+   ended, then takes one step's rows (``Queues.take``: small requests first, big ones split
+   across steps; a small request never waits behind more than the running step and one step
+   holding big requests' rows).
+4. The step's bucket is chosen once and its row ranges (views of the requests' arrays) are copied
+   once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
+   which the engine runs as one step on the single device-worker thread (``run_in_executor``):
+   the loop never blocks on device work. Its seconds on that thread feed the step-time estimates
+   (the device's time alone: a busy event loop must not make the device look slower).
+   Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
+   with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
+   re-run one by one, so one bad request never fails the others in its batch.
+5. Results are cut back per request (views); each request's output is cast once to its caller's
+   dtype (``requests.cast``) and answered as the client's own result types (``ForwardResult``,
+   ``RouteResult``) with its ``Timing``: ``compute_seconds`` (the steps that computed its rows) and
+   ``queue_seconds`` (the rest of its time until its last step ended), the latter observed in
+   ``expertd_queue_duration_seconds`` once per request.
+6. Per-expert token counts feed the load tracker (GetExpertLoad) and the metrics.
 
-Route requests are merged the same way. The aux loss is a statistic of a request's own tokens,
-so the step returns per-token routing ids and dense aux scores ``[T, E]``; each request's
-tokens per expert and score sums come from its own rows (summed over its parts when it was
-split), and its loss is computed from them on the host (``steps.aux_loss_of``): exact for merged
-and split requests alike.
+Route requests are merged the same way. The aux loss is a statistic of a request's own tokens:
+each request's tokens per expert and score sums come from its own rows (summed over its steps
+when it was split), and its loss is computed from them on the host (``steps.aux_loss_of``).
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -41,38 +46,26 @@ import numpy as np
 
 from expertd.client.messages import ForwardResult, RouteResult, Routing
 from expertd.server import requests, steps
+from expertd.server.admission import Admission, Limits, StepTimes
 from expertd.server.config import BatchingConfig
 from expertd.server.description import ModelDescription
-from expertd.server.errors import DeadlineExpired, NotReady, Overloaded
+from expertd.server.errors import DeadlineExpired, InvalidRequest, NotReady, Overloaded
 from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.metrics import Metrics
-from expertd.server.requests import ForwardRequest, RouteRequest
+from expertd.server.queues import Batch, LayerQueue, QueuedRequest, Queues, Ticket
+from expertd.server.requests import ForwardRequest, Header, RouteRequest
+
+DEADLINE_TOLERANCE_S = 0.01  # a call cancelled this close to its deadline ended by its deadline
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """One request's seconds in the batcher: waiting (for its batch to form and for earlier steps)
-    and in the engine steps that computed its parts."""
+    and in the engine steps that computed its rows."""
 
     queue_seconds: float
     compute_seconds: float
-
-
-@dataclasses.dataclass
-class _Request:
-    """One accepted call: its deadline (monotonic seconds or None) and arrival time."""
-
-    deadline: float | None
-    arrived: float
-
-
-@dataclasses.dataclass
-class _Part:
-    """Up to max_batch_tokens rows of one request, with the future its result goes to."""
-
-    request: _Request
-    tokens: np.ndarray          # [n, H] (engine dtype) or [n, E] fp32 logits
-    future: asyncio.Future
 
 
 class Batcher:
@@ -82,8 +75,8 @@ class Batcher:
       engine: runs the steps (``expertd.server.engine.Engine``, or the multi-host leader's wrapper);
         called only from the device-worker thread.
       model: the served layers and buckets.
-      config: batching limits.
-      metrics: where batches, queue times and routing are recorded.
+      config: batching and admission limits.
+      metrics: where batches, queue times, drops, refusals and routing are recorded.
       executor: the single device-worker thread (created here when not given).
     """
 
@@ -97,41 +90,82 @@ class Batcher:
         self.max_part_tokens = model.max_batch_tokens
         self.loads = ExpertLoadTracker({i: cfg.num_experts for i, cfg in model.layers.items()},
                                        config.expert_load_window_s)
+        self.times = StepTimes()
+        self.admission = Admission(Limits(config.max_queue_size, config.queue_tokens, config.max_queue_wait_ms / 1e3,
+                                          self.max_part_tokens), self.times, model.bucket_for)
+        self.queues = Queues(self.max_part_tokens, self._expire)
         self.accepting = False
         self.draining = False
         self._buckets = frozenset(model.buckets)
         self._pending = 0
+        self._in_flight: dict[int, tuple] = {}  # steps handed to the device thread: (step key, bucket, since)
+        self._steps = 0
         self._idle = asyncio.Event()
         self._idle.set()
         metrics.track_pending(lambda: self._pending)
-        self._queues: dict[tuple[int, str], collections.deque[_Part]] = {}
-        self._wakeups: dict[tuple[int, str], asyncio.Event] = {}
-        self._schedulers: dict[tuple[int, str], asyncio.Task] = {}
+        metrics.track_queue(lambda: self.queues.queued_tokens, self.backlog_seconds)
 
     # -- public API (called from servicers on the event loop) -----------------------------------
-    async def forward(self, request: ForwardRequest) -> tuple[ForwardResult, Timing]:
-        """The layer output for ``request.tokens [T, H]`` (any T >= 1) in the caller's dtype, with the routing."""
-        parts, timing = await self._submit(request.layer, steps.FORWARD, request.tokens, request.deadline)
+    def admit(self, header: Header, deadline: float | None) -> Ticket:
+        """A place for a request of ``header.tokens`` rows, or ``NotReady`` / ``Overloaded`` at once."""
+        if not self.accepting:
+            raise NotReady("draining: not accepting new requests" if self.draining else "warming up: the model is "
+                           "still compiling; retry when health reports SERVING")
+        queue = self._queue(header.layer, header.kind)
+        now = time.monotonic()
+        try:
+            self.admission.check(queue, header.tokens, None if deadline is None else deadline - now,
+                                 queues=self.queues.values(), running_s=self._running_seconds(now),
+                                 pending=self._pending, queued_tokens=self.queues.queued_tokens, now=now)
+        except Overloaded as exc:
+            self.metrics.observe_rejected(exc.reason)
+            raise
+        small = self.admission.is_small(header.tokens)
+        self.queues.reserve(queue, header.tokens, small)
+        self._pending += 1
+        self._idle.clear()
+        return Ticket(self.queues, queue, header.tokens, small, self._done_one)
+
+    async def forward(self, request: ForwardRequest, ticket: Ticket | None = None) -> tuple[ForwardResult, Timing]:
+        """The layer output for ``request.tokens [T, H]`` in the caller's dtype, with the routing.
+        Without a ``ticket`` the request is admitted here (``admit``)."""
+        parts, timing = await self._submit(request.layer, steps.FORWARD, request.tokens, request.deadline,
+                                           request.field, ticket)
         output, ids, weights = parts[0] if len(parts) == 1 else (np.concatenate(p) for p in zip(*parts))
         counts = _counts(ids, self.model.layers[request.layer].num_experts)
         return ForwardResult(requests.cast(output, request.out_dtype), Routing(ids, weights, counts)), timing
 
-    async def route(self, request: RouteRequest) -> tuple[RouteResult, Timing]:
+    async def route(self, request: RouteRequest, ticket: Ticket | None = None) -> tuple[RouteResult, Timing]:
         """Top-k routing of hidden states ``[T, H]`` or logits ``[T, E]``; aux loss times the request's coefficient."""
         kind = steps.ROUTE_LOGITS if request.from_logits else steps.ROUTE_HIDDEN
-        parts, timing = await self._submit(request.layer, kind, request.tokens, request.deadline)
+        parts, timing = await self._submit(request.layer, kind, request.tokens, request.deadline, request.field,
+                                           ticket)
         ids = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
         weights = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
         cfg = self.model.layers[request.layer]
         counts = _counts(ids, cfg.num_experts)
         score_sums = sum(p[2] for p in parts)
         aux_loss = steps.aux_loss_of(score_sums, counts, len(ids), cfg.topk, request.aux_loss_coeff)
+        if not abs(aux_loss) <= FLOAT32_MAX:  # the answer's aux_loss is a float32
+            raise InvalidRequest("aux_loss_coeff", f"the aux loss with coefficient {request.aux_loss_coeff:g} "
+                                                   f"overflows float32; use a smaller coefficient")
         return RouteResult(ids, weights, counts, aux_loss), timing
 
     @property
     def pending(self) -> int:
-        """Accepted requests not answered yet (queued or computing)."""
+        """Admitted requests not answered yet (decoding, queued or computing)."""
         return self._pending
+
+    def backlog_seconds(self) -> float:
+        """Expected seconds until the admitted work is done (the running step's rest included).
+        Also read by the metrics scrape thread: a read that races the loop is retried."""
+        for _ in range(3):
+            try:
+                now = time.monotonic()
+                return self.admission.backlog(self.queues.values(), self._running_seconds(now), now)
+            except RuntimeError:  # a dict changed size while this thread read it
+                continue
+        return 0.0
 
     def start(self) -> None:
         """Accept requests (after warm-up)."""
@@ -143,150 +177,205 @@ class Batcher:
         await self._idle.wait()
 
     async def close(self) -> None:
-        for task in self._schedulers.values():
+        tasks = [q.task for q in self.queues.values() if q.task is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._schedulers.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.executor.shutdown(wait=True)
 
     async def run_on_device(self, fn, *args):
         """Run ``fn(*args)`` on the device-worker thread (warm-up, engine steps)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    # -- queueing -------------------------------------------------------------------------------
-    async def _submit(self, layer: int, kind: str, tokens: np.ndarray, deadline: float | None) -> tuple[list, Timing]:
-        """Queue ``tokens`` in parts; (each part's result in order, the request's Timing)."""
-        if not self.accepting:
-            raise NotReady("draining: not accepting new requests" if self.draining else "warming up: the model is "
-                           "still compiling; retry when health reports SERVING")
-        if self._pending >= self.config.max_queue_size:
-            raise Overloaded(f"overloaded: {self._pending} requests queued (--max-queue-size "
-                             f"{self.config.max_queue_size}); retry later",
-                             retry_after=max(self.config.max_queue_delay_ms / 1000.0, 0.01))
-        loop = asyncio.get_running_loop()
-        request = _Request(deadline=deadline, arrived=time.monotonic())
-        key = (layer, kind)
-        queue = self._queues.get(key)
-        if queue is None:
-            queue = self._queues[key] = collections.deque()
-            self._wakeups[key] = asyncio.Event()
-            self._schedulers[key] = asyncio.ensure_future(self._schedule(key))
-        futures = []
-        for start in range(0, len(tokens), self.max_part_tokens):
-            future = loop.create_future()
-            queue.append(_Part(request, tokens[start:start + self.max_part_tokens], future))
-            futures.append(future)
-        self._wakeups[key].set()
-        self._pending += 1
-        self._idle.clear()
-        try:
-            # each part's future gives (its result, its step's seconds, its step's end)
-            done = [await futures[0]] if len(futures) == 1 else await asyncio.gather(*futures)
-            compute = sum(seconds for _, seconds, _ in done)
-            queued = max(max(end for _, _, end in done) - request.arrived - compute, 0.0)
-            self.metrics.observe_queue("forward" if kind == steps.FORWARD else "route", queued)
-            return [result for result, _, _ in done], Timing(queued, compute)
-        finally:
-            self._pending -= 1
-            if self._pending == 0:
-                self._idle.set()
+    async def calibrate(self) -> None:
+        """Seed the step-time estimates: each (layer config, step kind, bucket) step run on random
+        tokens, the second run measured (device thread). After warm-up, before ``start``."""
+        await self.run_on_device(self._calibrate)
 
-    async def _schedule(self, key: tuple[int, str]) -> None:
-        queue, wakeup = self._queues[key], self._wakeups[key]
+    # -- queueing -------------------------------------------------------------------------------
+    def _queue(self, layer: int, kind: str) -> LayerQueue:
+        queue = self.queues.get(layer, kind)
+        if queue is None:
+            queue = self.queues.add(LayerQueue(layer, kind, (self.model.layers[layer], kind)))
+            queue.task = asyncio.ensure_future(self._schedule(queue))
+        return queue
+
+    async def _submit(self, layer: int, kind: str, tokens: np.ndarray, deadline: float | None, field: str,
+                      ticket: Ticket | None) -> tuple[list, Timing]:
+        """Queue ``tokens``; (each step's result for its rows, in row order; the request's Timing)."""
+        if ticket is None:
+            ticket = self.admit(Header(layer, kind, len(tokens)), deadline)
+        queue = ticket.queue
+        if (queue.layer, queue.kind, ticket.tokens) != (layer, kind, len(tokens)) or not ticket.open:
+            ticket.release()
+            raise ValueError("the ticket was admitted for another request")
+        ticket.open = False
+        loop = asyncio.get_running_loop()
+        request = QueuedRequest(queue, tokens, field, deadline, time.monotonic(), loop.create_future(), ticket.small)
+        self.queues.enqueue(request)
+        if deadline is not None:
+            request.timer = loop.call_at(deadline, self._expire, request)
+        try:
+            pieces = await request.future
+            queued = max(request.last_end - request.arrived - request.compute_seconds, 0.0)
+            self.metrics.observe_queue("forward" if kind == steps.FORWARD else "route", queued)
+            return pieces, Timing(queued, request.compute_seconds)
+        finally:
+            if not request.ended:  # the call went away (cancelled, or gRPC ended it at its deadline)
+                late = deadline is not None and time.monotonic() >= deadline - DEADLINE_TOLERANCE_S
+                self.metrics.observe_dropped("deadline" if late else "cancelled")
+                self.queues.end(request)
+            self._done_one()
+
+    def _done_one(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self._idle.set()
+
+    def _fail(self, request: QueuedRequest, exc: BaseException) -> None:
+        self.queues.end(request)
+        if not request.future.done():
+            request.future.set_exception(exc)
+
+    def _expire(self, request: QueuedRequest) -> None:
+        """Its deadline passed before its last rows were computed: dropped, counted once."""
+        if not request.ended:
+            self.metrics.observe_dropped("deadline")
+            self._fail(request, DeadlineExpired("deadline passed while queued; dropped before compute"))
+
+    async def _schedule(self, queue: LayerQueue) -> None:
         last_step_end = 0.0
         while True:
-            while not queue:
-                wakeup.clear()
-                await wakeup.wait()
-            await self._gather(queue, wakeup, last_step_end)
-            batch = self._take(queue)
+            while queue.queued <= 0:
+                queue.wakeup.clear()
+                await queue.wakeup.wait()
+            await self._gather(queue, last_step_end)
+            batch = self.queues.take(queue, time.monotonic())
             if batch:
-                await self._execute(key, batch)
+                await self._execute(queue, batch)
                 last_step_end = time.monotonic()
+            else:  # only cancelled requests were left: let their callers account for them
+                await asyncio.sleep(0)
 
-    async def _gather(self, queue: collections.deque[_Part], wakeup: asyncio.Event, last_step_end: float) -> None:
-        """Wait, at most the queue delay, for more requests to join the batch at the queue's head.
+    async def _gather(self, queue: LayerQueue, last_step_end: float) -> None:
+        """Wait, at most the queue delay, for more requests to join the next step.
 
-        No wait when the queued rows fill a bucket exactly (nothing to gain) or the largest batch.
-        The delay counts from the first request's arrival or the end of the previous step,
-        whichever is later, so callers just answered by that step can come back and fill the
-        padding of the next one (closed-loop clients otherwise settle into half-full batches).
+        No wait when the queued rows fill a bucket exactly (nothing to gain) or M. The delay counts
+        from the oldest request's arrival or the end of the previous step, whichever is later, so
+        callers just answered by that step can come back and fill the padding of the next one
+        (closed-loop clients otherwise settle into half-full batches).
         """
         delay = self.config.max_queue_delay_ms / 1000.0
         while not self.draining:
-            rows = sum(len(p.tokens) for p in queue)
+            rows = queue.queued
             if rows >= self.max_part_tokens or rows in self._buckets:
                 return
-            remaining = max(queue[0].request.arrived, last_step_end) + delay - time.monotonic()
+            now = time.monotonic()
+            oldest = self.queues.oldest_arrival(queue, now)
+            if oldest is None:
+                return
+            remaining = max(oldest, last_step_end) + delay - now
             if remaining <= 0:
                 return
-            wakeup.clear()
+            queue.wakeup.clear()
+            queue.gather_until = now + remaining
             try:
-                await asyncio.wait_for(wakeup.wait(), remaining)
+                await asyncio.wait_for(queue.wakeup.wait(), remaining)
             except TimeoutError:
                 return
+            finally:
+                queue.gather_until = 0.0
 
-    def _take(self, queue: collections.deque[_Part]) -> list[_Part]:
-        """Live parts in arrival order up to max_part_tokens rows; dead ones are dropped on the way."""
-        batch: list[_Part] = []
-        rows = 0
-        now = time.monotonic()
-        while queue:
-            part = queue[0]
-            expired = part.request.deadline is not None and part.request.deadline <= now
-            if part.future.done():  # the caller went away (cancelled, or gRPC ended it at its deadline)
-                queue.popleft()
-                self.metrics.observe_dropped("deadline" if expired else "cancelled")
-                continue
-            if expired:
-                queue.popleft()
-                self.metrics.observe_dropped("deadline")
-                part.future.set_exception(DeadlineExpired("deadline passed while queued; dropped before compute"))
-                continue
-            if batch and rows + len(part.tokens) > self.max_part_tokens:
-                break
-            queue.popleft()
-            batch.append(part)
-            rows += len(part.tokens)
-        return batch
+    def _running_seconds(self, now: float) -> float:
+        """Expected seconds left of the steps handed to the device thread (one runs, the others wait)."""
+        if not self._in_flight:
+            return 0.0
+        estimates = [(since, self.times.estimate(key, bucket)) for key, bucket, since in list(self._in_flight.values())]
+        since, first = min(estimates)
+        return max(sum(seconds for _, seconds in estimates) - min(now - since, first), 0.0)
 
     # -- execution ------------------------------------------------------------------------------
-    async def _execute(self, key: tuple[int, str], batch: list[_Part]) -> None:
-        layer, kind = key
-        rows = sum(len(p.tokens) for p in batch)
+    async def _execute(self, queue: LayerQueue, batch: Batch) -> None:
+        rows = sum(stop - start for _, start, stop in batch)
         bucket = self.model.bucket_for(rows)
-        started = time.monotonic()
+        self._steps += 1
+        step = self._steps
+        self._in_flight[step] = (queue.step_key, bucket, time.monotonic())
         try:
-            result = await self.run_on_device(self._step, layer, kind, [p.tokens for p in batch], bucket, rows)
+            result, seconds, bad_rows = await self.run_on_device(
+                self._step, queue.layer, queue.kind, [r.tokens[start:stop] for r, start, stop in batch], bucket, rows)
         except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
+            self._in_flight.pop(step, None)
             if len(batch) > 1:
-                for part in batch:  # isolate the failing request; the others still get answers
-                    await self._execute(key, [part])
-            elif not batch[0].future.done():
-                batch[0].future.set_exception(exc)
-            return
-        ended = time.monotonic()
-        seconds = ended - started
-        self._record(layer, kind, rows, bucket, len(batch), seconds, result)
-        offset = 0
-        for part in batch:
-            span = slice(offset, offset + len(part.tokens))
-            offset += len(part.tokens)
-            if part.future.done():
-                continue
-            if kind == steps.FORWARD:
-                part.future.set_result(((result.output[span], result.topk_ids[span], result.topk_weights[span]),
-                                        seconds, ended))
+                for entry in batch:  # isolate the failing request; the others still get answers
+                    await self._execute(queue, [entry])
             else:
-                # the part's own score sums [E], in fp64: the request's aux loss is computed from them
-                part.future.set_result(((result.topk_ids[span], result.topk_weights[span],
-                                         result.aux_scores[span].sum(axis=0, dtype=np.float64)), seconds, ended))
+                self._fail(batch[0][0], exc)
+            return
+        finally:
+            self._in_flight.pop(step, None)
+        ended = time.monotonic()
+        self.times.observe(queue.step_key, bucket, seconds)
+        self._record(queue.layer, queue.kind, rows, bucket, len(batch), seconds, result)
+        offset = 0
+        for request, start, stop in batch:
+            span = slice(offset, offset + stop - start)
+            offset = span.stop
+            if request.ended or request.future.done():
+                continue
+            if bad_rows is not None and bad_rows[span].any():
+                token = start + int(np.argmax(bad_rows[span]))
+                self._fail(request, InvalidRequest(request.field, f"the layer's result is not finite at token {token}: "
+                                                   "the input's magnitude overflows the layer's arithmetic"))
+                continue
+            self._deliver(request, start, stop, queue.kind, result, span, seconds, ended)
+
+    def _deliver(self, request: QueuedRequest, start: int, stop: int, kind: str, result, span: slice, seconds: float,
+                 ended: float) -> None:
+        """Rows ``start:stop`` of ``request`` computed (rows ``span`` of the step's result)."""
+        if kind == steps.FORWARD:
+            piece = (result.output[span], result.topk_ids[span], result.topk_weights[span])
+        else:  # the range's own score sums [E], in fp64: the request's aux loss is computed from them
+            piece = (result.topk_ids[span], result.topk_weights[span],
+                     result.aux_scores[span].sum(axis=0, dtype=np.float64))
+        request.pieces.append((start, piece))
+        request.computed += stop - start
+        request.compute_seconds += seconds
+        request.last_end = ended
+        if request.computed == len(request.tokens):
+            self.queues.end(request)
+            request.future.set_result([piece for _, piece in sorted(request.pieces, key=lambda p: p[0])])
 
     def _step(self, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int):
-        """Device-worker thread: the parts padded to ``bucket`` rows, run as one engine step."""
+        """Device-worker thread: the parts padded to ``bucket`` rows, run as one engine step;
+        (result, its seconds on the device thread, per-row flags of non-finite results or None)."""
+        started = time.perf_counter()
         tokens = steps.pad_rows(parts, bucket)
         if kind == steps.FORWARD:
-            return self.engine.forward(layer, tokens, rows)
-        return self.engine.route(layer, tokens, rows, from_logits=kind == steps.ROUTE_LOGITS)
+            result = self.engine.forward(layer, tokens, rows)
+            checked = (result.output, result.topk_weights)
+        else:
+            result = self.engine.route(layer, tokens, rows, from_logits=kind == steps.ROUTE_LOGITS)
+            checked = (result.topk_weights, result.aux_scores)
+        seconds = time.perf_counter() - started
+        if all(np.isfinite(array).all() for array in checked):
+            return result, seconds, None
+        return result, seconds, np.logical_or.reduce([~np.isfinite(array).all(axis=1) for array in checked])
+
+    def _calibrate(self) -> None:
+        rng, seen = np.random.default_rng(0), set()
+        largest = self.model.bucket_for(self.max_part_tokens)
+        for layer, cfg in self.model.layers.items():
+            if cfg in seen:
+                continue
+            seen.add(cfg)
+            for kind in steps.STEP_KINDS:
+                logits = kind == steps.ROUTE_LOGITS
+                width, dtype = (cfg.num_experts, np.float32) if logits else (cfg.hidden_size, self.model.dtype)
+                for bucket in (b for b in self.model.buckets if b <= largest):
+                    tokens = requests.cast(rng.standard_normal((bucket, width), np.float32), dtype)
+                    self._step(layer, kind, [tokens], bucket, bucket)
+                    self.times.seed((cfg, kind), bucket, self._step(layer, kind, [tokens], bucket, bucket)[1])
 
     def _record(self, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float, result) -> None:
         metric_kind = "forward" if kind == steps.FORWARD else "route"

@@ -1,4 +1,5 @@
-"""Every failure the service distinguishes, and the one mapping from failures to gRPC status.
+"""Every failure the service distinguishes, the one mapping from failures to gRPC status, and how
+failures are logged.
 
 | failure | status | details |
 |---|---|---|
@@ -12,11 +13,23 @@
 
 ``status_of(exc)`` is the mapping, ``abort`` ends a call with it and ``run_unary`` runs a unary
 handler's work under it; both front ends (expertd.v1 and KServe) use them.
+
+Rules for messages and logs:
+- A status message is at most ``MAX_MESSAGE_CHARS`` characters, and every value a message quotes
+  from a request goes through ``shown`` (at most ``MAX_SHOWN_CHARS``): a request cannot make the
+  server write (or send back) more than a bounded amount of text.
+- Failures the client caused (bad input, unknown layer, overload, deadlines, cancellations, auth,
+  undecodable or oversize messages) never log a traceback: ``client_errors`` writes one line per
+  status code at most ``CLIENT_LOG_BURST`` times a minute and says how many it suppressed.
+  Failures of the server itself (INTERNAL) log their traceback every time.
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
+import time
+from collections.abc import Callable
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -27,11 +40,38 @@ log = logging.getLogger(__name__)
 
 Status = tuple[grpc.StatusCode, str, list]
 
+MAX_MESSAGE_CHARS = 1024
+MAX_SHOWN_CHARS = 80
+CLIENT_LOG_BURST = 5
+CLIENT_LOG_WINDOW_S = 60.0
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to at most ``limit`` characters (the cut says how long it was)."""
+    if len(text) <= limit:
+        return text
+    tail = f"... ({len(text)} chars)"
+    return text[:max(limit - len(tail), 0)] + tail
+
+
+def shown(value, limit: int = MAX_SHOWN_CHARS) -> str:
+    """A request's value quoted in a message: its repr, at most ``limit`` characters."""
+    return bounded(repr(value), limit)
+
+
+def shown_shape(shape) -> str:
+    """A shape quoted in a message: its first dimensions only when it has many (``len`` is O(1))."""
+    count = len(shape)
+    if count <= 4:
+        return str([int(d) for d in shape])
+    return f"[{', '.join(str(int(shape[i])) for i in range(3))}, ...] ({count} dimensions)"
+
 
 class InvalidRequest(ValueError):
     """The request is malformed; ``field`` names the offending field (``hidden_states.shape``)."""
 
     def __init__(self, field: str, description: str):
+        field, description = bounded(field, MAX_SHOWN_CHARS * 2), bounded(description)
         super().__init__(f"{field}: {description}")
         self.field = field
         self.description = description
@@ -42,11 +82,13 @@ class UnknownLayerError(LookupError):
 
 
 class Overloaded(Exception):
-    """The batcher's queue is full; the caller should retry after ``retry_after`` seconds."""
+    """Admission refused the request (see ``expertd.server.admission``); the caller should retry
+    after ``retry_after`` seconds. ``reason`` names the bound that refused it (a metric label)."""
 
-    def __init__(self, message: str, retry_after: float):
+    def __init__(self, message: str, retry_after: float, reason: str = "queue_size"):
         super().__init__(message)
         self.retry_after = retry_after
+        self.reason = reason
 
 
 class NotReady(Exception):
@@ -60,20 +102,22 @@ class DeadlineExpired(Exception):
 def status_of(exc: BaseException) -> Status:
     """(code, message, rich details) for a failure; unexpected ones are logged with their traceback."""
     if isinstance(exc, ValueError) and getattr(exc, "field", None):
-        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), [error_details_pb2.BadRequest(field_violations=[violation])]
+        field, description = bounded(exc.field, MAX_SHOWN_CHARS * 2), bounded(exc.description)
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+        return (grpc.StatusCode.INVALID_ARGUMENT, bounded(f"{field}: {description}"),
+                [error_details_pb2.BadRequest(field_violations=[violation])])
     if isinstance(exc, LookupError):
-        return grpc.StatusCode.NOT_FOUND, str(exc).strip("'\""), []
+        return grpc.StatusCode.NOT_FOUND, bounded(str(exc).strip("'\"")), []
     if isinstance(exc, Overloaded):
         delay = duration_pb2.Duration()
         delay.FromTimedelta(datetime.timedelta(seconds=exc.retry_after))
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), [error_details_pb2.RetryInfo(retry_delay=delay)]
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, bounded(str(exc)), [error_details_pb2.RetryInfo(retry_delay=delay)]
     if isinstance(exc, NotReady):
-        return grpc.StatusCode.UNAVAILABLE, str(exc), []
+        return grpc.StatusCode.UNAVAILABLE, bounded(str(exc)), []
     if isinstance(exc, DeadlineExpired):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), []
+        return grpc.StatusCode.DEADLINE_EXCEEDED, bounded(str(exc)), []
     if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), []
+        return grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)), []
     log.error("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); details are in the server log", []
 
@@ -92,10 +136,66 @@ async def abort(context: grpc.aio.ServicerContext, status: Status) -> None:
 async def run_unary(context: grpc.aio.ServicerContext, work):
     """Await ``work`` (a unary handler's coroutine); a failure ends the call with its status.
 
-    Counting and timing the call is the ``grpc_server_*`` wrapper's job
+    Counting, timing and logging the call is the ``grpc_server_*`` wrapper's job
     (``expertd.server.interceptors``), not this one's.
     """
     try:
         return await work
     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
         await abort(context, status_of(exc))
+
+
+# ---------------------------------------------------------------------- logging client errors
+
+class RateLimitedLog:
+    """At most ``burst`` lines per kind in every ``window_s`` seconds; the first line after some
+    were suppressed says how many. Thread-safe (gRPC's own log records come from its threads)."""
+
+    def __init__(self, logger: logging.Logger, *, burst: int = CLIENT_LOG_BURST, window_s: float = CLIENT_LOG_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._logger, self._burst, self._window_s, self._clock = logger, burst, window_s, clock
+        self._lock = threading.Lock()
+        self._kinds: dict[str, list] = {}  # kind -> [window start, lines written in it, suppressed]
+
+    def note(self, kind: str, message: str, level: int = logging.INFO) -> bool:
+        """Log ``kind: message`` unless the kind's budget is spent; True when it was written."""
+        now = self._clock()
+        with self._lock:
+            state = self._kinds.setdefault(kind, [now, 0, 0])
+            if now - state[0] >= self._window_s:
+                state[0], state[1] = now, 0
+            if state[1] >= self._burst:
+                state[2] += 1
+                return False
+            state[1] += 1
+            suppressed, state[2] = state[2], 0
+        extra = f" ({suppressed} more {kind} suppressed before this one)" if suppressed else ""
+        self._logger.log(level, "%s: %s%s", kind, bounded(message), extra)
+        return True
+
+
+client_errors = RateLimitedLog(logging.getLogger("expertd.server.client_errors"))
+"""The one log of client-caused failures (see the module docstring)."""
+
+
+class _ClientGoneFilter(logging.Filter):
+    """gRPC logs a traceback when it cannot send an answer because the client already went away
+    (cancelled, or its deadline passed, while the answer was on its way): a client-caused event,
+    so it becomes one rate-limited line instead. Every other gRPC record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("ExecuteBatchError raised in core"):
+            client_errors.note("CANCELLED", "the client went away while its answer was being sent")
+            return False
+        return True
+
+
+_grpc_filter_installed = False
+
+
+def quiet_grpc_client_errors() -> None:
+    """Install the filter above on gRPC's server logger (once per process)."""
+    global _grpc_filter_installed
+    if not _grpc_filter_installed:
+        logging.getLogger("grpc._cython.cygrpc").addFilter(_ClientGoneFilter())
+        _grpc_filter_installed = True

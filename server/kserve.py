@@ -159,9 +159,11 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
         try:
             remaining = context.time_remaining()
             call_deadline = None if remaining is None else time.monotonic() + remaining
-            forward, wanted = requests.decode_model_infer(request, self.model, index, call_deadline)
-            decoded = time.perf_counter()
-            result, timing = await self.batcher.forward(forward)
+            header = requests.model_infer_header(request, self.model, index)
+            with self.batcher.admit(header, requests.infer_deadline(request, call_deadline)) as ticket:
+                forward, wanted = requests.decode_model_infer(request, self.model, index, call_deadline)
+                decoded = time.perf_counter()
+                result, timing = await self.batcher.forward(forward, ticket)
             in_batcher = time.perf_counter()
             response = service_pb2.ModelInferResponse(model_name=model_name(index), model_version=MODEL_VERSION,
                                                       id=request.id)

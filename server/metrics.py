@@ -4,7 +4,7 @@ Names follow Prometheus conventions: the ``expertd_`` prefix, base units (second
 ``_total`` on counters, histograms rather than summaries (aggregatable across replicas), and few
 labels of low cardinality (``code``, ``kind``, ``layer``, ``expert``). Per-call counts and
 latency are the standard ``grpc_server_*`` families (as go-grpc-prometheus / py-grpc-prometheus
-name them), fed by ``expertd.server.interceptors.with_metrics`` for every service on the server;
+name them), fed by ``expertd.server.interceptors`` for every service on the server;
 nothing else counts calls. ``expertd_executions_total`` is read from ``expertd.server.statistics``,
 the store KServe's ModelStatistics reads too.
 
@@ -25,7 +25,11 @@ the store KServe's ModelStatistics reads too.
 | expertd_expert_load_imbalance | gauge (max/mean over the recent window) | layer | each engine step |
 | expertd_aux_loss | gauge (last Route batch) | layer | each Route step |
 | expertd_pending_requests | gauge | - | read at scrape time |
-| expertd_dropped_requests_total | counter | reason (deadline, cancelled) | each dropped request |
+| expertd_queued_tokens | gauge (admitted, not yet in a step) | - | read at scrape time |
+| expertd_queue_backlog_seconds | gauge (expected work ahead of a new request) | - | read at scrape time |
+| expertd_dropped_requests_total | counter | reason (deadline, cancelled) | each dropped request, once |
+| expertd_rejected_requests_total | counter | reason (queue_size, queue_tokens, queue_wait, deadline) | each refusal |
+| expertd_refused_calls_total | counter | reason (unauthenticated, too_large, undecodable) | each call refused unread |
 | expertd_compilations_total | counter | - | each compilation |
 | expertd_compile_duration_seconds | histogram | - | each compilation |
 | expertd_model_ready | gauge (1 after warm-up, 0 while warming up or draining) | - | readiness changes |
@@ -77,8 +81,17 @@ class Metrics:
         self.tokens = Counter("expertd_tokens", "Valid tokens computed.", ["kind"], registry=r)
         self.pending = Gauge("expertd_pending_requests", "Requests accepted and not yet answered (queued or "
                              "computing); an autoscaling signal.", registry=r)
-        self.dropped = Counter("expertd_dropped_requests", "Queued requests dropped before compute because their "
-                               "deadline passed or they were cancelled.", ["reason"], registry=r)
+        self.queued_tokens = Gauge("expertd_queued_tokens", "Tokens admitted and not yet taken into an engine "
+                                   "step (--max-queue-tokens bounds it).", registry=r)
+        self.backlog_seconds = Gauge("expertd_queue_backlog_seconds", "Expected seconds of admitted work ahead of "
+                                     "a new request, at the measured step times.", registry=r)
+        self.dropped = Counter("expertd_dropped_requests", "Admitted requests that ended unanswered because their "
+                               "deadline passed or their caller cancelled (each request once).", ["reason"], registry=r)
+        self.rejected = Counter("expertd_rejected_requests", "Requests refused with RESOURCE_EXHAUSTED by admission, "
+                                "by the bound that refused them.", ["reason"], registry=r)
+        self.refused_calls = Counter("expertd_refused_calls", "Calls refused before their message was read "
+                                     "(unauthenticated) or parsed (too_large for the method, undecodable).",
+                                     ["reason"], registry=r)
         self.routed_tokens = Counter("expertd_routed_tokens", "Tokens routed to each expert (each token counts "
                                      "once per selected expert).", ["layer", "expert"], registry=r)
         self.load_imbalance = Gauge("expertd_expert_load_imbalance", "Max/mean of tokens per expert over the "
@@ -110,7 +123,16 @@ class Metrics:
         self.stream_messages.labels(code).inc()
 
     def observe_dropped(self, reason: str) -> None:
+        """One admitted request ended unanswered (``deadline`` or ``cancelled``)."""
         self.dropped.labels(reason).inc()
+
+    def observe_rejected(self, reason: str) -> None:
+        """One request refused by admission (RESOURCE_EXHAUSTED)."""
+        self.rejected.labels(reason).inc()
+
+    def observe_refused_call(self, reason: str) -> None:
+        """One call refused before its message was read or parsed."""
+        self.refused_calls.labels(reason).inc()
 
     # -- batches (batcher) ---------------------------------------------------------------------
     def observe_queue(self, kind: str, seconds: float) -> None:
@@ -146,6 +168,11 @@ class Metrics:
     def track_pending(self, count) -> None:
         """Read the pending-requests gauge from ``count()`` at scrape time (nothing on the hot path)."""
         self.pending.set_function(count)
+
+    def track_queue(self, tokens, backlog_seconds) -> None:
+        """Read the queued-tokens and backlog gauges from these functions at scrape time."""
+        self.queued_tokens.set_function(tokens)
+        self.backlog_seconds.set_function(backlog_seconds)
 
     # -- lifecycle (app) -----------------------------------------------------------------------
     def observe_compile(self, seconds: float) -> None:

@@ -1,11 +1,13 @@
 """``expertd.v1.ExpertService`` on grpc.aio: decode once, batch, encode.
 
-Each call: ``expertd.server.requests`` decodes and validates the message against the read-only
-ModelDescription (``INVALID_ARGUMENT`` naming the field: dtype, shape, byte length, hidden size,
-token limit, NaN/Inf; ``NOT_FOUND`` for a layer not served) -> the batcher (``UNAVAILABLE`` while
-warming up or draining, ``RESOURCE_EXHAUSTED`` when its queue is full) -> ``expertd.client.messages``
-encodes its result. Failures become status codes in ``expertd.server.errors`` (anything unexpected
-is ``INTERNAL`` with a generic message; the stack trace goes to the server log only). Calls are
+Each call: ``expertd.server.requests`` reads the message's header (layer, dtype, shape: ``NOT_FOUND``
+for a layer not served, ``INVALID_ARGUMENT`` naming the field) -> the batcher admits it or refuses it
+at once (``UNAVAILABLE`` while warming up or draining, ``RESOURCE_EXHAUSTED`` with a RetryInfo delay
+when the queued work or the call's deadline leaves no room: ``expertd.server.admission``) -> the
+tensor body is decoded and validated (byte length, NaN/Inf) -> the batcher computes it ->
+``expertd.client.messages`` encodes its result. Failures become status codes in
+``expertd.server.errors`` (anything unexpected is ``INTERNAL`` with a generic message; the stack
+trace goes to the server log only). Calls are
 counted by the ``grpc_server_*`` wrapper; ForwardStream's messages, whose failures travel in-band,
 also in ``expertd_stream_messages_total{code}``.
 """
@@ -21,7 +23,7 @@ from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server import requests
 from expertd.server.batcher import Batcher
 from expertd.server.description import ModelDescription
-from expertd.server.errors import run_unary, status_of
+from expertd.server.errors import InvalidRequest, run_unary, status_of
 from expertd.server.metrics import Metrics
 
 # ForwardStream: messages read ahead of the oldest unanswered one (bounds memory per stream).
@@ -44,7 +46,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return await run_unary(context, self._forward(request, _deadline(context)))
 
     async def _forward(self, message, deadline: float | None) -> expert_pb2.ForwardResponse:
-        result, _ = await self.batcher.forward(requests.decode_forward(message, self.model, deadline))
+        with self.batcher.admit(requests.forward_header(message, self.model), deadline) as ticket:
+            result, _ = await self.batcher.forward(requests.decode_forward(message, self.model, deadline), ticket)
         return messages.forward_response(result, message.request_id, message.return_routing)
 
     # -- Route -----------------------------------------------------------------------------------
@@ -52,8 +55,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return await run_unary(context, self._route(request, _deadline(context)))
 
     async def _route(self, message, deadline: float | None) -> expert_pb2.RouteResponse:
-        request = requests.decode_route(message, self.model, self.aux_loss_coeff, deadline)
-        result, _ = await self.batcher.route(request)
+        with self.batcher.admit(requests.route_header(message, self.model), deadline) as ticket:
+            request = requests.decode_route(message, self.model, self.aux_loss_coeff, deadline)
+            result, _ = await self.batcher.route(request, ticket)
         return messages.route_response(result, message.request_id)
 
     # -- ForwardStream ---------------------------------------------------------------------------
@@ -107,9 +111,13 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return await run_unary(context, self._get_expert_load(request))
 
     async def _get_expert_load(self, request) -> expert_pb2.GetExpertLoadResponse:
+        """At most one entry per served layer (``len`` first: the loop never grows with the request)."""
+        if len(request.layers) > len(self.model.layers):
+            raise InvalidRequest("layers", f"at most {len(self.model.layers)} layers (those served), got "
+                                           f"{len(request.layers)}")
         loads = self.batcher.loads
         response = expert_pb2.GetExpertLoadResponse()
-        for index in list(request.layers) or list(self.model.layers):
+        for index in dict.fromkeys(request.layers) or list(self.model.layers):
             self.model.layer(index)
             response.layers.add(layer=index, tokens_total=loads.total(index).tolist(),
                                 tokens_recent=loads.recent(index).tolist(), window_seconds=loads.window_s)

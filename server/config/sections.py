@@ -110,8 +110,15 @@ class BatchingConfig:
     max_queue_delay_ms: float = option(2.0, "how long a batch that would be padded waits for more requests "
                                        "(counted from its first request's arrival or the previous step's end; "
                                        "batches that fill a bucket start at once)", parse=float, metavar="MS")
-    max_queue_size: int = option(1024, "requests waiting or computing at most; more get RESOURCE_EXHAUSTED",
+    max_queue_size: int = option(1024, "requests waiting or computing at most, a hard cap; more get "
+                                 "RESOURCE_EXHAUSTED (the token and wait bounds normally refuse first)",
                                  parse=int, metavar="N")
+    max_queue_tokens: int | None = option(None, "tokens queued (accepted, not yet computed) at most, over all "
+                                          "layers; more get RESOURCE_EXHAUSTED (default: 8 x --max-request-tokens)",
+                                          parse=int, metavar="N")
+    max_queue_wait_ms: float = option(1000.0, "expected wait (the queued work ahead at the measured step times) "
+                                      "at most; a request expected to wait longer, or to finish after its "
+                                      "deadline, gets RESOURCE_EXHAUSTED at once", parse=float, metavar="MS")
     max_request_tokens: int = option(8192, "tokens one request may carry (larger requests are split into batches "
                                      "of at most the largest bucket); sizes the gRPC message limit", parse=int,
                                      metavar="N")
@@ -131,8 +138,18 @@ class BatchingConfig:
             raise ValueError(f"--max-queue-size must be >= 1, got {self.max_queue_size}")
         if self.max_request_tokens < 1:
             raise ValueError(f"--max-request-tokens must be >= 1, got {self.max_request_tokens}")
+        if self.max_queue_tokens is not None and self.max_queue_tokens < self.max_request_tokens:
+            raise ValueError(f"--max-queue-tokens must be >= --max-request-tokens {self.max_request_tokens} (or "
+                             f"the largest request could never be queued), got {self.max_queue_tokens}")
+        if not self.max_queue_wait_ms > 0:
+            raise ValueError(f"--max-queue-wait-ms must be > 0, got {self.max_queue_wait_ms}")
         if self.expert_load_window_s <= 0:
             raise ValueError(f"--expert-load-window-s must be > 0, got {self.expert_load_window_s}")
+
+    @property
+    def queue_tokens(self) -> int:
+        """Tokens queued at most (--max-queue-tokens, default 8 x --max-request-tokens)."""
+        return self.max_queue_tokens or 8 * self.max_request_tokens
 
     @property
     def batch_tokens(self) -> int:
@@ -309,6 +326,8 @@ class ServerConfig:
     native_cpu: NativeCpuConfig = dataclasses.field(default_factory=NativeCpuConfig)
 
     def __post_init__(self):
+        if not 0 <= self.aux_loss_coeff < float("inf"):  # NaN fails every comparison
+            raise ValueError(f"--aux-loss-coeff must be finite and >= 0, got {self.aux_loss_coeff}")
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:

@@ -142,6 +142,10 @@ def test_typed_fp32_contents_give_the_same_result_as_raw(stub, triton_client):
     ("moe-layer-9", "", "StatusCode.NOT_FOUND"),
     ("llama", "", "StatusCode.NOT_FOUND"),
     (MODEL, "2", "StatusCode.NOT_FOUND"),
+    ("moe-layer-00", "", "StatusCode.NOT_FOUND"),  # no aliases: only the canonical name is a model
+    ("moe-layer-01", "", "StatusCode.NOT_FOUND"),
+    ("moe-layer-\u0661", "", "StatusCode.NOT_FOUND"),  # ARABIC-INDIC DIGIT ONE: int() reads it as 1
+    ("moe-layer-+1", "", "StatusCode.NOT_FOUND"),
 ])
 def test_unknown_models_and_versions_are_not_found(triton_client, model, version, code):
     with pytest.raises(InferenceServerException) as excinfo:
@@ -150,6 +154,7 @@ def test_unknown_models_and_versions_are_not_found(triton_client, model, version
     with pytest.raises(InferenceServerException) as excinfo:
         triton_client.get_model_metadata(model, version)
     assert status_of(excinfo) == code
+    assert not triton_client.is_model_ready(model, version)
 
 
 @pytest.mark.parametrize("build, text", [

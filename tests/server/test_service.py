@@ -251,6 +251,28 @@ def test_route_invalid_arguments(server, client):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("input:")
 
 
+@pytest.mark.parametrize("coeff, text", [
+    (-0.5, "must be finite and >= 0, got -0.5"),
+    (float("inf"), "must be finite and >= 0, got inf"),
+    (3e38, r"the aux loss with coefficient 3e\+38 overflows float32"),  # finite; the loss (~4 x coeff) is not
+])
+def test_aux_loss_coeff_is_bounded(client, coeff, text):
+    peaked = np.array([[60.0, 30.0] + [0.0] * (E - 2)], np.float32)  # top-2 take all the probability
+    with pytest.raises(InvalidArgumentError, match=f"aux_loss_coeff: {text}"):
+        client.route(logits=peaked, layer=0, aux_loss_coeff=coeff)
+    assert np.isfinite(client.route(logits=peaked, layer=0, aux_loss_coeff=1e30).aux_loss)
+
+
+def test_finite_inputs_whose_results_overflow_are_refused_not_answered(client):
+    """3e38 is a finite float32; the layer's arithmetic on it is not: INVALID_ARGUMENT, never NaN / Inf with OK."""
+    huge = np.full((2, H), 3e38, np.float32)
+    with pytest.raises(InvalidArgumentError, match="hidden_states: the layer's result is not finite at token 0"):
+        client.forward(huge, layer=0)
+    with pytest.raises(InvalidArgumentError, match="hidden_states: the layer's result is not finite"):
+        client.route(huge, layer=0)
+    assert np.isfinite(client.forward(tokens(2), layer=0)).all()
+
+
 def test_a_bad_request_does_not_disturb_the_good_ones_next_to_it(server, params):
     good = tokens(2, seed=60)
     expected, _ = reference_forward(params[0], cfg_of(server, 0), good, np.float32)

@@ -28,6 +28,7 @@ from expertd.client import (
     Backoff,
     DeadlineExceededError,
     ExpertClient,
+    InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -107,7 +108,8 @@ def test_full_queue_answers_resource_exhausted_at_once(slow_server):
     answers, refused_after, error = asyncio.run(run())
     assert len(answers) == 4 and all(a.shape == (1, H) for a in answers)
     assert refused_after < QUEUE_DELAY_MS / 1000 / 2  # not queued: refused while the others wait
-    assert "--max-queue-size 4" in error.message and error.retry_delay == pytest.approx(QUEUE_DELAY_MS / 1000)
+    # RetryInfo: when the queued requests will be answered (they wait for the queue delay to pass)
+    assert "--max-queue-size 4" in error.message and 0.5 <= error.retry_delay <= QUEUE_DELAY_MS / 1000
 
 
 def test_client_retries_resource_exhausted_until_served(slow_server):
@@ -144,6 +146,47 @@ def test_deadline_passing_in_the_queue_drops_the_request_before_compute(slow_ser
     after = scrape(slow_server.metrics_port)
     assert sample(after, "expertd_executions_total", layer="0", kind="forward") == \
         sample(before, "expertd_executions_total", layer="0", kind="forward")
+
+
+def test_a_split_request_past_its_deadline_is_dropped_once_and_ends_deadline_exceeded(slow_server):
+    before = scrape(slow_server.metrics_port)
+    x = np.random.default_rng(1).standard_normal((21, H)).astype(np.float32)  # 8 + 8 run, 5 wait for company
+    with ExpertClient(f"127.0.0.1:{slow_server.port}", retries=0) as client:
+        with pytest.raises(DeadlineExceededError):
+            client.forward(x, layer=0, timeout=0.6)  # well before the 1 s wait for company, after the 16 rows
+    wait_until(lambda: slow_server.batcher.pending == 0)
+    after = scrape(slow_server.metrics_port)
+    labels = dict(grpc_type="unary", grpc_service="expertd.v1.ExpertService", grpc_method="Forward")
+
+    def delta(name, **extra):
+        return sample(after, name, **extra) - sample(before, name, **extra)
+
+    assert delta("expertd_dropped_requests_total", reason="deadline") == 1  # one request, not its 3 parts
+    assert delta("expertd_dropped_requests_total", reason="cancelled") == 0
+    assert delta("grpc_server_handled_total", **labels, grpc_code="DEADLINE_EXCEEDED") == 1
+    assert delta("grpc_server_handled_total", **labels, grpc_code="CANCELLED") == 0
+    assert delta("grpc_server_handled_total", **labels, grpc_code="UNKNOWN") == 0
+
+
+def test_a_full_queue_refuses_before_decoding_the_body(slow_server):
+    """Admission reads the header only: with the queue full, a body that would fail validation (NaN)
+    is refused with RESOURCE_EXHAUSTED, not scanned; a bad header is still INVALID_ARGUMENT."""
+    nan = np.full((1, H), np.nan, np.float32)
+
+    async def run():
+        async with AsyncExpertClient(f"127.0.0.1:{slow_server.port}", retries=0, timeout=30) as c:
+            queued = [asyncio.ensure_future(c.forward(token(i), layer=0)) for i in range(4)]
+            while slow_server.batcher.pending < 4:
+                await asyncio.sleep(0.01)
+            with pytest.raises(ResourceExhaustedError):
+                await c.forward(nan, layer=0)
+            with pytest.raises(InvalidArgumentError, match="hidden_states.shape"):
+                await c.forward(np.zeros((1, H + 1), np.float32), layer=0)
+            await asyncio.gather(*queued)
+            with pytest.raises(InvalidArgumentError, match="NaN"):  # with room again, the body is checked
+                await c.forward(nan, layer=0)
+
+    asyncio.run(run())
 
 
 def test_cancelled_request_is_dropped_before_compute(slow_server):

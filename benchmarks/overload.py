@@ -1,0 +1,271 @@
+"""Overload: what `expertd serve`'s admission keeps of its capacity when offered more than it can serve.
+
+A real server (``create_server`` on loopback, its own thread and event loop in this process, the
+default batching and admission settings) serves one ``mid`` layer (Qwen3-MoE style: H 512, I 256,
+E 16, k 4, fp32 compute, as in benchmarks/serving.py); the load comes from a separate process
+(``--load``: grpc.aio, pre-serialized bf16 requests, one connection) so the two never share a GIL.
+
+1. capacity: closed loop, ``--concurrency`` requests of ``--tokens`` (512) in flight: answered
+   requests per second.
+2. overload: open loop (Poisson arrivals) at 2x and 4x that capacity for ``--duration`` seconds,
+   every call with a ``--deadline`` (2 s). Reported: goodput (requests answered OK, all within
+   their deadline, per second, over the capacity), the share of sent requests answered, p50 / p99
+   latency of the answered ones, RESOURCE_EXHAUSTED share and its latency p50 / p99 (how fast a
+   refusal comes back), DEADLINE_EXCEEDED and other codes, and the server's refusals by reason.
+3. fairness: one client sends 1-token requests one after the other, alone and then beside a
+   stream of 8,192-token requests (two in flight); its p50 / p99 both ways, and the step time of
+   a full step (what one step of the other client's work costs).
+
+    flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/overload.py [--quick]
+
+``--quick`` shortens every phase (a smoke run; its numbers are marked quick in the JSON). Results:
+a table on stdout and ``benchmarks/results/overload.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "overload.json"
+FORWARD = "/expertd.v1.ExpertService/Forward"
+MID_HF_CONFIG = {  # the same layer as benchmarks/serving.py's "mid"
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 512,
+    "intermediate_size": 1024, "moe_intermediate_size": 256, "num_hidden_layers": 1, "num_experts": 16,
+    "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "hidden_act": "silu",
+}
+
+
+# ---------------------------------------------------------------------- load (its own process)
+
+def _requests(hidden: int, tokens: int, variants: int, seed: int) -> list[bytes]:
+    """Serialized ForwardRequests of ``tokens`` bf16 rows (a few different ones)."""
+    import ml_dtypes
+
+    from expertd.client import codec
+    from expertd.client.pb.v1 import expert_pb2
+
+    rng = np.random.default_rng(seed)
+    return [expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(
+        rng.standard_normal((tokens, hidden), np.float32).astype(ml_dtypes.bfloat16))).SerializeToString()
+        for _ in range(variants)]
+
+
+async def _load(spec: dict) -> dict:
+    """Run one load phase against ``spec["target"]``; every call as (send offset s, latency s, code)."""
+    import grpc
+
+    channel = grpc.aio.insecure_channel(spec["target"], options=[("grpc.max_send_message_length", -1),
+                                                                 ("grpc.max_receive_message_length", -1)])
+    call = channel.unary_unary(FORWARD)
+    rng = np.random.default_rng(spec.get("seed", 0))
+    results: dict[str, list] = {}
+
+    async def one(stream: str, payload: bytes, started: float, timeout: float | None) -> None:
+        sent = time.perf_counter()
+        try:
+            await call(payload, timeout=timeout)
+            code = "OK"
+        except grpc.aio.AioRpcError as error:
+            code = error.code().name
+        results.setdefault(stream, []).append((sent - started, time.perf_counter() - sent, code))
+
+    async def closed(stream: str, payloads: list[bytes], concurrency: int, until: float, started: float,
+                     timeout: float | None) -> None:
+        async def worker(i: int) -> None:
+            n = i
+            while time.perf_counter() < until:
+                await one(stream, payloads[n % len(payloads)], started, timeout)
+                n += concurrency
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+
+    async def opened(stream: str, payloads: list[bytes], rate: float, until: float, started: float,
+                     timeout: float | None) -> None:
+        tasks, next_send, n = set(), time.perf_counter(), 0
+        while next_send < until:
+            delay = next_send - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.ensure_future(one(stream, payloads[n % len(payloads)], started, timeout))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            n += 1
+            next_send += rng.exponential(1.0 / rate)
+        await asyncio.gather(*tasks)
+
+    await channel.channel_ready()
+    started = time.perf_counter()
+    until = started + spec["duration"]
+    jobs = []
+    for stream in spec["streams"]:
+        payloads = _requests(spec["hidden"], stream["tokens"], 4, spec.get("seed", 0))
+        timeout = stream.get("deadline")
+        if stream.get("rate"):
+            jobs.append(opened(stream["name"], payloads, stream["rate"], until, started, timeout))
+        else:
+            jobs.append(closed(stream["name"], payloads, stream["concurrency"], until, started, timeout))
+    await asyncio.gather(*jobs)
+    await channel.close()
+    return {"duration": time.perf_counter() - started, "calls": results}
+
+
+def run_load(spec: dict) -> dict:
+    """``_load`` in a fresh process (its own interpreter, GIL and gRPC)."""
+    done = subprocess.run([sys.executable, __file__, "--load", json.dumps(spec)], capture_output=True, text=True,
+                          timeout=spec["duration"] + 120, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"load process failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+# ---------------------------------------------------------------------- summaries
+
+def percentiles(values, qs=(50, 99)) -> dict:
+    if not len(values):
+        return {f"p{q}": None for q in qs}
+    return {f"p{q}": float(np.percentile(np.asarray(values) * 1e3, q)) for q in qs}
+
+
+def overload_summary(calls: list, duration: float, capacity: float, rate: float, deadline: float) -> dict:
+    codes: dict[str, int] = {}
+    for _, _, code in calls:
+        codes[code] = codes.get(code, 0) + 1
+    ok = [latency for _, latency, code in calls if code == "OK"]
+    in_time = [latency for latency in ok if latency <= deadline]
+    refused = [latency for _, latency, code in calls if code == "RESOURCE_EXHAUSTED"]
+    return {
+        "offered_per_s": rate, "sent": len(calls), "codes": dict(sorted(codes.items())),
+        "goodput_per_s": len(in_time) / duration, "goodput_of_capacity": len(in_time) / duration / capacity,
+        "answered_share": len(in_time) / max(len(calls), 1),
+        "answered_ms": percentiles(ok), "resource_exhausted_ms": percentiles(refused),
+    }
+
+
+# ---------------------------------------------------------------------- the server side
+
+def build_server(buckets=None):
+    from expertd.server.app import create_server
+    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
+    from expertd.server.model import LoadedLayer, SeededParams
+    from expertd.server.models.hf_config import moe_config_from_hf
+
+    cfg = moe_config_from_hf(MID_HF_CONFIG)
+    layers = [LoadedLayer(0, cfg, SeededParams(cfg, layer_index=0, seed=0, dtype="float32"), source="benchmark mid")]
+    batching = BatchingConfig() if buckets is None else BatchingConfig(bucket_sizes=buckets)
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=ModelConfig(dtype="float32", num_devices=1),
+                          batching=batching)
+    handle = create_server(config, layers=layers)
+    handle.wait_ready(timeout=900)
+    return handle, cfg.hidden_size
+
+
+def server_counters(handle) -> dict:
+    registry = handle.registry
+    counts = {}
+    for family in ("expertd_rejected_requests", "expertd_dropped_requests"):
+        for metric in registry.collect():
+            if metric.name != family:
+                continue
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    counts[f"{family}{{{sample.labels.get('reason')}}}"] = sample.value
+    return counts
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short phases: a smoke run")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per overload request (default 512)")
+    parser.add_argument("--deadline", type=float, default=2.0, help="deadline of each overload call, seconds")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of each overload phase")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight when measuring capacity")
+    parser.add_argument("--out", default=str(RESULTS), help="JSON results path")
+    parser.add_argument("--load", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.load:
+        print(json.dumps(asyncio.run(_load(json.loads(args.load)))))
+        return 0
+    duration = 4.0 if args.quick else args.duration
+    handle, hidden = build_server()
+    target = f"127.0.0.1:{handle.port}"
+    report = {"quick": args.quick, "tokens": args.tokens, "deadline_s": args.deadline, "duration_s": duration,
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "loadavg_before": os.getloadavg(), "model": "mid (H 512, I 256, E 16, k 4), fp32, bf16 requests",
+              "batching": {k: v for k, v in vars(handle.config.batching).items()}}
+    try:
+        base = {"target": target, "hidden": hidden}
+        run = run_load({**base, "duration": 2.0 if args.quick else 5.0, "streams": [
+            {"name": "capacity", "tokens": args.tokens, "concurrency": args.concurrency, "deadline": 30.0}]})
+        calls = run["calls"]["capacity"]
+        capacity = sum(code == "OK" for _, _, code in calls) / run["duration"]
+        report["capacity_per_s"] = capacity
+        report["overload"] = []
+        for factor in (2, 4):
+            before = server_counters(handle)
+            run = run_load({**base, "duration": duration, "streams": [
+                {"name": "open", "tokens": args.tokens, "rate": factor * capacity, "deadline": args.deadline}]})
+            row = overload_summary(run["calls"]["open"], run["duration"], capacity, factor * capacity, args.deadline)
+            row.update(factor=factor, server=delta(server_counters(handle), before))
+            report["overload"].append(row)
+            time.sleep(args.deadline)  # let the last admitted calls finish
+        probes = 50 if args.quick else 300
+        small = {"name": "small", "tokens": 1, "concurrency": 1, "deadline": 30.0}
+        alone = run_load({**base, "duration": probes * 0.004 + 1.0, "streams": [small]})["calls"]["small"]
+        beside = run_load({**base, "duration": probes * 0.02 + 2.0, "streams": [
+            small, {"name": "big", "tokens": 8192, "concurrency": 2, "deadline": 60.0}]})["calls"]
+        key = (handle.model.layers[0], "forward")
+        report["fairness"] = {
+            "alone_ms": percentiles([lat for _, lat, code in alone if code == "OK"]),
+            "beside_8192_ms": percentiles([lat for _, lat, code in beside["small"] if code == "OK"]),
+            "big_ms": percentiles([lat for _, lat, code in beside.get("big", []) if code == "OK"]),
+            "full_step_ms": handle.batcher.times.estimate(key, handle.model.bucket_for(handle.model.max_batch_tokens))
+            * 1e3,
+        }
+    finally:
+        handle.stop(grace=5)
+    report["loadavg_after"] = os.getloadavg()
+    print_table(report)
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def print_table(report: dict) -> None:
+    print(f"capacity: {report['capacity_per_s']:.1f} req/s of {report['tokens']} tokens"
+          + (" (quick)" if report["quick"] else ""))
+    print("| load | sent | goodput / capacity | answered | answered p50 / p99 ms | RESOURCE_EXHAUSTED | "
+          "its p50 / p99 ms | DEADLINE_EXCEEDED |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in report["overload"]:
+        codes = row["codes"]
+        ans, ref = row["answered_ms"], row["resource_exhausted_ms"]
+        print(f"| {row['factor']}x | {row['sent']} | {row['goodput_of_capacity']:.2f} | {row['answered_share']:.2f} | "
+              f"{_ms(ans['p50'])} / {_ms(ans['p99'])} | {codes.get('RESOURCE_EXHAUSTED', 0)} | "
+              f"{_ms(ref['p50'])} / {_ms(ref['p99'])} | {codes.get('DEADLINE_EXCEEDED', 0)} |")
+    fair = report["fairness"]
+    print(f"fairness: 1-token p50 / p99 alone {_ms(fair['alone_ms']['p50'])} / {_ms(fair['alone_ms']['p99'])} ms, "
+          f"beside 8192-token requests {_ms(fair['beside_8192_ms']['p50'])} / {_ms(fair['beside_8192_ms']['p99'])} "
+          f"ms; one full step {fair['full_step_ms']:.2f} ms; 8192-token p50 {_ms(fair['big_ms']['p50'])} ms")
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Admission: whether a request may join the batcher's queues, decided at once from its header
+(layer, step kind, tokens, deadline), before its tensor is decoded or scanned, from the work
+already queued and the measured step times.
+
+Step times (``StepTimes``): per (layer config, step kind, bucket), an exponentially weighted moving
+average of the seconds the batcher's own steps took on the device thread; ``Batcher.calibrate``
+seeds every entry at start-up by running each step once.
+
+Expected completion of a request of T tokens on queue q (M: rows per step, rows: a queue's tokens
+accepted and not yet taken into a step):
+- The device runs one step at a time for every queue. The work ahead of a request is the rest of
+  the running step plus each queue's rows, drained in steps of M rows (``drain``: full steps at
+  t(M), the remainder at t(its bucket)); first in, first out, this is its completion. A queue
+  waiting for more requests to fill its next step (``--max-queue-delay-ms``) finishes no earlier
+  than that wait plus its own rows.
+- A small request (T <= M / 2) goes into one of the next steps of its queue, before big requests'
+  rows (the batcher takes small requests first and keeps half a step for the oldest big one): it
+  waits for the small rows ahead of it at ``small_share`` rows per step of its queue, each such
+  step costing one step of every busy queue. Its estimate is the smaller of that and the above.
+
+A request is refused with ``Overloaded`` (RESOURCE_EXHAUSTED and a RetryInfo delay) when, checked
+in this order:
+1. ``queue_size``: ``max_queue_size`` requests are pending already (a hard cap on requests);
+2. ``queue_tokens``: its tokens would take the queued tokens past ``max_queue_tokens`` (memory);
+3. ``queue_wait``: its expected wait for the work ahead of it (completion minus its own compute,
+   without the queue delay an operator configured) exceeds ``max_queue_wait``;
+4. ``deadline``: its expected completion, times ``MARGIN``, is later than its deadline.
+Nothing is refused while the device is idle and nothing is queued: an estimate can then only be
+wrong by refusing work the server had time for (and the step that runs measures it).
+
+RetryInfo is the time until the queued work will have drained enough for the same request (same
+size, same time to its deadline) to pass, assuming no new arrivals; at least ``MIN_RETRY_S``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Iterable
+
+from expertd.server.errors import Overloaded
+
+MARGIN = 1.25
+"""Expected completion x MARGIN must be within the deadline: room for step times that vary
+(the benchmark and ``tests/server/test_overload.py`` show the goodput this leaves)."""
+MIN_RETRY_S = 0.01
+EWMA_WEIGHT = 0.2
+"""Weight of the newest step in the step-time average (about the last 10 steps count)."""
+
+
+class StepTimes:
+    """Seconds of one engine step per (step key, bucket); the step key is (layer config, kind).
+
+    ``estimate`` for a bucket never measured falls back to the nearest smaller measured bucket of
+    the same key (a step is no faster with more rows), else 0 (optimistic: admit and measure).
+    """
+
+    def __init__(self, weight: float = EWMA_WEIGHT):
+        self._weight = weight
+        self._seconds: dict[tuple[Hashable, int], float] = {}
+        self._buckets: dict[Hashable, list[int]] = {}
+
+    def observe(self, key: Hashable, bucket: int, seconds: float) -> None:
+        old = self._seconds.get((key, bucket))
+        if old is None:
+            self._seconds[(key, bucket)] = seconds
+            self._buckets.setdefault(key, []).append(bucket)
+            self._buckets[key].sort()
+        else:
+            self._seconds[(key, bucket)] = old + self._weight * (seconds - old)
+
+    def seed(self, key: Hashable, bucket: int, seconds: float) -> None:
+        """Replace the estimate (calibration)."""
+        self._seconds.pop((key, bucket), None)
+        if bucket in self._buckets.get(key, ()):
+            self._buckets[key].remove(bucket)
+        self.observe(key, bucket, seconds)
+
+    def estimate(self, key: Hashable, bucket: int) -> float:
+        seconds = self._seconds.get((key, bucket))
+        if seconds is not None:
+            return seconds
+        smaller = [b for b in self._buckets.get(key, ()) if b < bucket]
+        return self._seconds[(key, smaller[-1])] if smaller else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The bounds of admission (``BatchingConfig``: --max-queue-size, --max-queue-tokens,
+    --max-queue-wait-ms) and M, the rows of one step."""
+
+    max_requests: int
+    max_tokens: int
+    max_wait_s: float
+    step_rows: int
+
+
+class Admission:
+    """The decision above, over the batcher's queues.
+
+    Args:
+      limits: the bounds.
+      times: the step-time estimates.
+      bucket_for: rows -> the bucket a step of that many rows is padded to.
+
+    A queue, as read here, has ``step_key`` (layer config, kind), ``rows`` (tokens accepted and not
+    yet taken into a step, reservations included), ``small_rows`` (those of small requests) and
+    ``gather_until`` (the monotonic time its scheduler waits until for more requests, or 0).
+    """
+
+    def __init__(self, limits: Limits, times: StepTimes, bucket_for: Callable[[int], int]):
+        self.limits = limits
+        self.times = times
+        self._bucket_for = bucket_for
+        self._full_bucket = bucket_for(limits.step_rows)
+
+    def is_small(self, tokens: int) -> bool:
+        """Requests of at most half a step go before big ones (see module docstring)."""
+        return tokens <= self.limits.step_rows // 2
+
+    def drain(self, key: Hashable, rows: int) -> float:
+        """Seconds to compute ``rows`` rows of one queue in steps of M rows."""
+        if rows <= 0:
+            return 0.0
+        full, rest = divmod(rows, self.limits.step_rows)
+        seconds = full * self.times.estimate(key, self._full_bucket)
+        return seconds + (self.times.estimate(key, self._bucket_for(rest)) if rest else 0.0)
+
+    def backlog(self, queues: Iterable, running_s: float, now: float) -> float:
+        """Seconds until the admitted work is done: the running step's rest and every queued row."""
+        total, latest = running_s, 0.0
+        for q in queues:
+            if q.rows:
+                seconds = self.drain(q.step_key, q.rows)
+                total += seconds
+                latest = max(latest, q.gather_until - now + seconds)
+        return max(total, latest)
+
+    def check(self, queue, tokens: int, deadline_in: float | None, *, queues: Iterable, running_s: float,
+              pending: int, queued_tokens: int, now: float) -> None:
+        """Raise ``Overloaded`` (with its reason and RetryInfo delay) unless a request of ``tokens``
+        rows on ``queue``, due in ``deadline_in`` seconds (None: no deadline), may join it."""
+        limits = self.limits
+        queues = [q for q in queues if q.rows]
+        if not queues and running_s <= 0:
+            return  # idle: always try
+        backlog = self.backlog(queues, running_s, now)
+        if pending >= limits.max_requests:
+            raise Overloaded(f"overloaded: {pending} requests pending (--max-queue-size {limits.max_requests}); "
+                             f"retry later", _retry(max(backlog / max(pending, 1), _first_gather(queues, now))),
+                             "queue_size")
+        if queued_tokens + tokens > limits.max_tokens:
+            per_token = self.drain(queue.step_key, limits.step_rows) / limits.step_rows
+            excess = queued_tokens + tokens - limits.max_tokens
+            raise Overloaded(f"overloaded: {queued_tokens} tokens queued, {tokens} more would pass "
+                             f"--max-queue-tokens {limits.max_tokens}; retry later", _retry(excess * per_token),
+                             "queue_tokens")
+        own = self.drain(queue.step_key, tokens)
+        wait = max(self._completion(queue, tokens, queues, running_s, 0.0) - own, 0.0)  # the work ahead alone
+        rows = queue.rows + tokens
+        fills = rows >= limits.step_rows or self._bucket_for(rows) == rows  # its queue then waits no more
+        completion = self._completion(queue, tokens, queues, running_s,
+                                      0.0 if fills else max(queue.gather_until - now, 0.0))
+        if wait > limits.max_wait_s:
+            raise Overloaded(f"overloaded: expected wait {wait:.3f}s exceeds --max-queue-wait-ms "
+                             f"{limits.max_wait_s * 1e3:g}; retry later", _retry(wait - limits.max_wait_s),
+                             "queue_wait")
+        if deadline_in is not None and completion * MARGIN > deadline_in:
+            raise Overloaded(f"overloaded: expected to finish in {completion:.3f}s, too late for the deadline in "
+                             f"{max(deadline_in, 0.0):.3f}s; retry later",
+                             _retry(completion - deadline_in / MARGIN), "deadline")
+
+    def _completion(self, queue, tokens: int, queues: list, running_s: float, gather_s: float) -> float:
+        """Expected seconds until a new request of ``tokens`` rows on ``queue`` is computed, its queue
+        waiting ``gather_s`` more for company first."""
+        mine = self.drain(queue.step_key, queue.rows + tokens)
+        others = sum(self.drain(q.step_key, q.rows) for q in queues if q is not queue)
+        fifo = max(running_s + others + mine, gather_s + mine)
+        if not self.is_small(tokens):
+            return fifo
+        step_rows = self.limits.step_rows
+        big_rows = queue.rows - queue.small_rows
+        share = step_rows - min(step_rows // 2, big_rows) if big_rows > 0 else step_rows
+        steps = math.ceil((queue.small_rows + tokens) / max(share, 1))
+        cycle = sum(self.times.estimate(q.step_key, self._bucket_for(min(q.rows, step_rows)))
+                    for q in queues if q is not queue)
+        cycle += self.times.estimate(queue.step_key, self._bucket_for(min(queue.rows + tokens, step_rows)))
+        return min(fifo, max(running_s, gather_s) + steps * cycle)
+
+
+def _retry(seconds: float) -> float:
+    return max(MIN_RETRY_S, seconds)
+
+
+def _first_gather(queues: list, now: float) -> float:
+    """Seconds until the first queue waiting for company stops waiting (0 when none waits)."""
+    waits = [q.gather_until - now for q in queues if q.gather_until > now]
+    return min(waits) if waits else 0.0

@@ -1,0 +1,182 @@
+"""The batcher's queues: the requests of each (layer, step kind), the accounting of their rows, and
+how one step's rows are taken from a queue.
+
+A queue keeps small requests (at most half a step of rows, ``Admission.is_small``) and big ones in
+two FIFOs. ``take`` fills one step of M rows: small requests first, whole, in arrival order, while
+they fit beside the rows kept for the oldest big request (half a step, or all it has left when
+less); then rows of big requests, in arrival order, fill the step. So big requests are split across
+steps (views, never copies) and keep progressing, and a small request waits for the running step
+and at most one step holding big requests' rows.
+
+A ``Ticket`` is an admitted request's reservation: its tokens count as queued from admission on.
+
+Accounting (what admission reads): ``LayerQueue.rows`` are tokens admitted and not yet taken into a
+step (``reserved``: those of tickets whose request is not queued yet), ``small_rows`` those of
+small requests; ``Queues.queued_tokens`` sums ``rows`` over every queue. A request leaves the
+accounting once (``end``), whether answered, failed, expired or cancelled.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+
+class LayerQueue:
+    """The requests of one (layer, kind), with ``step_key`` = (layer config, kind) for step times."""
+
+    def __init__(self, layer: int, kind: str, step_key):
+        self.layer, self.kind, self.step_key = layer, kind, step_key
+        self.small: collections.deque[QueuedRequest] = collections.deque()
+        self.big: collections.deque[QueuedRequest] = collections.deque()
+        self.rows = self.small_rows = self.reserved = 0
+        self.gather_until = 0.0  # while the scheduler waits for company: until when (monotonic)
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    @property
+    def queued(self) -> int:
+        """Rows of queued requests not yet taken into a step (reservations excluded)."""
+        return self.rows - self.reserved
+
+
+@dataclasses.dataclass(eq=False)
+class QueuedRequest:
+    """One queued call: its tokens [T, W], how many rows steps took and computed, its results so far."""
+
+    queue: LayerQueue
+    tokens: np.ndarray
+    field: str
+    deadline: float | None
+    arrived: float
+    future: asyncio.Future
+    small: bool
+    taken: int = 0
+    computed: int = 0
+    pieces: list = dataclasses.field(default_factory=list)  # (first row, result tuple)
+    compute_seconds: float = 0.0
+    last_end: float = 0.0
+    ended: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.taken
+
+
+Batch = list[tuple[QueuedRequest, int, int]]  # one step's row ranges: (request, first row, end row)
+
+
+class Queues:
+    """Every queue of one batcher. ``expire(request)`` is called for a request found past its
+    deadline; it must end it (``end``)."""
+
+    def __init__(self, step_rows: int, expire: Callable[[QueuedRequest], None]):
+        self.step_rows = step_rows
+        self.queued_tokens = 0
+        self._expire = expire
+        self._queues: dict[tuple[int, str], LayerQueue] = {}
+
+    def get(self, layer: int, kind: str) -> LayerQueue | None:
+        return self._queues.get((layer, kind))
+
+    def add(self, queue: LayerQueue) -> LayerQueue:
+        self._queues[(queue.layer, queue.kind)] = queue
+        return queue
+
+    def values(self) -> list[LayerQueue]:
+        return list(self._queues.values())
+
+    # -- accounting ------------------------------------------------------------------------------
+    def reserve(self, queue: LayerQueue, tokens: int, small: bool, sign: int = 1) -> None:
+        """Count an admitted request's rows (``sign`` -1: a released reservation)."""
+        queue.rows += sign * tokens
+        queue.reserved += sign * tokens
+        queue.small_rows += sign * tokens if small else 0
+        self.queued_tokens += sign * tokens
+
+    def enqueue(self, request: QueuedRequest) -> None:
+        """The reserved rows of ``request`` become queued ones."""
+        queue = request.queue
+        queue.reserved -= len(request.tokens)
+        (queue.small if request.small else queue.big).append(request)
+        queue.wakeup.set()
+
+    def end(self, request: QueuedRequest) -> bool:
+        """The request leaves the accounting; False when it had already."""
+        if request.ended:
+            return False
+        request.ended = True
+        self._taken(request, request.remaining)
+        if request.timer is not None:
+            request.timer.cancel()
+        return True
+
+    def _taken(self, request: QueuedRequest, count: int) -> None:
+        request.taken += count
+        queue = request.queue
+        queue.rows -= count
+        queue.small_rows -= count if request.small else 0
+        self.queued_tokens -= count
+
+    # -- steps -----------------------------------------------------------------------------------
+    def head(self, fifo: collections.deque[QueuedRequest], now: float) -> QueuedRequest | None:
+        """The first live request of ``fifo``; ended, cancelled and expired ones are dropped on the way
+        (a cancelled one is accounted for by its caller when it resumes)."""
+        while fifo:
+            request = fifo[0]
+            if not request.ended and request.deadline is not None and request.deadline <= now:
+                self._expire(request)
+            if not request.ended and not request.future.done():
+                return request
+            fifo.popleft()
+        return None
+
+    def oldest_arrival(self, queue: LayerQueue, now: float) -> float | None:
+        heads = [r for r in (self.head(queue.small, now), self.head(queue.big, now)) if r is not None]
+        return min(r.arrived for r in heads) if heads else None
+
+    def take(self, queue: LayerQueue, now: float) -> Batch:
+        """One step's row ranges from ``queue`` (see module docstring)."""
+        step = self.step_rows
+        batch: Batch = []
+        rows = 0
+        oldest_big = self.head(queue.big, now)
+        keep = min(oldest_big.remaining, max(step // 2, 1)) if oldest_big is not None else 0
+        while (request := self.head(queue.small, now)) is not None and rows + request.remaining <= step - keep:
+            queue.small.popleft()
+            rows += self._take(request, request.remaining, batch)
+        while rows < step and (request := self.head(queue.big, now)) is not None:
+            rows += self._take(request, min(request.remaining, step - rows), batch)
+            if request.remaining == 0:
+                queue.big.popleft()
+        return batch
+
+    def _take(self, request: QueuedRequest, count: int, batch: Batch) -> int:
+        batch.append((request, request.taken, request.taken + count))
+        self._taken(request, count)
+        return count
+
+
+class Ticket:
+    """An admitted request's place (``Batcher.admit``); a context manager that releases it unless
+    ``forward`` / ``route`` queued the request."""
+
+    def __init__(self, queues: Queues, queue: LayerQueue, tokens: int, small: bool, done: Callable[[], None]):
+        self._queues, self.queue, self.tokens, self.small, self._done = queues, queue, tokens, small, done
+        self.open = True
+
+    def release(self) -> None:
+        if self.open:
+            self.open = False
+            self._queues.reserve(self.queue, self.tokens, self.small, sign=-1)
+            self._done()
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
