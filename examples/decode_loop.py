@@ -6,9 +6,10 @@ m = 1, 2, 3 micro-batches in flight (``expertd.client.pipeline``), and reports w
     python examples/decode_loop.py --target localhost:8001 --metrics http://localhost:8002/metrics \\
         --tokens 64 --attention-ms 4 --micro-batches 1,2,3
 
-Per m it prints: tokens/s, the step time (p50), the expert side's busy fraction (the server's engine
-step time, ``expertd_compute_duration_seconds_sum`` from its /metrics, over the wall time of the
-measured steps) and the attention side's (the synthetic attention time over the same wall time).
+Per m (values above --tokens are skipped) it prints: tokens/s, the step time (p50), the expert
+side's busy fraction (the server's engine step time, ``expertd_compute_duration_seconds_sum`` from
+its /metrics, over the wall time of the measured steps) and the attention side's (the synthetic
+attention time over the same wall time).
 With m = 1 each side waits while the other works; with m >= 2 micro-batch i's attention overlaps
 micro-batch j's expert call, so both fractions rise and so does tokens/s, until one side is busy
 all the time or the per-call cost of more, smaller calls eats the gain.
@@ -158,7 +159,7 @@ def run(target: str, metrics_url: str, args) -> dict:
     runs = [asyncio.run(decode(target, metrics_url, micro_batches=m, tokens=args.tokens, steps=args.steps,
                                warmup=args.warmup, attention_ms=args.attention_ms, transport=args.transport,
                                layers=layers, hidden=hidden, dtype=dtype))
-            for m in args.micro_batches]
+            for m in args.micro_batches if m <= args.tokens]  # a micro-batch holds one token at least
     return {"target": target, "layers": layers, "hidden": hidden, "dtype": str(dtype),
             "attention_ms_per_layer": args.attention_ms, "runs": runs}
 
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                         "bfloat16")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
+    if not any(1 <= m <= args.tokens for m in args.micro_batches):
+        parser.error(f"--micro-batches needs a value between 1 and --tokens ({args.tokens})")
     if args.target and not args.metrics:
         parser.error("--metrics is needed with --target (the server's /metrics URL)")
     if args.target:
