@@ -6,6 +6,7 @@ the server does not hold, an attention that raises, a server stopped mid-step, a
 up) reaches the caller and leaves nothing running.
 """
 import asyncio
+import json
 import time
 
 import numpy as np
@@ -191,3 +192,30 @@ def test_a_server_stopped_mid_step_fails_the_step_without_hanging(tmp_path_facto
             assert not await leftover_tasks()
 
         asyncio.run(scenario())
+
+
+def load_example(name: str):
+    """A module of examples/ (not a package), imported from its file."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_decode_loop_example_reports_every_m_with_the_expert_side_busy(server, target, capsys):
+    decode_loop = load_example("decode_loop")
+    metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    assert decode_loop.main(["--target", target, "--metrics", metrics, "--tokens", "6", "--steps", "3", "--warmup",
+                             "1", "--attention-ms", "1", "--micro-batches", "1,2,3,7", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layers"] == LAYERS and report["hidden"] == H and report["dtype"] == "float32"
+    assert [run["micro_batches"] for run in report["runs"]] == [1, 2, 3]  # 7 > 6 tokens: skipped
+    for run in report["runs"]:
+        assert run["tokens_per_s"] > 0 and run["layer_round_trip_ms"] > 0
+        # 3 steps x 2 layers x 1 ms of synthetic attention, and engine steps the server counted
+        assert 0 < run["expert_busy_fraction"] < 1 and 0 < run["attention_busy_fraction"] < 1
+        assert run["attention_busy_fraction"] * run["steps"] * run["tokens"] / run["tokens_per_s"] >= 3 * 2 * 1e-3
