@@ -31,8 +31,8 @@ Transports (``transport=``), all on the client's one channel:
   ``request_id``; not retried (a broken stream fails the calls in flight; the next call opens a
   new stream).
 - ``"layer-streams"``: one such ForwardStream per layer.
-Which is cheapest is measured by ``benchmarks/disaggregated.py`` (docs/attention-side.md gives
-the numbers behind ``DEFAULT_TRANSPORT``).
+``DEFAULT_TRANSPORT`` is unary, the one transport that is retried; ``benchmarks/disaggregated.py``
+measures the three (docs/attention.md, BENCHMARKS.md).
 """
 from __future__ import annotations
 
