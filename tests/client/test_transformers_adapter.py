@@ -12,6 +12,8 @@ loaded; a model the server does not match is refused with every difference named
 talks bf16 on the wire to a bf16 server.
 """
 import json
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -56,6 +58,13 @@ class OriginalBlocks:
 
 
 # ----------------------------------------------------------------------------- every family, no server
+
+def test_the_adapter_and_the_pipeline_import_neither_jax_nor_the_server():
+    code = ("import sys, expertd.client.transformers, expertd.client.pipeline; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax' or m.startswith('expertd.server')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
 
 def test_the_tiny_models_cover_every_family():
     from expertd.client.transformers import FAMILIES
