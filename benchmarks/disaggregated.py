@@ -4,7 +4,8 @@ expert server over loopback, and the gain from m = 2, 3 micro-batches in flight.
 The model: ``--layers`` MoE layers of one Qwen3-MoE-style shape (``mid``: H=2048, E=64, k=8, I=512,
 8 layers, bf16; ``--short``: H=256, E=8, k=2, I=128, 2 layers, fp32), seeded weights. For each T
 (tokens a decode step) the synthetic attention before every MoE layer costs ``--attention-ratio``
-times the in-process layer step at that T (1.0: the two sides balanced, where overlap can gain most).
+times the in-process layer step at that T (1.0: the two sides balanced, where overlap can gain most),
+or ``--attention-ms`` when given.
 
 - local: one process runs attention then the engine's layer (``Engine.forward``, padded to its
   bucket as the batcher would), layer after layer: tokens/s and the in-process step time.
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: unary, stream, layer-streams (all; short: unary,stream)")
     parser.add_argument("--attention-ratio", type=float, default=1.0,
                         help="attention time per layer / the in-process layer step at the same T (1.0)")
+    parser.add_argument("--attention-ms", type=float, default=None,
+                        help="attention time per layer in ms, the same for every T (overrides --attention-ratio)")
     parser.add_argument("--steps", type=int, default=None, help="measured decode steps per cell (40; short: 5)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help=f"results JSON (default {RESULTS}; "
                         "short: none)")
@@ -141,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=ModelConfig(dtype=dtype, num_devices=1),
                           batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=0.0))
     print(f"{shape}: H={hidden} E={experts} k={topk} I={inter}, {num_layers} MoE layers, {dtype}; "
-          f"attention = {args.attention_ratio} x the in-process layer step", flush=True)
+          f"attention = "
+          + (f"{args.attention_ms} ms" if args.attention_ms is not None else f"{args.attention_ratio} x the in-process "
+             "layer step") + "; hop = round trip - the lower in-process step (before, after)", flush=True)
     server = create_server(config, registry=CollectorRegistry(),
                            layers=build_layers(hidden, experts, topk, inter, num_layers, dtype))
     rows = []
@@ -153,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
               + " | expert busy m=" + "/".join(map(str, micro)) + " | rtt ms hop ms", flush=True)
         for tokens in tokens_list:
             step_ms = in_process_step_ms(server.engine, layers, tokens, hidden, repeats=10 if args.short else 30)
-            attention_ms = args.attention_ratio * step_ms
+            attention_ms = args.attention_ms if args.attention_ms is not None else args.attention_ratio * step_ms
             local = local_decode(server.engine, layers, tokens, hidden, attention_ms, steps)
+            cells = []
             for transport in transports:
                 remote = remote_decode(server, tokens, num_layers, attention_ms, steps, transport, micro)
                 runs = {r["micro_batches"]: r for r in remote["runs"]}
@@ -165,10 +171,16 @@ def main(argv: list[str] | None = None) -> int:
                        "remote_over_local_best": best["tokens_per_s"] / local["tokens_per_s"],
                        "best_m": best["micro_batches"],
                        "gain_over_m1": {m: r["tokens_per_s"] / runs[1]["tokens_per_s"] for m, r in runs.items()},
-                       "round_trip_ms": runs[1]["layer_round_trip_ms"],
-                       "hop_ms": runs[1]["layer_round_trip_ms"] - step_ms}
-                rows.append(row)
+                       "round_trip_ms": runs[1]["layer_round_trip_ms"]}
+                cells.append(row)
+            # The step again after the remote runs: the hop is taken against the lower of the two, as
+            # load from elsewhere only ever adds time.
+            step_after = in_process_step_ms(server.engine, layers, tokens, hidden, repeats=10 if args.short else 30)
+            for row in cells:
+                row["layer_step_ms_after"] = step_after
+                row["hop_ms"] = row["round_trip_ms"] - min(step_ms, step_after)
                 print_row(row, micro)
+            rows += cells
     finally:
         server.stop(grace=5)
     if out is not None:
@@ -190,7 +202,8 @@ def print_row(row: dict, micro: list[int]) -> None:
     remote = "/".join(f"{runs[m]['tokens_per_s']:.0f}" if m in runs else "-" for m in micro)
     gains = " ".join(f"{row['gain_over_m1'][m]:.2f}" if m in runs else "-" for m in micro[1:])
     busy = "/".join(f"{runs[m]['expert_busy_fraction']:.0%}" if m in runs else "-" for m in micro)
-    print(f"{row['tokens']:>4} {row['transport']:<13} | {row['layer_step_ms']:>8.2f} {row['attention_ms']:>7.2f} | "
+    step = min(row["layer_step_ms"], row["layer_step_ms_after"])
+    print(f"{row['tokens']:>4} {row['transport']:<13} | {step:>8.2f} {row['attention_ms']:>7.2f} | "
           f"{row['local']['tokens_per_s']:>11.0f} | {remote:>20} | {row['remote_over_local_m1']:>8.2f} "
           f"{row['remote_over_local_best']:>5.2f} (m={row['best_m']}) | {gains:>10} | {busy:>17} | "
           f"{row['round_trip_ms']:>6.2f} {row['hop_ms']:>6.2f}", flush=True)
