@@ -11,7 +11,9 @@ router logits)`` (``Family.returns_router``, ``Family.flat_output``). Router log
 What the server must hold for a block of decoder layer i (``LayerSpec``, compared with GetModelInfo):
 hidden size H, routed experts E, top-k, expert intermediate size I, score function, group-limited
 routing (n_group > 1: groups and groups kept), whether a selection bias is used, whether the layer
-has shared experts. Values are read from the model's (text) config by the attribute names of the
+has shared experts, and for the families the server loads from checkpoints (Mixtral, Qwen2/3-MoE,
+the DeepSeek-V3 style) whether the k routing weights are divided by their sum and the routed
+scaling factor. Values are read from the model's (text) config by the attribute names of the
 family's row; transformers' ``attribute_map`` makes the 4.x and 5.x spellings read the same.
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Family:
     grouped: bool = False                # n_group / topk_group group-limited routing when n_group > 1
     expert_bias: bool = False            # selection-only expert bias (e_score_correction_bias)
     shared: str | bool | None = None     # config attribute > 0 when the layer has shared experts; True: always
+    normalised: str | bool | None = None  # k weights divided by their sum: config attribute, or always; None: unchecked
+    scaling: str | float | None = None   # routed scaling factor: config attribute, or a constant; None: unchecked
     returns_router: bool = False         # the block returns (output, router output), not the output alone
     flat_output: bool = False            # the output is [batch*seq, H], not the input's [batch, seq, H]
 
@@ -44,13 +48,16 @@ class Family:
 def _ds_v3_style(model_type: str, block: str) -> Family:
     """DeepSeek-V3 router: sigmoid, selection bias, groups; n_shared_experts ungated shared experts."""
     return Family(model_type, block, score_function="sigmoid", num_experts="n_routed_experts", grouped=True,
-                  expert_bias=True, shared="n_shared_experts")
+                  expert_bias=True, shared="n_shared_experts", normalised="norm_topk_prob",
+                  scaling="routed_scaling_factor")
 
 
 FAMILIES: dict[str, Family] = {f.block: f for f in (
-    Family("mixtral", "MixtralSparseMoeBlock", num_experts="num_local_experts", intermediate="intermediate_size"),
-    Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", shared="shared_expert_intermediate_size"),
-    Family("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    Family("mixtral", "MixtralSparseMoeBlock", num_experts="num_local_experts", intermediate="intermediate_size",
+           normalised=True, scaling=1.0),
+    Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", shared="shared_expert_intermediate_size",
+           normalised="norm_topk_prob", scaling=1.0),
+    Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", normalised="norm_topk_prob", scaling=1.0),
     _ds_v3_style("deepseek_v3", "DeepseekV3MoE"),  # also Kimi K2 / K2.5 (their text model is DeepSeek-V3)
     Family("qwen3_next", "Qwen3NextSparseMoeBlock", shared="shared_expert_intermediate_size"),
     Family("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", shared="shared_expert_intermediate_size"),
@@ -85,9 +92,12 @@ class LayerSpec:
     group_topk: int
     has_expert_bias: bool
     has_shared_experts: bool
+    topk_normalised: bool | None = None   # None: not compared
+    scaling_factor: float | None = None   # None: not compared
 
     def differences(self, served) -> list[str]:
         """``"field: model X, server Y"`` for each field where ``served`` (a GetModelInfo LayerInfo) differs."""
+        router = served.router
         found = {
             "hidden_size": served.hidden_size, "num_experts": served.num_experts, "topk": served.topk,
             "intermediate_size": served.intermediate_size, "score_function": served.router.score_function,
@@ -97,8 +107,29 @@ class LayerSpec:
         }
         if not self.num_groups:
             found["group_topk"] = 0  # without groups the server's group_topk means nothing
+        if self.topk_normalised is not None:
+            found["topk_normalised"] = served_normalisation(router, served.topk)
+        if self.scaling_factor is not None:  # float32 on the wire
+            found["scaling_factor"] = router.scaling_factor
         return [f"{name}: model {getattr(self, name)!r}, server {value!r}" for name, value in found.items()
-                if getattr(self, name) != value]
+                if not _same(getattr(self, name), value)]
+
+
+def served_normalisation(router, topk: int) -> bool:
+    """Whether a server layer divides its k routing weights by their sum (before scaling): its
+    ``norm_topk_prob`` when set, else the score function's own rule (softmax after top-k sums to 1,
+    softmax before top-k is not renormalised, sigmoid is divided by the sum when k > 1)."""
+    if router.HasField("norm_topk_prob"):
+        return router.norm_topk_prob
+    if router.score_function == "softmax":
+        return not router.use_pre_softmax
+    return topk > 1
+
+
+def _same(model, server) -> bool:
+    if isinstance(model, float):
+        return abs(model - server) <= 1e-6 * max(1.0, abs(model))
+    return model == server
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +179,13 @@ def expected_layer(family: Family, config, index: int) -> LayerSpec:
         return value[index] if isinstance(value, (list, tuple)) else value
 
     groups = int(getattr(config, "n_group", None) or 1) if family.grouped else 1
+    normalised = family.normalised if not isinstance(family.normalised, str) else bool(read(family.normalised))
+    scaling = family.scaling if not isinstance(family.scaling, str) else read(family.scaling)
     shared = family.shared is True or (isinstance(family.shared, str) and bool(getattr(config, family.shared, 0)))
     return LayerSpec(
         index=index, hidden_size=int(read("hidden_size")), num_experts=int(read(family.num_experts)),
         topk=int(read(family.topk)), intermediate_size=int(read(family.intermediate)),
         score_function=family.score_function, num_groups=groups if groups > 1 else 0,
         group_topk=int(read("topk_group")) if groups > 1 else 0, has_expert_bias=family.expert_bias,
-        has_shared_experts=shared)
+        has_shared_experts=shared, topk_normalised=normalised,
+        scaling_factor=None if scaling is None else float(scaling))

@@ -30,6 +30,7 @@ from hf_models import TINY, H, build, expertd_serve, generate, prompts  # noqa: 
 from expertd.client import ExpertClient  # noqa: E402
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc  # noqa: E402
 from expertd.client.transformers import (  # noqa: E402
+    FAMILIES,
     ExpertsElsewhere,
     LayerMismatchError,
     RemoteMoeBlock,
@@ -67,8 +68,6 @@ def test_the_adapter_and_the_pipeline_import_neither_jax_nor_the_server():
 
 
 def test_the_tiny_models_cover_every_family():
-    from expertd.client.transformers import FAMILIES
-
     assert sorted(family.model_type for family in FAMILIES.values()) == sorted(TINY)
 
 
@@ -228,6 +227,24 @@ def test_a_model_the_server_does_not_hold_is_refused_with_every_difference(serve
         *(f"layer {i}: topk: model 1, server {topk}" for i in served_layers),
         f"layer {extra}: not served (the server holds layers {served_layers})"]
     assert not any(isinstance(block.module, RemoteMoeBlock) for block in find_moe_blocks(other))  # untouched
+
+
+def test_a_model_routed_differently_from_the_server_is_refused_naming_how(served):
+    model_type, path, target = served
+    family = next(family for family in FAMILIES.values() if family.model_type == model_type)
+    if not isinstance(family.normalised, str):
+        pytest.skip(f"{model_type} always divides its k routing weights by their sum")
+    normalised = bool(hf_models.config(model_type).norm_topk_prob)
+    overrides = {"norm_topk_prob": not normalised}
+    expected = [f"topk_normalised: model {not normalised}, server {normalised}"]
+    if isinstance(family.scaling, str):
+        overrides[family.scaling] = 1.5
+        served_scaling = float(getattr(hf_models.config(model_type), family.scaling))
+        expected.append(f"scaling_factor: model 1.5, server {served_scaling}")
+    other = build(model_type, **overrides)
+    with pytest.raises(LayerMismatchError) as caught:
+        offload_moe(other, target)
+    assert caught.value.problems == [f"layer {i}: {problem}" for i in TINY[model_type][3] for problem in expected]
 
 
 # ----------------------------------------------------------------------------- bf16 end to end
