@@ -111,6 +111,11 @@ class AsyncExpertClient(ClientBase):
             call.cancel()
         await sender  # re-raises an item's encoding error
 
+    def open_forward_stream(self, *, timeout: float | None = None) -> grpc.aio.StreamStreamCall:
+        """A raw ForwardStream call with this client's metadata, for callers that send messages for several
+        layers on one stream and pair answers by ``request_id`` themselves (:mod:`expertd.client.pipeline`)."""
+        return self._stub.ForwardStream(metadata=self._metadata, timeout=timeout)
+
     async def model_info(self, *, timeout: float | None = None) -> expert_pb2.GetModelInfoResponse:
         return await self._unary(self._stub.GetModelInfo, expert_pb2.GetModelInfoRequest(), timeout)
 
