@@ -12,7 +12,8 @@ Start-up, in order:
    Prometheus ``/metrics`` listens on its own HTTP port. Port 0 binds a free port.
 3. Warm up (``expertd.server.warmup``: compile every bucket) on the device-worker thread while
    health says NOT_SERVING ("liveness" is SERVING from the start); then SERVING and
-   ``expertd_model_ready`` 1.
+   ``expertd_model_ready`` 1, and (expert-parallel mesh) the expert load balancer starts
+   (``expertd.server.eplb``; it stops first when draining).
 
 Drain (``handle.stop()``, SIGTERM in ``expertd serve``): health NOT_SERVING and new calls get
 UNAVAILABLE while accepted requests (queued ones included) finish, then the gRPC server stops
@@ -34,7 +35,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import kserve, startup, warmup
+from expertd.server import eplb, kserve, startup, warmup
 from expertd.server.batcher import Batcher
 from expertd.server.config import ServerConfig
 from expertd.server.interceptors import wrapping
@@ -82,6 +83,7 @@ class ServerHandle:
                                     platform=self.model.mesh.platform)
         self.metrics.set_ready(False)
         self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
+        self.rebalancer = eplb.Rebalancer(self.engine, self.metrics, interval_s=config.model.eplb_interval_s)
         self.port = self.metrics_port = 0
         self._step_runner = step_runner or self.engine
         self._on_warm = on_warm
@@ -176,7 +178,8 @@ class ServerHandle:
         registrar = wrapping(server, self.metrics, config.security.token())
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
         batcher = Batcher(self._step_runner, model, config.batching, self.metrics, executor)
-        servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION)
+        servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION,
+                                  placements=self.rebalancer)
         expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, registrar)
         services = [EXPERT_SERVICE, *kserve.add_to_server(registrar, model=model, batcher=batcher,
                                                           statistics=self.metrics.statistics,
@@ -204,6 +207,7 @@ class ServerHandle:
             self._ready.set()
             return
         parts.batcher.start()
+        self.rebalancer.start(parts.batcher.loads, parts.batcher.run_on_device)
         for name in ("", *parts.services, "readiness"):
             await parts.health.set(name, SERVING)
         self.metrics.set_ready(True)
@@ -220,6 +224,7 @@ class ServerHandle:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._grace
         self.metrics.set_ready(False)
+        await self.rebalancer.stop()
         await parts.health.enter_graceful_shutdown()
         # Readiness is NOT_SERVING and new calls get UNAVAILABLE ("draining", retryable elsewhere)
         # while every accepted request, queued ones included, finishes; then the gRPC server
