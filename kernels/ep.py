@@ -1,54 +1,80 @@
-"""Expert-parallel MoE layer: experts sharded E/R per rank over a mesh axis, tokens exchanged.
+"""Expert-parallel MoE layer: physical expert slots over a mesh axis, tokens exchanged once per rank.
 
-Public API (T tokens, H hidden, E experts, El = E/R local experts, k top-k, R ranks on `axis`):
+Public API (T tokens, H hidden, E logical experts, k top-k, R ranks on `axis`; with a placement,
+P = E + N physical slots, S = P / R per rank; without one, P = E and expert e is slot e):
 
-  shard_params(params: MoEParams, cfg, mesh, axis="ep") -> MoEParams
-      Places the params on the mesh once: w_gate / w_up / w_down split on their expert dim (El
-      experts per rank), everything else replicated. Serving calls this once so that ep_moe_layer
-      never re-transfers weights.
+  plan_placement(load [E], num_ranks, num_redundant, *, num_groups=None, num_nodes=1) -> Placement
+      DeepSeek's EPLB policy over an observed load (`expertd.kernels.eplb`, which also holds the
+      Placement type: physical_to_logical [R, S], replica counts, logical_to_physical, balancedness).
 
-  ep_moe_layer(params: MoEParams, x [T, H], cfg, mesh, *, axis="ep", dispatch="auto", capacity_factor=None,
-               valid_tokens=None, return_stats=False, backend="auto", ragged_all_to_all=None)
+  shard_params(params: MoEParams, cfg, mesh, axis="ep", *, placement=None) -> MoEParams
+      Places the LOGICAL params on the mesh once: w_gate / w_up / w_down laid out in the
+      placement's physical order (row p = logical expert physical_to_logical.flat[p], so the
+      weights of a replicated expert are copied to each of its slots), split on their first dim
+      (S slots per rank); everything else replicated. Without a placement: expert e on slot e
+      (E % R == 0), and placing already placed params again is a no-op.
+
+  placement_tables(placement, mesh) -> PlacementTables
+      The placement's run-time tables (replicas [E, N + 1], counts [E]) replicated on the mesh:
+      what ep_moe_layer reads to pick a replica. Their shape depends only on (E, N), so a server
+      swaps placements without recompiling.
+
+  relayout(params, old: Placement, new: Placement, mesh, axis="ep") -> MoEParams
+      Physical params laid out for `old` -> the same weights laid out for `new`. Ranks whose slots
+      do not change keep their device buffers; the others get a new buffer assembled on the host
+      from the slots that already hold each expert (same rank first), put on their device with
+      `device_put`: no collective, so it can run beside the steps of another thread. One process.
+
+  ep_moe_layer(params: MoEParams, x [T, H], cfg, mesh, *, axis="ep", dispatch="auto",
+               capacity_factor=None, valid_tokens=None, return_stats=False, backend="auto",
+               ragged_all_to_all=None, placement=None)
       -> out [T, H] in x.dtype, or (out, stats) with return_stats.
       Same contract as `moe.moe_layer` (valid_tokens: None, an int count or a bool [T] mask;
-      padding rows are not routed and come back as zeros). x and params may be host (numpy) or
-      device arrays; with several processes every process passes the same host values.
+      padding rows are not routed and come back as zeros), computed as `ep_rank` describes: every
+      token travels once to each rank holding at least one of its experts and comes back as one
+      weighted partial sum per (token, rank), added in fp32 on its own rank.
+      placement: None (expert e on slot e), a Placement, or PlacementTables (host or device). With
+        one, params must be `shard_params(params, cfg, mesh, placement=...)`'s output (expert
+        weights [P, ...] in its physical order; host expert weights with a non-identity Placement
+        are refused, since they can only be logical). Each rank splits its tokens of a replicated
+        expert evenly over its replicas (the n-th, in token order, to replica (n + rank) % count).
       dispatch:
-        "ragged"    counts are exchanged first, then only the routed rows travel
-                    (`jax.lax.ragged_all_to_all`) into a worst-case receive buffer; dropless.
-                    GPU/TPU only: XLA:CPU cannot compile the op.
-        "capacity"  a dense `all_to_all` of a fixed [R, C, H] buffer per rank (C rows for every
-                    destination). Default C is the dropless worst case T/R * min(k, El);
-                    capacity_factor f sets C = ceil(f * (T/R) * k / R): the rows past C of a
-                    destination are dropped, counted in stats["dropped_pairs"], and their weight is
-                    NOT renormalised away (a dropped pair simply contributes nothing).
-        "auto"      "ragged" on GPU/TPU, else "capacity" (also "capacity" when capacity_factor is
-                    given).
-      backend: grouped-GEMM backend of `expertd.kernels.experts` for the local experts.
-      ragged_all_to_all: the op the ragged path calls (default `jax.lax.ragged_all_to_all`);
-      `ragged.ragged_all_to_all_emulated` runs the same ragged code on CPU.
-      stats (jax arrays): topk_ids int32 [T, k] and topk_weights fp32 [T, k] (the routing each rank
-      computed for its tokens, `moe.route`'s: -1 / 0 on padding rows, so a caller needs no second
-      routing pass), tokens_per_expert int32 [E] (routed, global, padding excluded),
-      dropped_pairs int32 [], rows_received int32 [R] (rows each rank's experts ran, after drops),
-      bytes_sent float32 [R] (dispatch + combine payload rows incl. padding, plus the count
-      exchange), min_bytes float32 [R] (routed rows only, both directions), bytes_ratio float32 []
-      = sum(bytes_sent) / sum(min_bytes) (inf when nothing is routed). Bytes describe the exchange
-      algorithm: the ragged path counts routed rows whichever ragged_all_to_all implementation
-      runs (the CPU emulation moves more).
+        "ragged"    counts first, then only the routed rows (`jax.lax.ragged_all_to_all`) into a
+                    receive buffer of R * T/R rows; dropless. GPU/TPU only: XLA:CPU cannot compile
+                    the op (`ragged.ragged_all_to_all_emulated` runs the same code on CPU).
+        "capacity"  a dense all_to_all of a fixed [R, C, H] block per rank. Default C = T/R, the
+                    dropless worst case (a token goes to a rank once); capacity_factor f sets
+                    C = ceil(f * (T/R) * min(k, R) / R): the rows past C of a destination are
+                    dropped with all their experts, counted, and the kept weights are NOT
+                    renormalised.
+        "auto"      "ragged" on GPU/TPU, else "capacity" (also "capacity" with a capacity_factor).
+      backend: grouped-GEMM backend of `expertd.kernels.experts` for the rank's slots.
+      In bf16 each partial is rounded to bf16 for the trip back (as DeepEP's bf16 combine), then
+      the partials are added in fp32: one bf16 rounding more than `moe.moe_layer`.
 
-One rank's step (all inside one shard_map; every rank runs every collective, even with no tokens):
-route its T/R tokens (`moe.route`, fp32) -> permute copies expert-major, which is destination-rank
-major (`dispatch.permute`, a `Permutation`) -> all_gather the per-expert counts [R, E] -> exchange
-rows (`Received`) -> re-sort the received rows by local expert (`ragged.expert_major_positions`, an
-`ExpertMajorOrder`) -> `experts.grouped_ffn` -> reverse exchange -> weighted fp32 combine on the
-token's own rank (`dispatch.unpermute`) -> shared experts on the local tokens.
+  stats (jax arrays; "rows" are hidden-state rows of H * itemsize(x.dtype) bytes):
+      topk_ids int32 [T, k], topk_weights fp32 [T, k]: the logical routing each rank computed (-1 /
+        0 on padding rows), so a caller needs no second routing pass;
+      tokens_per_expert int32 [E]: routed (token, logical expert) pairs, padding excluded, pre-drop;
+      tokens_per_slot int32 [P]: pairs each physical slot ran (after drops);
+      rows_received int32 [R]: pairs each rank's slots ran, its load; balancedness fp32 [] = mean /
+        max of it (1 when nothing ran);
+      dropped_pairs int32 [], dropped_rows int32 []: capacity drops (0 in ragged mode);
+      per rank, both directions (dispatch out + combine back), payload rows only:
+      bytes_sent fp32 [R]: rows the rank puts on the wire (capacity: its whole [R, C, H] buffers;
+        rows a rank sends itself count too: they go through the same buffers);
+      min_rank_bytes fp32 [R]: the minimum of this scheme, one row per (token, destination rank)
+        its tokens hit out, one per (token, rank) pair it received back; ragged mode sends exactly
+        this;
+      padding_bytes fp32 [R]: bytes_sent minus the rows that carried a token (capacity padding);
+      pair_bytes fp32 [R]: what one row per (token, expert) pair would send (the scheme before);
+      meta_bytes fp32 [R]: not in the above: the [2, R] int32 count all_gather and the int32
+        (slot, weight) metadata rows of the dispatch;
+      bytes_ratio fp32 [] = sum(bytes_sent) / sum(min_rank_bytes) (inf when nothing is routed).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +83,15 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from expertd.kernels import dispatch as dispatch_ops
-from expertd.kernels import experts, moe, ragged
-from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams
+from expertd.kernels import ep_rank, moe, ragged
+from expertd.kernels.eplb import Placement, PlacementTables, plan_placement
+from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams, logical_shape, param_shapes
+
+__all__ = ["DISPATCH_MODES", "Placement", "PlacementTables", "ep_moe_layer", "placement_tables", "plan_placement",
+           "relayout", "resolve_dispatch", "shard_params"]
 
 DISPATCH_MODES = ("auto", "ragged", "capacity")
-EXPERT_KEYS = EXPERT_WEIGHTS  # sharded on dim 0; all other params are replicated
+EXPERT_KEYS = EXPERT_WEIGHTS  # laid out by slot and split on dim 0; all other params are replicated
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # where XLA compiles ragged-all-to-all
 
 
@@ -72,15 +101,24 @@ def _num_ranks(mesh, axis: str) -> int:
     return int(mesh.shape[axis])
 
 
-def _check_experts_divide(cfg: moe.MoEConfig, num_ranks: int) -> None:
-    if cfg.num_experts % num_ranks:
-        raise ValueError(f"cfg.num_experts={cfg.num_experts} must be divisible by the {num_ranks} ranks of the EP axis")
+def _as_placement(placement, cfg: moe.MoEConfig, num_ranks: int) -> Placement:
+    if placement is None:
+        if cfg.num_experts % num_ranks:
+            raise ValueError(f"cfg.num_experts={cfg.num_experts} must be divisible by the {num_ranks} ranks of the EP "
+                             "axis (or give a placement whose E + N slots are)")
+        return Placement.identity(cfg.num_experts, num_ranks)
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be an eplb.Placement or None, got {type(placement).__name__}")
+    if placement.num_logical != cfg.num_experts or placement.num_ranks != num_ranks:
+        raise ValueError(f"placement is for {placement.num_logical} experts on {placement.num_ranks} ranks; the layer "
+                         f"has {cfg.num_experts} experts and the EP axis {num_ranks} ranks")
+    return placement
 
 
 def _place(value, sharding: NamedSharding):
     """A global array with `sharding`; host values are copied from every process's own copy."""
     if isinstance(value, jax.core.Tracer):  # under an outer jit
-        return jax.lax.with_sharding_constraint(value, sharding)
+        return lax.with_sharding_constraint(value, sharding)
     if isinstance(value, jax.Array) and value.sharding == sharding:
         return value
     if jax.process_count() == 1:
@@ -89,14 +127,101 @@ def _place(value, sharding: NamedSharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def shard_params(params: MoEParams, cfg: moe.MoEConfig, mesh, axis: str = "ep") -> MoEParams:
-    """Place `params` on `mesh`: expert weights [E, ...] split over `axis`, the rest replicated."""
+@functools.lru_cache(maxsize=64)
+def _take_program(sharding: NamedSharding):
+    return jax.jit(lambda a, order: jnp.take(a, order, axis=0), out_shardings=sharding)
+
+
+def _gather_place(value, order: np.ndarray, sharding: NamedSharding):
+    """value [E, ...] -> value[order] [P, ...] with `sharding`, each process building only its shards."""
+    if isinstance(value, jax.core.Tracer):
+        return lax.with_sharding_constraint(jnp.take(value, jnp.asarray(order), axis=0), sharding)
+    if isinstance(value, jax.Array):
+        return _take_program(sharding)(value, order)
+    if not hasattr(value, "__array__"):
+        raise TypeError(f"expert weights to lay out for a placement must be arrays, got {type(value).__name__} "
+                        "(prepared weights keep their own layout; place the arrays they were made from)")
+    host = np.asarray(value)
+    return jax.make_array_from_callback((len(order),) + host.shape[1:], sharding,
+                                        lambda index: host[order[index[0]]])
+
+
+def shard_params(params: MoEParams, cfg: moe.MoEConfig, mesh, axis: str = "ep", *, placement=None) -> MoEParams:
+    """Place logical `params` on `mesh` in `placement`'s physical layout; see the module docstring."""
     moe.check_params(params, cfg)
-    _check_experts_divide(cfg, _num_ranks(mesh, axis))
-    return params.replace(**{
-        name: _place(value, NamedSharding(mesh, P(axis) if name in EXPERT_KEYS else P()))
-        for name, value in params.items()
-    })
+    placement = _as_placement(placement, cfg, _num_ranks(mesh, axis))
+    split, replicated = NamedSharding(mesh, P(axis)), NamedSharding(mesh, P())
+    order = placement.physical_to_logical.reshape(-1)
+    identity = placement.is_identity
+
+    def lay_out(name, value):
+        if name not in EXPERT_KEYS:
+            return _place(value, replicated)
+        return _place(value, split) if identity else _gather_place(value, order, split)
+
+    return params.replace(**{name: lay_out(name, value) for name, value in params.items()})
+
+
+def placement_tables(placement: Placement, mesh) -> PlacementTables:
+    """`placement.tables()` as device arrays replicated over `mesh` (see the module docstring)."""
+    replicated = NamedSharding(mesh, P())
+    return PlacementTables(*(_place(t, replicated) for t in placement.tables()))
+
+
+def _source_slots(old: Placement, new: Placement) -> np.ndarray:
+    """int [P]: for each slot of `new`, a slot of `old` holding the same expert (the same slot,
+    else one on the same rank, else the first)."""
+    s = old.slots_per_rank
+    old_flat, new_flat = old.physical_to_logical.reshape(-1), new.physical_to_logical.reshape(-1)
+    holders = old.logical_to_physical
+    source = np.empty(new_flat.size, np.int64)
+    for p, e in enumerate(new_flat):
+        if old_flat[p] == e:
+            source[p] = p
+            continue
+        candidates = holders[e][holders[e] >= 0]
+        same_rank = candidates[candidates // s == p // s]
+        source[p] = same_rank[0] if same_rank.size else candidates[0]
+    return source
+
+
+def relayout(params: MoEParams, old: Placement, new: Placement, mesh, axis: str = "ep") -> MoEParams:
+    """`params` laid out for `old` -> laid out for `new`; see the module docstring."""
+    if (old.num_logical, old.physical_to_logical.shape) != (new.num_logical, new.physical_to_logical.shape):
+        raise ValueError(f"relayout needs placements of one shape: {old} and {new}")
+    if old == new:
+        return params
+    if jax.process_count() > 1:
+        raise ValueError("relayout moves weights through this process's host memory: one process only")
+    s = new.slots_per_rank
+    source = _source_slots(old, new)
+    unchanged = (old.physical_to_logical == new.physical_to_logical).all(axis=1)  # [R]
+    sharding = NamedSharding(mesh, P(axis))
+
+    def move(value):
+        shards = {(shard.index[0].start or 0) // s: shard for shard in value.addressable_shards}
+        host: dict[int, np.ndarray] = {}
+
+        def rank_rows(rank):
+            if rank not in host:
+                host[rank] = np.asarray(shards[rank].data)
+            return host[rank]
+
+        parts = []
+        for shard in value.addressable_shards:
+            rank = (shard.index[0].start or 0) // s
+            if unchanged[rank]:
+                parts.append(shard.data)
+                continue
+            rows = np.stack([rank_rows(src // s)[src % s] for src in source[rank * s:(rank + 1) * s]])
+            parts.append(jax.device_put(rows, shard.device))
+        return jax.make_array_from_single_device_arrays(value.shape, sharding, parts)
+
+    for name in EXPERT_KEYS:
+        if logical_shape(getattr(params, name))[0] != new.num_physical:
+            raise ValueError(f"params.{name} holds {logical_shape(getattr(params, name))[0]} slots, the placement "
+                             f"{new.num_physical}")
+    return params.replace(**{name: move(getattr(params, name)) for name in EXPERT_KEYS})
 
 
 def resolve_dispatch(dispatch: str, mesh, *, capacity_factor=None, ragged_all_to_all=None) -> str:
@@ -126,6 +251,77 @@ def _check_capacity_factor(capacity_factor) -> None:
         raise ValueError(f"capacity_factor must be a finite number > 0 or None, got {capacity_factor!r}")
 
 
+def _check_physical_params(params: MoEParams, cfg: moe.MoEConfig, num_physical: int) -> None:
+    """moe.check_params, with the expert weights' first dim the P physical slots."""
+    if not isinstance(params, MoEParams):
+        raise TypeError(f"params must be a MoEParams (MoEParams.from_dict(d, cfg) builds one from a dict of "
+                        f"arrays), got {type(params).__name__}")
+    for name, shape in param_shapes(cfg).items():
+        value = getattr(params, name)
+        want = (num_physical,) + shape[1:] if name in EXPERT_KEYS else shape
+        if value is None:
+            raise ValueError(f"params is missing {name!r} (expected shape {want})")
+        if logical_shape(value) != want:
+            hint = " (lay them out with ep.shard_params(params, cfg, mesh, placement=placement))" \
+                if name in EXPERT_KEYS and num_physical != cfg.num_experts else ""
+            raise ValueError(f"params.{name} must have shape {want}, got {logical_shape(value)}{hint}")
+
+
+def _tables_of(placement, cfg: moe.MoEConfig, num_ranks: int, params: MoEParams):
+    """(PlacementTables, P) for ep_moe_layer's `placement` argument."""
+    if placement is None or isinstance(placement, Placement):
+        placement = _as_placement(placement, cfg, num_ranks)
+        if not placement.is_identity and any(isinstance(getattr(params, n), np.ndarray) for n in EXPERT_KEYS):
+            raise ValueError("with a placement, params must be laid out for it: ep.shard_params(params, cfg, mesh, "
+                             "placement=placement) (host expert weights can only be logical)")
+        return placement.tables(), placement.num_physical
+    if not isinstance(placement, PlacementTables):
+        raise TypeError(f"placement must be an eplb.Placement, PlacementTables or None, got {type(placement).__name__}")
+    if placement.replicas.ndim != 2 or placement.replicas.shape[0] != cfg.num_experts \
+            or placement.counts.shape != (cfg.num_experts,):
+        raise ValueError(f"placement tables must be replicas [E={cfg.num_experts}, N + 1] and counts [E], got "
+                         f"{placement.replicas.shape} and {placement.counts.shape}")
+    num_physical = cfg.num_experts + placement.replicas.shape[1] - 1  # E + N
+    if num_physical % num_ranks:
+        raise ValueError(f"the placement's {num_physical} expert slots are not divisible by the {num_ranks} ranks")
+    return placement, num_physical
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "mesh", "axis", "backend", "ragged_fn", "num_tokens"))
+def _forward(params: MoEParams, tables: PlacementTables, x, valid, *, plan, mesh, axis, backend, ragged_fn,
+             num_tokens):
+    param_spec = params.replace(**{name: P(axis) if name in EXPERT_KEYS else P() for name, _ in params.items()})
+    body = functools.partial(ep_rank.rank_forward, plan=plan, axis=axis, backend=backend, ragged_fn=ragged_fn)
+    # check_vma=False: the Pallas expert / router kernels inside need it (jax-on-cpu.md 4).
+    out_specs = ep_rank.RankOutputs(*(P(axis),) * len(ep_rank.RankOutputs._fields))
+    res = jax.shard_map(body, mesh=mesh, in_specs=(param_spec, PlacementTables(P(), P()), P(axis), P(axis)),
+                        out_specs=out_specs, check_vma=False)(params, tables, x, valid)
+    c = {name: res.per_rank[:, i].astype(jnp.float32) for i, name in enumerate(ep_rank.COUNTERS)}
+    row_bytes = plan.cfg.hidden_size * jnp.dtype(x.dtype).itemsize
+    load = res.slot_tokens.sum(axis=1)
+    bytes_sent = c["wire_rows"] * row_bytes
+    min_rank_bytes = (c["rows_out"] + c["rows_in"]) * row_bytes
+    total_min = min_rank_bytes.sum()
+    r = plan.num_ranks
+    stats = {
+        "topk_ids": res.topk_ids[:num_tokens],
+        "topk_weights": res.topk_weights[:num_tokens],
+        "tokens_per_expert": res.tokens_per_expert.sum(axis=0),
+        "tokens_per_slot": res.slot_tokens.reshape(-1),
+        "rows_received": load,
+        "balancedness": jnp.where(load.max() > 0, load.mean() / jnp.maximum(load.max(), 1), 1.0).astype(jnp.float32),
+        "dropped_pairs": res.per_rank[:, 0].sum(),
+        "dropped_rows": res.per_rank[:, 1].sum(),
+        "bytes_sent": bytes_sent,
+        "min_rank_bytes": min_rank_bytes,
+        "padding_bytes": (c["wire_rows"] - c["kept_rows"]) * row_bytes,
+        "pair_bytes": (c["pairs_out"] + c["pairs_in"]) * row_bytes,
+        "meta_bytes": 2 * r * r * 4 + c["meta_rows"] * plan.row_experts * 8,
+        "bytes_ratio": jnp.where(total_min > 0, bytes_sent.sum() / jnp.maximum(total_min, 1.0), jnp.inf),
+    }
+    return res.out[:num_tokens], stats
+
+
 def _valid_rows(valid_tokens, num_tokens: int, padded: int):
     """Bool [T_pad]: valid rows of the padded batch (padding past T is never valid)."""
     if valid_tokens is None:
@@ -147,173 +343,30 @@ def _pad_rows(x, padded: int):
     return jnp.pad(x, ((0, extra), (0, 0)))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Static sizes of one layer call (hashable: part of the jit cache key)."""
-
-    cfg: moe.MoEConfig
-    num_ranks: int
-    rows_per_rank: int  # T/R, rounded up
-    mode: str  # "ragged" or "capacity"
-    capacity: int  # rows per destination of the capacity exchange
-
-    @property
-    def local_experts(self) -> int:
-        return self.cfg.num_experts // self.num_ranks
-
-    @property
-    def recv_rows(self) -> int:
-        """Receive buffer rows: every source may send its worst case (ragged) or its C rows."""
-        worst = ragged.worst_case_rows(self.rows_per_rank, self.cfg.topk, self.local_experts)
-        return self.num_ranks * (worst if self.mode == "ragged" else self.capacity)
-
-    @property
-    def expert_rows(self) -> int:
-        """Rows one local expert can get: each token reaches an expert at most once."""
-        return min(self.recv_rows, self.num_ranks * self.rows_per_rank)
-
-
-class Received(NamedTuple):
-    """What one rank holds after the dispatch exchange (M = plan.recv_rows receive rows, R ranks,
-    El local experts).
-
-    rows:          [M, H] received rows, source-major (gaps between sources are padding)
-    counts:        int32 [R, El] rows from each source for each local expert, as stored (after
-                   the capacity's drops)
-    source_starts: int32 [R] first receive row of each source's rows
-    kept_send:     int32 [R] rows of mine each destination kept (the combine's return sizes)
-    """
-
-    rows: jax.Array
-    counts: jax.Array
-    source_starts: jax.Array
-    kept_send: jax.Array
-
-
-class RankOutputs(NamedTuple):
-    """One rank's results, stacked over the ranks by shard_map (Tr = T/R tokens per rank).
-
-    out:               [Tr, H] x.dtype, the layer output of the rank's tokens
-    topk_ids:          int32 [Tr, k] their routing (-1 on padding rows)
-    topk_weights:      fp32 [Tr, k] (0 on padding rows)
-    tokens_per_expert: int32 [1, E] the rank's routed copies per expert
-    per_rank:          int32 [1, 4] dropped pairs, rows its experts ran, payload rows both ways,
-                       routed rows both ways
-    """
-
-    out: jax.Array
-    topk_ids: jax.Array
-    topk_weights: jax.Array
-    tokens_per_expert: jax.Array
-    per_rank: jax.Array
-
-
-def _exchange(rows, counts, me, plan: _Plan, axis: str, ragged_fn) -> Received:
-    """Dispatch: my rows [N, H] (destination-major), the all-gathered counts [R, E] -> Received."""
-    r, el = plan.num_ranks, plan.local_experts
-    counts_se = counts.reshape(r, r, el)  # [source, destination, local expert]
-    send = counts_se[me]  # [R, El]
-    send_sizes = send.sum(-1)
-    if plan.mode == "ragged":
-        ex = ragged.dispatch_exchange_params(counts_se.sum(-1), me)
-        out = jnp.zeros((plan.recv_rows,) + rows.shape[1:], rows.dtype)
-        received = ragged_fn(rows, out, *ex, axis_name=axis)
-        return Received(received, counts_se[:, me, :], ragged.exclusive_cumsum(ex.recv_sizes), send_sizes)
-    packed = ragged.pack_slices(rows, ragged.exclusive_cumsum(send_sizes), send_sizes, plan.capacity)
-    received = lax.all_to_all(packed, axis, 0, 0, tiled=True).reshape((plan.recv_rows,) + rows.shape[1:])
-    stored = ragged.kept_counts(counts_se[:, me, :], plan.capacity)
-    starts = jnp.arange(r, dtype=jnp.int32) * plan.capacity
-    return Received(received, stored, starts, ragged.kept_counts(send, plan.capacity).sum(-1))
-
-
-def _exchange_back(y_recv, counts, me, kept_send, num_rows: int, plan: _Plan, axis: str, ragged_fn):
-    """Combine: expert outputs in the receive layout [M, H] -> my rows' outputs [N, H]
-    (destination-major, zero where a row was dropped)."""
-    r, el = plan.num_ranks, plan.local_experts
-    out = jnp.zeros((num_rows,) + y_recv.shape[1:], y_recv.dtype)
-    if plan.mode == "ragged":
-        ex = ragged.combine_exchange_params(counts.reshape(r, r, el).sum(-1), me)
-        return ragged_fn(y_recv, out, *ex, axis_name=axis)
-    back = lax.all_to_all(y_recv.reshape((r, plan.capacity) + y_recv.shape[1:]), axis, 0, 0, tiled=True)
-    send_sizes = counts.reshape(r, r, el)[me].sum(-1)
-    return ragged.unpack_slices(back, ragged.exclusive_cumsum(send_sizes), kept_send, out)
-
-
-def _rank_forward(params: MoEParams, x, valid, *, plan: _Plan, axis: str, backend: str, ragged_fn) -> RankOutputs:
-    """One rank: x [T/R, H], valid bool [T/R] -> its RankOutputs."""
-    cfg, r = plan.cfg, plan.num_ranks
-    me = lax.axis_index(axis)
-    ids, weights = moe.route(params, x, cfg, valid)
-    rows, perm = dispatch_ops.permute(x, jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
-    counts = lax.all_gather(perm.tokens_per_expert, axis)  # [R, E]: every exchange size, everywhere
-    got = _exchange(rows, counts, me, plan, axis, ragged_fn)
-    order = ragged.expert_major_positions(got.counts, got.source_starts, plan.recv_rows)
-    xs = jnp.zeros_like(got.rows).at[order.positions].set(got.rows, mode="drop")
-    ys = experts.grouped_ffn(xs, order.group_sizes, params.w_gate, params.w_up, params.w_down,
-                             activation=cfg.activation, backend=backend, capacity=plan.expert_rows)
-    y_recv = ys.at[order.positions].get(mode="fill", fill_value=0)  # padding rows (pos == M) read as 0
-    y_rows = _exchange_back(y_recv, counts, me, got.kept_send, rows.shape[0], plan, axis, ragged_fn)
-    out = dispatch_ops.unpermute(y_rows, perm, weights, out_dtype=jnp.float32)
-    if cfg.has_shared:
-        out = out + moe.shared_experts(params, x, cfg)
-    out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
-    sent = perm.tokens_per_expert.sum()
-    routed_in = counts.reshape(r, r, plan.local_experts)[:, me, :].sum()
-    # Rows on the wire, both directions: ragged moves the routed rows out and back, capacity
-    # moves its whole [R, C, H] buffer each way.
-    payload = sent + routed_in if plan.mode == "ragged" else 2 * r * plan.capacity
-    per_rank = jnp.stack([sent - got.kept_send.sum(), order.group_sizes.sum(), payload, sent + routed_in])
-    return RankOutputs(out, ids, weights, perm.tokens_per_expert[None], per_rank[None].astype(jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnames=("plan", "mesh", "axis", "backend", "ragged_fn", "num_tokens"))
-def _forward(params: MoEParams, x, valid, *, plan, mesh, axis, backend, ragged_fn, num_tokens):
-    expert_spec = params.replace(**{name: P(axis) if name in EXPERT_KEYS else P() for name, _ in params.items()})
-    body = functools.partial(_rank_forward, plan=plan, axis=axis, backend=backend, ragged_fn=ragged_fn)
-    # check_vma=False: the Pallas expert / router kernels inside need it (jax-on-cpu.md 4).
-    out_specs = RankOutputs(*(P(axis),) * len(RankOutputs._fields))
-    res = jax.shard_map(body, mesh=mesh, in_specs=(expert_spec, P(axis), P(axis)), out_specs=out_specs,
-                        check_vma=False)(params, x, valid)
-    per_rank = res.per_rank
-    row_bytes = plan.cfg.hidden_size * jnp.dtype(x.dtype).itemsize
-    count_bytes = plan.num_ranks * plan.cfg.num_experts * 4  # the all_gather of int32 counts
-    bytes_sent = per_rank[:, 2].astype(jnp.float32) * row_bytes + count_bytes
-    min_bytes = per_rank[:, 3].astype(jnp.float32) * row_bytes
-    total_min = min_bytes.sum()
-    stats = {
-        "topk_ids": res.topk_ids[:num_tokens],
-        "topk_weights": res.topk_weights[:num_tokens],
-        "tokens_per_expert": res.tokens_per_expert.sum(axis=0),
-        "dropped_pairs": per_rank[:, 0].sum(),
-        "rows_received": per_rank[:, 1],
-        "bytes_sent": bytes_sent,
-        "min_bytes": min_bytes,
-        "bytes_ratio": jnp.where(total_min > 0, bytes_sent.sum() / jnp.maximum(total_min, 1.0), jnp.inf),
-    }
-    return res.out[:num_tokens], stats
-
-
 def ep_moe_layer(params: MoEParams, x, cfg: moe.MoEConfig, mesh, *, axis: str = "ep", dispatch: str = "auto",
                  capacity_factor=None, valid_tokens=None, return_stats: bool = False, backend: str = "auto",
-                 ragged_all_to_all=None):
+                 ragged_all_to_all=None, placement=None):
     """Expert-parallel MoE forward `x [T, H]` -> `[T, H]` (x.dtype); see the module docstring."""
     if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.hidden_size:
         raise ValueError(f"x must be [T, H={cfg.hidden_size}], got shape {getattr(x, 'shape', None)}")
     if x.shape[0] < 1:
         raise ValueError("x must hold at least one token row, got T=0")
-    moe.check_params(params, cfg)
     r = _num_ranks(mesh, axis)
-    _check_experts_divide(cfg, r)
+    tables, num_physical = _tables_of(placement, cfg, r, params)
+    _check_physical_params(params, cfg, num_physical)
     _check_capacity_factor(capacity_factor)
     mode = resolve_dispatch(dispatch, mesh, capacity_factor=capacity_factor, ragged_all_to_all=ragged_all_to_all)
     t = x.shape[0]
     rows_per_rank = -(-t // r)
-    capacity = ragged.capacity_rows(rows_per_rank, cfg.topk, cfg.num_experts, r, capacity_factor)
-    plan = _Plan(cfg, r, rows_per_rank, mode, capacity)
-    token_sharding = NamedSharding(mesh, P(axis))
+    capacity = ragged.rank_capacity(rows_per_rank, cfg.topk, r, capacity_factor)
+    plan = ep_rank.Plan(cfg, r, num_physical // r, rows_per_rank, mode, capacity)
+    token_sharding, replicated = NamedSharding(mesh, P(axis)), NamedSharding(mesh, P())
     x_global = _place(_pad_rows(x, rows_per_rank * r), token_sharding)
     valid = _place(_valid_rows(valid_tokens, t, rows_per_rank * r), token_sharding)
-    params = shard_params(params, cfg, mesh, axis)  # a no-op for already placed params
-    out, stats = _forward(params, x_global, valid, plan=plan, mesh=mesh, axis=axis, backend=backend,
+    split = NamedSharding(mesh, P(axis))
+    params = params.replace(**{name: _place(value, split if name in EXPERT_KEYS else replicated)
+                               for name, value in params.items()})
+    tables = PlacementTables(*(_place(v, replicated) for v in tables))
+    out, stats = _forward(params, tables, x_global, valid, plan=plan, mesh=mesh, axis=axis, backend=backend,
                           ragged_fn=ragged_all_to_all or lax.ragged_all_to_all, num_tokens=t)
     return (out, stats) if return_stats else out

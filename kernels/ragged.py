@@ -1,5 +1,5 @@
 """Ragged all-to-all: a CPU emulation of `jax.lax.ragged_all_to_all` and the offset arithmetic
-expert parallelism needs around it, with its typed handles (`RaggedExchange`, `ExpertMajorOrder`).
+expert parallelism needs around it, with its typed handles (`RaggedExchange`, `RankRows`).
 
 XLA:CPU cannot compile `jax.lax.ragged_all_to_all` ("HLO opcode `ragged-all-to-all` is not
 supported by XLA:CPU ThunkEmitter"). `ragged_all_to_all_emulated` has the same arguments and the
@@ -20,8 +20,12 @@ i // (K // R)):
 The metadata helpers are pure functions of a rows matrix `counts [R, R]` (`counts[s, d]` = rows
 rank s sends to rank d; every rank sees the same all-gathered matrix) and work on numpy or jax
 arrays alike. Dispatch uses a source-major receive layout: the rows rank `me` receives from source
-s start at `sum(counts[:s, me])`. `expert_major_positions` re-sorts a received buffer by local
-expert; `worst_case_rows`, `capacity_rows` and `kept_counts` size the fixed-capacity exchange.
+s start at `sum(counts[:s, me])`.
+
+Rank-deduplicated rows (what the EP layer exchanges, as DeepEP and NCCL EP do): a token travels
+once to every rank that holds at least one of its experts, carrying that rank's local expert
+slots and weights (`rank_rows` lays one rank's tokens out so, a `RankRows`); `rank_capacity`
+sizes the fixed-capacity exchange of such rows.
 """
 from __future__ import annotations
 
@@ -46,18 +50,6 @@ class RaggedExchange(NamedTuple):
     send_sizes: jax.Array
     output_offsets: jax.Array
     recv_sizes: jax.Array
-
-
-class ExpertMajorOrder(NamedTuple):
-    """A received buffer re-sorted by local expert (`expert_major_positions`).
-
-    positions:   int32 [M], where each received row goes in the expert-major layout; M (out of
-                 range: a scatter with mode="drop" skips it) for padding rows
-    group_sizes: int32 [El], rows of each local expert
-    """
-
-    positions: jax.Array
-    group_sizes: jax.Array
 
 
 def exclusive_cumsum(x, axis: int = 0):
@@ -166,61 +158,80 @@ def combine_exchange_params(counts, rank) -> RaggedExchange:
     return RaggedExchange(input_offsets, send_sizes, output_offsets, recv_sizes)
 
 
-def expert_major_positions(counts, source_starts, num_rows: int) -> ExpertMajorOrder:
-    """Where each received row goes when the receive buffer is re-sorted by local expert.
 
-    counts int [R, El]: rows from source s for my local expert e, stored contiguously per source
-    in expert order (source s's rows start at `source_starts[s]`, int [R]; gaps between sources are
-    padding). num_rows: static length M of the receive buffer. Returns an ExpertMajorOrder
-    (positions int32 [M], group_sizes int32 [El]): a valid row goes to `positions[r] <
-    sum(counts)` of an expert-major layout (expert e's rows from all sources, source s before s+1,
-    arrival order kept); padding rows get `positions[r] == M` (out of range: a scatter with
-    mode="drop" skips them).
+class RankRows(NamedTuple):
+    """One rank's tokens laid out for the rank-deduplicated exchange (`rank_rows`): one row per
+    (token, destination rank) pair where the token has at least one expert on that rank.
+
+    Shapes: Tr tokens, k top-k, R ranks, S slots per rank; N = Tr * min(k, R) rows (the most a
+    rank can send), kk = min(k, S) (the most experts one row carries), kr = min(k, R) (the most
+    rows one token has). Rows are destination-major, tokens ascending inside a destination; rows
+    past sum(send_counts) are unused.
+
+    send_counts: int32 [R]     rows for each destination rank
+    pair_counts: int32 [R]     (token, expert) pairs for each destination (what one row per pair
+                               would send)
+    row_token:   int32 [N]     the token of each row; Tr for unused rows
+    row_dest:    int32 [N]     the destination of each row; R for unused rows
+    row_slots:   int32 [N, kk] the destination's local slots the row's token goes to, in the
+                               token's top-k order; -1 past them
+    row_weights: fp32 [N, kk]  their routing weights; 0 past them
+    token_rows:  int32 [Tr, kr] each token's rows, ascending destination; N past them
     """
-    counts = jnp.asarray(counts, jnp.int32)
-    num_sources, num_local = counts.shape
-    group_sizes = jnp.sum(counts, axis=0)
-    # One segment per (source, expert), in source-major order.
-    seg_starts = (jnp.asarray(source_starts, jnp.int32)[:, None] + exclusive_cumsum(counts, axis=1)).reshape(-1)
-    seg_sizes = counts.reshape(-1)
-    # Destination start of each segment: expert block start + rows of earlier sources.
-    seg_dest = (exclusive_cumsum(group_sizes)[None, :] + exclusive_cumsum(counts, axis=0)).reshape(-1)
-    r = jnp.arange(num_rows, dtype=jnp.int32)
-    # Last segment starting at or before r; empty segments sharing that start come earlier in the
-    # order, so the pick is the one that can hold r. Segment starts are non-decreasing.
-    seg = jnp.clip(jnp.searchsorted(seg_starts, r, side="right") - 1, 0, num_sources * num_local - 1)
-    within = r - seg_starts[seg]
-    valid = (within >= 0) & (within < seg_sizes[seg])
-    return ExpertMajorOrder(jnp.where(valid, seg_dest[seg] + within, num_rows).astype(jnp.int32), group_sizes)
+
+    send_counts: jax.Array
+    pair_counts: jax.Array
+    row_token: jax.Array
+    row_dest: jax.Array
+    row_slots: jax.Array
+    row_weights: jax.Array
+    token_rows: jax.Array
 
 
-def worst_case_rows(tokens_per_rank: int, topk: int, experts_per_rank: int) -> int:
-    """Most rows one rank can send one destination: every token reaches at most min(k, El) of the
-    destination's El experts (one row per (token, expert) pair)."""
-    return int(tokens_per_rank) * min(int(topk), int(experts_per_rank))
+def rank_rows(slots, weights, num_ranks: int, slots_per_rank: int) -> RankRows:
+    """The rank-deduplicated send layout of one rank's routing (see RankRows).
 
-
-def capacity_rows(tokens_per_rank: int, topk: int, num_experts: int, num_ranks: int,
-                  capacity_factor: float | None = None) -> int:
-    """Rows per destination of the fixed-size ("capacity") exchange.
-
-    None: the dropless worst case `worst_case_rows`. A factor f > 0: ceil(f * tokens_per_rank * k / R)
-    (f times the balanced share), at least 1 and at most the worst case.
+    slots int [Tr, k]: the global physical slot (rank-major: rank = slot // slots_per_rank) of
+    each (token, choice), -1 where not routed (padding rows); weights fp32 [Tr, k] the matching
+    routing weights. A token's k slots are distinct (its k experts are), so a row never holds more
+    than min(k, S) of them.
     """
-    worst = worst_case_rows(tokens_per_rank, topk, num_experts // num_ranks)
+    tr, k = slots.shape
+    r, s = int(num_ranks), int(slots_per_rank)
+    n, kk, kr = tr * min(k, r), min(k, s), min(k, r)
+    slots = jnp.asarray(slots, jnp.int32)
+    routed = slots >= 0
+    dest = jnp.where(routed, slots // s, r)  # r: nowhere
+    local = jnp.where(routed, slots % s, -1)
+    tokens = jnp.arange(tr, dtype=jnp.int32)
+    hit = jnp.zeros((tr, r + 1), bool).at[tokens[:, None], dest].set(True)[:, :r]  # [Tr, R]
+    flat = hit.T.reshape(-1)  # destination-major (d, t) order is the row order
+    row_of = jnp.where(flat, jnp.cumsum(flat, dtype=jnp.int32) - 1, n).reshape(r, tr)  # [R, Tr]
+    row_token = jnp.full((n,), tr, jnp.int32).at[row_of.reshape(-1)].set(jnp.tile(tokens, r), mode="drop")
+    row_dest = jnp.full((n,), r, jnp.int32).at[row_of.reshape(-1)].set(
+        jnp.repeat(jnp.arange(r, dtype=jnp.int32), tr), mode="drop")
+    # Place of choice j inside its row: the token's earlier choices with the same destination.
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [j, j'] = j' < j
+    place = ((dest[:, :, None] == dest[:, None, :]) & earlier).sum(-1)
+    pair_row = jnp.where(routed, row_of[jnp.minimum(dest, r - 1), tokens[:, None]], n)
+    row_slots = jnp.full((n, kk), -1, jnp.int32).at[pair_row, place].set(local, mode="drop")
+    row_weights = jnp.zeros((n, kk), jnp.float32).at[pair_row, place].set(
+        jnp.asarray(weights, jnp.float32), mode="drop")
+    token_rows = jnp.sort(row_of.T, axis=1)[:, :kr]  # a token's rows grow with the destination
+    pair_counts = jnp.zeros((r + 1,), jnp.int32).at[dest.reshape(-1)].add(1)[:r]
+    return RankRows(hit.sum(0).astype(jnp.int32), pair_counts, row_token, row_dest, row_slots, row_weights,
+                    token_rows)
+
+
+def rank_capacity(tokens_per_rank: int, topk: int, num_ranks: int, capacity_factor: float | None = None) -> int:
+    """Rows per (source, destination) block of the fixed-size ("capacity") exchange.
+
+    None: tokens_per_rank, the dropless worst case (a token goes to a rank at most once). A factor
+    f > 0: ceil(f * tokens_per_rank * min(k, R) / R), f times the share of a destination when every
+    token reaches min(k, R) ranks, at least 1 and at most the worst case.
+    """
+    worst = int(tokens_per_rank)
     if capacity_factor is None:
         return worst
-    balanced = tokens_per_rank * topk / num_ranks
-    return int(min(worst, max(1, math.ceil(float(capacity_factor) * balanced))))
-
-
-def kept_counts(counts, capacity):
-    """Rows that survive a per-destination capacity.
-
-    counts int [..., El]: one destination's rows per local expert, sent in expert order; a
-    destination takes its first `capacity` rows. Returns int32 [..., El], kept <= counts; the
-    dropped rows are the last ones (highest expert, then highest token) of each destination.
-    """
-    counts = jnp.asarray(counts, jnp.int32)
-    before = exclusive_cumsum(counts, axis=-1)
-    return jnp.clip(capacity - before, 0, counts).astype(jnp.int32)
+    share = tokens_per_rank * min(int(topk), int(num_ranks)) / num_ranks
+    return int(min(worst, max(1, math.ceil(float(capacity_factor) * share))))

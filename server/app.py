@@ -17,7 +17,8 @@ Start-up, in order:
    metrics endpoint (``security_summary``). Port 0 binds a free port.
 3. Warm up (``expertd.server.warmup``: compile every bucket) on the device-worker thread while
    health says NOT_SERVING ("liveness" is SERVING from the start); then SERVING and
-   ``expertd_model_ready`` 1.
+   ``expertd_model_ready`` 1, and (expert-parallel mesh) the expert load balancer starts
+   (``expertd.server.eplb``; it stops first when draining).
 
 Drain (``handle.stop()``, SIGTERM in ``expertd serve``), all within the grace:
 1. ``expertd_model_ready`` 0; the batcher stops accepting (new Forward / Route / ModelInfer calls
@@ -46,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import kserve, startup, warmup
+from expertd.server import eplb, kserve, startup, warmup
 from expertd.server.batcher import Batcher
 from expertd.server.config import ServerConfig
 from expertd.server.config.credentials import Credentials, TlsMaterial
@@ -102,6 +103,7 @@ class ServerHandle:
                                     platform=self.model.mesh.platform)
         self.metrics.set_ready(False)
         self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
+        self.rebalancer = eplb.Rebalancer(self.engine, self.metrics, interval_s=config.model.eplb_interval_s)
         self.port = self.metrics_port = 0
         self.metrics_url = ""
         self.credentials = Credentials()
@@ -206,7 +208,8 @@ class ServerHandle:
                                    [streams.wrap])
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
         batcher = Batcher(self._step_runner, model, config.batching, self.metrics, executor)
-        servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION)
+        servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION,
+                                  placements=self.rebalancer)
         expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, registrar)
         services = [EXPERT_SERVICE, *kserve.add_to_server(registrar, model=model, batcher=batcher,
                                                           statistics=self.metrics.statistics,
@@ -246,6 +249,7 @@ class ServerHandle:
             self._ready.set()
             return
         parts.batcher.start()
+        self.rebalancer.start(parts.batcher.loads, parts.batcher.run_on_device)
         for name in ("", *parts.services, "readiness"):
             await parts.health.set(name, SERVING)
         self.metrics.set_ready(True)
@@ -265,6 +269,7 @@ class ServerHandle:
         deadline = began + self._grace
         self.metrics.set_ready(False)
         drained = asyncio.ensure_future(parts.batcher.drain())  # stops accepting when it first runs
+        await self.rebalancer.stop()
         await parts.health.enter_graceful_shutdown()
         parts.streams.close()
         await asyncio.wait({drained}, timeout=max(0.0, deadline - loop.time()))

@@ -13,6 +13,11 @@ executables; a step not compiled yet compiles on first use. ``num_valid`` is a r
 it never causes a recompilation; rows at and after it are padding (masked out of routing, counts
 and the aux loss, their outputs zero). Forward steps compile with ``moe.compiler_options``.
 
+Expert-parallel layers run with a physical expert placement (``placement.expert_placement``; its
+run-time tables ride with the params into the forward step). ``swap_expert_placement`` replaces a
+layer's params and placement together between two steps; the shapes stay, so nothing recompiles
+(``expertd.server.eplb`` does this online).
+
 Host inputs go to the compiled step as numpy arrays (``placement.step_input``: the step places them
 itself) and results come back as numpy (``placement.fetch``), cut to the valid rows. Multi-host:
 every process builds the same Engine and runs the same steps in the same order
@@ -33,6 +38,7 @@ import jax
 import numpy as np
 
 from expertd.kernels import experts, moe
+from expertd.kernels.eplb import Placement
 from expertd.server import steps
 from expertd.server.model import LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement
@@ -104,9 +110,16 @@ class Engine:
         self.lock = threading.RLock()
         self._listeners: list[Callable[[CompileEvent], None]] = []
         self._executables: dict[tuple, object] = {}
-        self._keys = {index: (layer.cfg, tuple(sorted((name, moe.logical_shape(p), str(p.dtype))
-                                                      for name, p in layer.params.items())))
-                      for index, layer in self.layers.items()}
+        self._keys = {index: self._key(layer) for index, layer in self.layers.items()}
+        # Expert-parallel layers: the host placement and its device tables (read by forward steps).
+        self._placements = {index: placement.expert_placement(layer.cfg) for index, layer in self.layers.items()
+                            if placement.ep is not None}
+        self._tables = {index: placement.ep.placement_tables(p, self.mesh) for index, p in self._placements.items()}
+
+    @staticmethod
+    def _key(layer: LoadedLayer) -> tuple:
+        return (layer.cfg, tuple(sorted((name, moe.logical_shape(p), str(p.dtype))
+                                        for name, p in layer.params.items())))
 
     # ------------------------------------------------------------------ running steps
 
@@ -122,6 +135,25 @@ class Engine:
         kind = steps.ROUTE_LOGITS if from_logits else steps.ROUTE_HIDDEN
         ids, weights, counts, aux, scores = self._run(layer, kind, tokens, num_valid, aux_loss_coeff)
         return RouteOutput(ids[:num_valid], weights[:num_valid], counts, float(aux), scores[:num_valid])
+
+    def expert_placement(self, layer: int) -> Placement | None:
+        """Layer ``layer``'s current physical expert placement (None without expert parallelism)."""
+        return self._placements.get(layer)
+
+    def swap_expert_placement(self, layer: int, params: moe.MoEParams, placement: Placement, tables, *,
+                              replaces: Placement) -> None:
+        """Serve layer ``layer`` with ``params`` laid out for ``placement`` (and its device
+        ``tables``, ``ep.placement_tables``) from the next step on; ``replaces`` must be the
+        current placement. Waits for a running step. ValueError when anything would recompile."""
+        with self.lock:
+            if self._placements.get(layer) != replaces:
+                raise ValueError(f"layer {layer}: the placement to replace is not the current one")
+            new = dataclasses.replace(self.layers[layer], params=params)
+            if _layout((params, tables)) != _layout((self.layers[layer].params, self._tables[layer])):
+                raise ValueError(f"layer {layer}: the new placement's params or tables differ in shape, dtype or "
+                                 "sharding from the compiled steps'")
+            self.layers[layer] = new
+            self._placements[layer], self._tables[layer] = placement, tables
 
     def executable(self, layer: int, bucket: int, kind: str):
         """Layer ``layer``'s compiled step ``kind`` for ``bucket`` rows (compiled now if need be)."""
@@ -141,7 +173,8 @@ class Engine:
         num_valid, and coeff for routing); ``tokens`` is abstract (ShapeDtypeStruct) when lowering."""
         params = self.layers[index].params
         if kind == steps.FORWARD:
-            return params, tokens, np.asarray(num_valid, np.int32)
+            placed = params if self.placement.ep is None else (params, self._tables[index])
+            return placed, tokens, np.asarray(num_valid, np.int32)
         return params.router, tokens, np.asarray(num_valid, np.int32), np.asarray(coeff, np.float32)
 
     # ------------------------------------------------------------------ compiling steps
@@ -236,6 +269,11 @@ def timed_compile(lowered: jax.stages.Lowered, lower_seconds: float):
     start = time.perf_counter()
     executable = lowered.compile()
     return executable, lower_seconds + time.perf_counter() - start
+
+
+def _layout(tree) -> list[tuple]:
+    """(shape, dtype, sharding) of every array of ``tree``: what a compiled step was built for."""
+    return [(leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in jax.tree.leaves(tree)]
 
 
 def _abstract(value, host_sharding):

@@ -24,6 +24,9 @@ the store KServe's ModelStatistics reads too.
 | expertd_routed_tokens_total | counter | layer, expert | each engine step |
 | expertd_expert_load_imbalance | gauge (max/mean over the recent window) | layer | each engine step |
 | expertd_aux_loss | gauge (last Route batch) | layer | each Route step |
+| expertd_eplb_balancedness | gauge (mean/max tokens per rank, recent window) | layer | each EPLB tick (EP mesh) |
+| expertd_eplb_rebalances_total | counter | layer | each expert placement swapped in |
+| expertd_eplb_rebalance_duration_seconds | histogram | - | each rebalance (plan, weight move, swap) |
 | expertd_pending_requests | gauge | - | read at scrape time |
 | expertd_queued_tokens | gauge (admitted, not yet in a step) | - | read at scrape time |
 | expertd_queue_backlog_seconds | gauge (expected work ahead of a new request) | - | read at scrape time |
@@ -98,6 +101,14 @@ class Metrics:
                                     "recent window (1 = perfectly balanced).", ["layer"], registry=r)
         self.aux_loss = Gauge("expertd_aux_loss", "Load-balancing aux loss of the last Route batch (coefficient 1).",
                               ["layer"], registry=r)
+        self.eplb_balancedness = Gauge("expertd_eplb_balancedness", "Mean / max tokens per rank over the recent "
+                                       "window under the layer's current expert placement (1 = even).", ["layer"],
+                                       registry=r)
+        self.eplb_rebalances = Counter("expertd_eplb_rebalances", "Expert placements swapped in by the online "
+                                       "load balancer (EPLB).", ["layer"], registry=r)
+        self.eplb_rebalance_seconds = Histogram("expertd_eplb_rebalance_duration_seconds", "Time of one layer's "
+                                                "rebalance: plan, weight move and swap.", buckets=LATENCY_BUCKETS,
+                                                registry=r)
         self.compilations = Counter("expertd_compilations", "Programs compiled by the engine (warm-up).", registry=r)
         self.compile_seconds = Histogram("expertd_compile_duration_seconds", "Time to compile one program.",
                                          buckets=COMPILE_BUCKETS, registry=r)
@@ -164,6 +175,15 @@ class Metrics:
 
     def set_aux_loss(self, layer: int, value: float) -> None:
         self.aux_loss.labels(str(layer)).set(value)
+
+    # -- expert placement (eplb) ---------------------------------------------------------------
+    def set_eplb_balancedness(self, layer: int, value: float) -> None:
+        self.eplb_balancedness.labels(str(layer)).set(value)
+
+    def observe_rebalance(self, layer: int, seconds: float) -> None:
+        """One placement swapped in for ``layer`` after ``seconds`` of planning, moving and swapping."""
+        self.eplb_rebalances.labels(str(layer)).inc()
+        self.eplb_rebalance_seconds.observe(seconds)
 
     def track_pending(self, count) -> None:
         """Read the pending-requests gauge from ``count()`` at scrape time (nothing on the hot path)."""

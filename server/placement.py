@@ -1,10 +1,12 @@
 """Where the engine's arrays live: the 1-D "ep" device mesh, weights placed once, inputs and results.
 
-One device: every array on it. Several devices: expert weights `[E, ...]` split over the "ep" axis
-(E / R experts per device, as `expertd.kernels.ep.shard_params` lays them out), everything else
-replicated. Seeded preset weights are generated straight into that layout (each device makes only
-its own shard). With a mesh spanning several processes every process passes the same host values
-and gets whole results back (`fetch` gathers with `process_allgather`, a collective).
+One device: every array on it. Several devices: expert weights split over the "ep" axis in the
+layer's physical expert placement (`expert_placement`: E / R experts per device, expert e on slot
+e; with N redundant slots, (E + N) / R slots per device holding replicas of the hottest experts,
+as `expertd.kernels.ep.shard_params` lays them out), everything else replicated. Seeded preset
+weights are generated straight into the plain layout (each device makes only its own shard). With
+a mesh spanning several processes every process passes the same host values and gets whole
+results back (`fetch` gathers with `process_allgather`, a collective).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from expertd.kernels import ep as ep_kernels
+from expertd.kernels.config import MoEConfig
+from expertd.kernels.eplb import Placement
 from expertd.kernels.params import EXPERT_WEIGHTS, ROUTER_FIELDS, MoEParams
 from expertd.server.model import LoadedLayer, SeededParams
 
@@ -40,20 +44,39 @@ def pick_devices(devices=None) -> list:
 
 class MeshPlacement:
     """The mesh over `devices` and the placement rules above; `ep` is the ep kernel module on a
-    mesh of several devices, else None."""
+    mesh of several devices, else None; `num_redundant_experts` the N extra slots per layer."""
 
-    def __init__(self, devices: Sequence):
+    def __init__(self, devices: Sequence, *, num_redundant_experts: int = 0):
         self.devices = list(devices)
         self.mesh = jax.make_mesh((len(self.devices),), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
                                   devices=self.devices)
         self.replicated = NamedSharding(self.mesh, P())
         self.ep = ep_kernels if len(self.devices) > 1 else None
+        self.num_redundant_experts = int(num_redundant_experts)
 
     def check_layer(self, layer: LoadedLayer) -> None:
-        if self.ep is not None and layer.cfg.num_experts % len(self.devices):
+        redundant = self.num_redundant_experts
+        if self.ep is None:
+            if redundant:
+                raise ValueError(f"--num-redundant-experts {redundant} needs an expert-parallel mesh: 2 or more "
+                                 f"devices (--num-devices), {len(self.devices)} given")
+            return
+        slots = layer.cfg.num_experts + redundant
+        if slots % len(self.devices):
+            what = f"{layer.cfg.num_experts} experts" + (f" + {redundant} redundant slots" if redundant else "")
             raise ValueError(
-                f"layer {layer.index}: {layer.cfg.num_experts} experts cannot be split evenly over "
-                f"{len(self.devices)} devices; use a device count that divides the expert count")
+                f"layer {layer.index}: {what} cannot be split evenly over {len(self.devices)} devices; use a device "
+                "count that divides the expert count" + (" plus --num-redundant-experts" if redundant else ""))
+
+    def expert_placement(self, cfg: MoEConfig) -> Placement | None:
+        """A layer's physical expert placement at start-up (None on one device): expert e on slot e
+        without redundant slots; with them, `plan_placement` of a uniform load (the replicas spread
+        over the ranks until a real load is observed)."""
+        if self.ep is None:
+            return None
+        if not self.num_redundant_experts:
+            return Placement.identity(cfg.num_experts, len(self.devices))
+        return self.ep.plan_placement(np.ones(cfg.num_experts), len(self.devices), self.num_redundant_experts)
 
     def place_layer(self, layer: LoadedLayer, dtype) -> MoEParams:
         """One layer's params on the mesh: router tensors fp32, expert weights in `dtype`."""
@@ -62,12 +85,16 @@ class MeshPlacement:
 
         params = layer.params
         if self.ep is not None:
-            if isinstance(params, SeededParams):  # each device generates only its own shard
-                placed = {name: params.generate(name, self._ep_sharding(name), target_dtype(name)) for name in params}
+            placement = self.expert_placement(layer.cfg)
+            split = layer.cfg.num_experts % len(self.devices) == 0
+            if isinstance(params, SeededParams):  # each device generates only its own shard (or a copy)
+                placed = {name: params.generate(name, self._ep_sharding(name) if split else self.replicated,
+                                                target_dtype(name)) for name in params}
             else:
                 placed = {name: np.asarray(value).astype(target_dtype(name), copy=False)
                           for name, value in params.items()}
-            return self.ep.shard_params(MoEParams.from_dict(placed, layer.cfg), layer.cfg, self.mesh, axis=AXIS)
+            return self.ep.shard_params(MoEParams.from_dict(placed, layer.cfg), layer.cfg, self.mesh, axis=AXIS,
+                                        placement=None if placement.is_identity else placement)
         if isinstance(params, SeededParams):
             # Generated on device (never on the host), then moved to the mesh's device if needed.
             placed = {name: jax.device_put(params.generate(name, dtype=target_dtype(name)), self.replicated)

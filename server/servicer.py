@@ -23,6 +23,7 @@ from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server import requests
 from expertd.server.batcher import Batcher
 from expertd.server.description import ModelDescription
+from expertd.server.eplb import Rebalancer
 from expertd.server.errors import InvalidRequest, run_unary, status_of
 from expertd.server.metrics import Metrics
 
@@ -34,11 +35,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     """Forward, Route, ForwardStream, GetModelInfo and GetExpertLoad over one Batcher."""
 
     def __init__(self, model: ModelDescription, batcher: Batcher, metrics: Metrics, *, aux_loss_coeff: float,
-                 version: str):
+                 version: str, placements: Rebalancer | None = None):
         self.model = model
         self.batcher = batcher
         self.metrics = metrics
         self.aux_loss_coeff = aux_loss_coeff
+        self.placements = placements  # the layers' current expert placements (expert-parallel mesh)
         self._model_info = model_info(model, version)
 
     # -- Forward ---------------------------------------------------------------------------------
@@ -105,7 +107,14 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     # -- info ------------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
-        return self._model_info
+        if self.placements is None or not self.placements.layers:
+            return self._model_info
+        info = expert_pb2.GetModelInfoResponse()
+        info.CopyFrom(self._model_info)
+        for layer in info.layers:
+            if self.placements.placement(layer.index) is not None:
+                layer.placement.CopyFrom(placement_message(self.placements, layer.index))
+        return info
 
     async def GetExpertLoad(self, request, context):
         return await run_unary(context, self._get_expert_load(request))
@@ -119,8 +128,14 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         response = expert_pb2.GetExpertLoadResponse()
         for index in dict.fromkeys(request.layers) or list(self.model.layers):
             self.model.layer(index)
-            response.layers.add(layer=index, tokens_total=loads.total(index).tolist(),
-                                tokens_recent=loads.recent(index).tolist(), window_seconds=loads.window_s)
+            recent = loads.recent(index)
+            load = response.layers.add(layer=index, tokens_total=loads.total(index).tolist(),
+                                       tokens_recent=recent.tolist(), window_seconds=loads.window_s)
+            placement = None if self.placements is None else self.placements.placement(index)
+            if placement is not None:
+                load.placement.CopyFrom(placement_message(self.placements, index))
+                load.rank_tokens_recent.extend(placement.rank_loads(recent).tolist())
+                load.balancedness = placement.balancedness(recent)
         return response
 
 
@@ -128,6 +143,16 @@ def _deadline(context) -> float | None:
     """The call's deadline on the monotonic clock (None without one)."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
+
+
+def placement_message(placements: Rebalancer, layer: int) -> expert_pb2.ExpertPlacement:
+    """Layer ``layer``'s current physical expert placement as an ExpertPlacement message."""
+    placement = placements.placement(layer)
+    return expert_pb2.ExpertPlacement(
+        num_ranks=placement.num_ranks, slots_per_rank=placement.slots_per_rank,
+        physical_to_logical=placement.physical_to_logical.reshape(-1).tolist(),
+        replica_counts=placement.replica_counts.tolist(), num_redundant_experts=placement.num_redundant,
+        version=placements.version(layer))
 
 
 def model_info(model: ModelDescription, version: str) -> expert_pb2.GetModelInfoResponse:

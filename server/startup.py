@@ -4,7 +4,8 @@
    ``serving_dtype`` picks (``--dtype auto``: the checkpoint's; logged with its reason).
 2. JAX's persistent compilation cache (``warmup.enable_compile_cache``).
 3. Mesh (``placement``): the devices given (default: all; an int n takes the first n) form a 1-D
-   mesh with axis "ep"; more than one device runs the expert-parallel layer.
+   mesh with axis "ep"; more than one device runs the expert-parallel layer, each layer's experts
+   on E + N physical slots (N = --num-redundant-experts).
 4. Weights (``weights.prepare``): placed once, laid out for the kernel that reads them.
 5. Host memory (``host_memory``): on CPU, the placed weights onto transparent huge pages.
 6. The Engine over them; ``Served.describe`` gives the front ends' read-only ModelDescription.
@@ -63,7 +64,8 @@ class Served:
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
                         "params": {name: {"shape": list(moe.logical_shape(p)), "dtype": str(p.dtype),
-                                          "split_over_ep": split_over_ep(p)} for name, p in layer.params.items()}}
+                                          "split_over_ep": split_over_ep(p)} for name, p in layer.params.items()},
+                        "expert_placement": _placement_info(engine.expert_placement(index))}
                        for index, layer in sorted(engine.layers.items())],
             "dtype": engine.dtype.name,
             "buckets": list(engine.buckets),
@@ -85,6 +87,14 @@ class Served:
         lines = (weights.native_cpu_note(info["native_cpu_kernel"], info["panel_columns"]),
                  host_memory.note(info["huge_pages"]), host_allocator.note(info["host_allocator"]))
         return [line for line in lines if line]
+
+
+def _placement_info(placement) -> dict | None:
+    """A layer's physical expert placement for ``info()`` (None without expert parallelism)."""
+    if placement is None:
+        return None
+    return {"physical_to_logical": placement.physical_to_logical.tolist(),
+            "replica_counts": placement.replica_counts.tolist(), "num_redundant": placement.num_redundant}
 
 
 def serving_dtype(model: ModelConfig) -> tuple[str, str]:
@@ -116,17 +126,18 @@ def build(config: ServerConfig, layers: Sequence[LoadedLayer] | None = None) -> 
     log.info("serving dtype %s (%s)", dtype, why)
     return build_engine(load_layers(config, dtype) if layers is None else layers, buckets=config.batching.bucket_sizes,
                         dtype=dtype, devices=model.num_devices, backend=model.backend, compile_cache_dir=cache,
-                        huge_pages=model.huge_pages, panel_weights=model.panel_weights)
+                        huge_pages=model.huge_pages, panel_weights=model.panel_weights,
+                        num_redundant_experts=model.num_redundant_experts)
 
 
 def build_engine(layers: Sequence[LoadedLayer], *, buckets: Sequence[int], dtype="bfloat16", devices=None,
                  backend: str = "auto", compile_cache_dir=None, huge_pages: bool = True,
-                 panel_weights: bool = True) -> Served:
+                 panel_weights: bool = True, num_redundant_experts: int = 0) -> Served:
     """Start-up steps 2-6 for ``layers`` (values as the config has checked them: buckets ascending
     and unique, dtype float32 / bfloat16, backend "auto" or a kernel backend)."""
     if compile_cache_dir is not None:
         enable_compile_cache(compile_cache_dir)
-    placement = MeshPlacement(pick_devices(devices))
+    placement = MeshPlacement(pick_devices(devices), num_redundant_experts=num_redundant_experts)
     prepared = weights.prepare(layers, placement, np.dtype(dtype), backend=backend, panel_weights=panel_weights)
     pages = None
     if huge_pages and placement.devices[0].platform == "cpu":

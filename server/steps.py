@@ -14,6 +14,7 @@ import numpy as np
 
 from expertd.kernels import moe
 from expertd.kernels import router as router_ops
+from expertd.kernels.eplb import PlacementTables
 from expertd.kernels.params import MoEParams, RouterParams
 
 FORWARD, ROUTE_HIDDEN, ROUTE_LOGITS = "forward", "route_hidden", "route_logits"
@@ -42,16 +43,20 @@ def forward_step(params: MoEParams, x, num_valid, *, cfg, backend):
     return out, routing["topk_ids"], routing["topk_weights"], routing["tokens_per_expert"]
 
 
-def ep_forward_step(params: MoEParams, x, num_valid, *, cfg, backend, mesh, ep, axis):
+def ep_forward_step(placed: tuple[MoEParams, PlacementTables], x, num_valid, *, cfg, backend, mesh, ep, axis):
     """`forward_step` over the expert-parallel mesh: `ep.ep_moe_layer` (tokens sharded over `axis`,
-    E / R experts per rank), traced under the engine's jit like every other step.
+    the layer's physical expert slots split over it), traced under the engine's jit like every
+    other step.
 
-    params: placed as `ep.shard_params` lays them out (expert weights split over `axis`); x [B, H]
-    -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E]): the routing each rank
-    computed inside the layer (`ep_moe_layer`'s stats), not computed again.
+    placed: (params laid out by `ep.shard_params` for the layer's placement, that placement's
+    device tables `ep.placement_tables`: run-time arrays, so another placement of the same shape
+    reuses the step); x [B, H] -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts
+    int32 [E]): the routing each rank computed inside the layer (`ep_moe_layer`'s stats), not
+    computed again.
     """
+    params, tables = placed
     out, stats = ep.ep_moe_layer(params, x, cfg, mesh, axis=axis, valid_tokens=num_valid, return_stats=True,
-                                 backend=backend)
+                                 backend=backend, placement=tables)
     return out, stats["topk_ids"], stats["topk_weights"], stats["tokens_per_expert"]
 
 

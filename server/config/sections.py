@@ -80,6 +80,12 @@ class ModelConfig:
                                     "has what it is worth)")
     panel_weights: bool = option(True, "on CPU with the native kernel, relay the expert weights out panel-major at "
                                        "load (same results, read faster; BENCHMARKS.md)")
+    num_redundant_experts: int = option(0, "EPLB: extra expert slots per MoE layer on an expert-parallel mesh, "
+                                        "holding replicas of the hottest experts (E + N must be divisible by the "
+                                        "device count; 0: one slot per expert)", parse=int, metavar="N")
+    eplb_interval_s: float = option(0.0, "EPLB: every S seconds, re-plan each layer's expert placement from the "
+                                    "load of the last --expert-load-window-s and swap it in between steps (0: the "
+                                    "placement made at start-up stays)", parse=float, metavar="SECONDS")
 
     def __post_init__(self):
         if self.preset is not None and self.checkpoint is not None:
@@ -94,6 +100,10 @@ class ModelConfig:
             raise ValueError(f"--num-devices must be >= 1, got {self.num_devices}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"--num-layers must be >= 1, got {self.num_layers}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"--num-redundant-experts must be >= 0, got {self.num_redundant_experts}")
+        if not self.eplb_interval_s >= 0:
+            raise ValueError(f"--eplb-interval-s must be >= 0, got {self.eplb_interval_s}")
 
     @property
     def name(self) -> str:

@@ -66,7 +66,17 @@ def case_config():
     return family_layer_config("deepseek_v3")
 
 
-MODES = ("capacity",)  # the CPU path; the ragged path's offsets are covered in one process
+MODES = ("capacity", "eplb")  # the CPU path, and the same with 4 redundant slots of a fixed placement
+# (the ragged path's offsets are covered in one process)
+
+
+def eplb_placement(num_ranks: int):
+    """The fixed placement of the "eplb" mode: 4 redundant slots for a load rising with the expert id."""
+    import numpy as np
+
+    from expertd.kernels import eplb
+
+    return eplb.plan_placement(np.arange(1.0, case_config().num_experts + 1) ** 2, num_ranks, 4)
 
 
 def run_case(mesh, params, x):
@@ -75,14 +85,16 @@ def run_case(mesh, params, x):
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from expertd.kernels import ep, moe, ragged
+    from expertd.kernels import ep, moe
 
     cfg = case_config()
-    placed = ep.shard_params(moe.MoEParams.from_dict(params, cfg), cfg, mesh)
+    logical = moe.MoEParams.from_dict(params, cfg)
+    placement = eplb_placement(mesh.shape["ep"])
     results = {}
     for mode in MODES:
-        kw = dict(ragged_all_to_all=ragged.ragged_all_to_all_emulated) if mode == "ragged" else {}
-        out, stats = ep.ep_moe_layer(placed, x, cfg, mesh, dispatch=mode, return_stats=True, **kw)
+        chosen = placement if mode == "eplb" else None
+        placed = ep.shard_params(logical, cfg, mesh, placement=chosen)  # each process builds its own shards
+        out, stats = ep.ep_moe_layer(placed, x, cfg, mesh, dispatch="capacity", return_stats=True, placement=chosen)
         results[f"out_{mode}"] = multihost_utils.process_allgather(out, tiled=True)
         for name, value in stats.items():
             results[f"{name}_{mode}"] = multihost_utils.process_allgather(value, tiled=True)

@@ -1,8 +1,13 @@
 """Expert-parallel MoE layer (expertd.kernels.ep) against the single-device layer, on 1-8 simulated
-CPU devices.
+CPU devices, with and without redundant experts (EPLB placements).
 
-Compiling one (family, R, mode, shape) costs 1-3 s of CPU, so shapes are shared on purpose: most
-tests use T=24, E=8, k=2 and a (family, R, mode) that an earlier test compiled (jit cache hits).
+Compiling one (family, R, slots, mode, shape) costs 1-3 s of CPU, so shapes are shared on purpose:
+most tests use T=24, E=8, k=2 and a (family, R, slots, mode) that an earlier test compiled (jit
+cache hits). A placement's tables are run-time arrays: two placements of one shape share a compile.
+
+Tolerance: fp32 outputs equal `moe.moe_layer` to 1e-5. Both layers compute the same expert
+products in fp32 and add the k weighted outputs in fp32; only the order of that sum differs (the
+EP layer adds one partial per rank), which moves the last bits of an O(1) value.
 """
 import functools
 import math
@@ -15,13 +20,14 @@ from ep_multiprocess import family_layer_config
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from expertd.kernels import ep, moe, ragged
+from expertd.kernels import ep, eplb, moe, ragged
 
 H, I = 32, 16
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
-# bf16: both layers round the same fp32-accumulated values to bf16, but matmuls over different row
-# counts may differ in the last fp32 bits, which can move a bf16 rounding by one ulp (2^-8 relative).
+# bf16: both layers round the same fp32-accumulated values to bf16, but the EP layer also rounds
+# each rank's partial sum to bf16 for the trip back (one more rounding of 2^-8 relative).
 BF16_TOL = dict(rtol=1e-2, atol=1e-2)
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 moe_layer_jit = jax.jit(moe.moe_layer, static_argnames=("cfg", "backend", "return_routing"))
 emulated = ragged.ragged_all_to_all_emulated
@@ -50,8 +56,14 @@ def reference(params, x, cfg, **kw):
     return np.asarray(out.astype(jnp.float32)), jax.tree.map(np.asarray, routing)
 
 
-def run_ep(params, x, cfg, r, **kw):
-    out, stats = ep.ep_moe_layer(params, x, cfg, mesh_of(r), return_stats=True, **kw)
+def mode_kw(mode):
+    return dict(dispatch=mode, ragged_all_to_all=emulated) if mode == "ragged" else dict(dispatch=mode)
+
+
+def run_ep(params, x, cfg, r, placement=None, **kw):
+    if placement is not None and not placement.is_identity:
+        params = ep.shard_params(params, cfg, mesh_of(r), placement=placement)
+    out, stats = ep.ep_moe_layer(params, x, cfg, mesh_of(r), return_stats=True, placement=placement, **kw)
     return np.asarray(out.astype(jnp.float32)), jax.tree.map(np.asarray, stats)
 
 
@@ -73,20 +85,88 @@ def skewed_tokens(t, seed=2):
     return x
 
 
-@pytest.mark.parametrize("family,r", [(f, r) for f in ("mixtral", "qwen2_moe", "deepseek_v3") for r in (1, 2, 4, 8)]
-                         + [("qwen3_moe", 2), ("qwen3_moe", 8)])
-def test_capacity_dispatch_equals_moe_layer(family, r):
-    cfg, params = setup(family)
-    x = tokens(24)
+def expected_exchange(ids, placement, r):
+    """By hand from the routing: per rank, rows out (one per (token, destination rank)), rows in,
+    (token, expert) pairs out and in, and the pairs each physical slot runs. The rank's n-th token
+    of expert e (token order) uses replica (n + rank) % count[e]."""
+    t = len(ids)
+    tr, s = -(-t // r), placement.slots_per_rank
+    replicas, counts = placement.logical_to_physical, placement.replica_counts
+    out = {name: np.zeros(r, np.int64) for name in ("rows_out", "rows_in", "pairs_out", "pairs_in")}
+    slot_tokens = np.zeros(placement.num_physical, np.int64)
+    for src in range(r):
+        nth = np.zeros(placement.num_logical, np.int64)
+        for tok in range(src * tr, min(t, (src + 1) * tr)):
+            dests = set()
+            for e in ids[tok]:
+                if e < 0:
+                    continue
+                slot = replicas[e, (nth[e] + src) % counts[e]]
+                nth[e] += 1
+                slot_tokens[slot] += 1
+                dests.add(slot // s)
+                out["pairs_out"][src] += 1
+                out["pairs_in"][slot // s] += 1
+            out["rows_out"][src] += len(dests)
+            for d in dests:
+                out["rows_in"][d] += 1
+    return out, slot_tokens
+
+
+def check_against_reference(params, x, cfg, r, placement, mode):
     want, routing = reference(params, x, cfg)
-    got, stats = run_ep(params, x, cfg, r, dispatch="capacity")
+    got, stats = run_ep(params, x, cfg, r, placement, **mode_kw(mode))
     np.testing.assert_allclose(got, want, **FP32_TOL)
-    np.testing.assert_array_equal(stats["tokens_per_expert"], routing["tokens_per_expert"])
-    # The routing each rank computed comes back with the stats: a caller needs no second pass.
     np.testing.assert_array_equal(stats["topk_ids"], routing["topk_ids"])
     np.testing.assert_allclose(stats["topk_weights"], routing["topk_weights"], rtol=1e-6, atol=0)
-    assert stats["dropped_pairs"] == 0
-    assert stats["rows_received"].sum() == 24 * cfg.topk
+    np.testing.assert_array_equal(stats["tokens_per_expert"], routing["tokens_per_expert"])
+    assert stats["dropped_pairs"] == 0 and stats["dropped_rows"] == 0
+    placement = placement or eplb.Placement.identity(cfg.num_experts, r)
+    counted, slot_tokens = expected_exchange(routing["topk_ids"], placement, r)
+    np.testing.assert_array_equal(stats["tokens_per_slot"], slot_tokens)
+    np.testing.assert_array_equal(stats["rows_received"], slot_tokens.reshape(r, -1).sum(1))
+    row = H * 4
+    np.testing.assert_array_equal(stats["min_rank_bytes"], (counted["rows_out"] + counted["rows_in"]) * row)
+    np.testing.assert_array_equal(stats["pair_bytes"], (counted["pairs_out"] + counted["pairs_in"]) * row)
+    if mode == "ragged":  # the exchange sends exactly the minimum of the scheme
+        np.testing.assert_array_equal(stats["bytes_sent"], stats["min_rank_bytes"])
+        np.testing.assert_array_equal(stats["padding_bytes"], 0)
+    else:  # dropless capacity: fixed [R, T/R] blocks both ways, the rest of them padding
+        np.testing.assert_array_equal(stats["bytes_sent"], 2 * r * -(-len(x) // r) * row)
+        np.testing.assert_array_equal(stats["padding_bytes"], stats["bytes_sent"] - stats["min_rank_bytes"])
+    return stats
+
+
+@pytest.mark.parametrize("mode", ("capacity", "ragged"))
+@pytest.mark.parametrize("redundant", (False, True))
+@pytest.mark.parametrize("r", (4, 8))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_equals_moe_layer_uniform_and_skewed(family, r, redundant, mode):
+    """Every family on 4 and 8 ranks, without and with R redundant slots, both modes; uniform
+    routing, then all tokens on one rank's experts with a placement planned from that load (a
+    permutation of the experts when there are no redundant slots)."""
+    cfg, params = setup(family)
+    x = tokens(24)
+    n = r if redundant else 0
+    uniform = eplb.plan_placement(np.ones(cfg.num_experts), r, n) if redundant else None
+    check_against_reference(params, x, cfg, r, uniform, mode)
+    hot = skewed_params(cfg, params, target_rank=r - 1, r=r)
+    xs = skewed_tokens(24)
+    load = reference(hot, xs, cfg)[1]["tokens_per_expert"]
+    planned = eplb.plan_placement(load, r, n)
+    assert not planned.is_identity
+    stats = check_against_reference(hot, xs, cfg, r, planned, mode)
+    identity_balance = eplb.Placement.identity(cfg.num_experts, r).balancedness(load)
+    if redundant:  # the hot experts' replicas spread their tokens
+        assert stats["balancedness"] > identity_balance
+    else:  # a permutation can only regroup whole experts
+        assert stats["balancedness"] >= identity_balance
+
+
+@pytest.mark.parametrize("r", (1, 2))
+def test_one_and_two_ranks_equal_moe_layer(r):
+    cfg, params = setup("deepseek_v3")
+    check_against_reference(params, tokens(24), cfg, r, None, "capacity")
 
 
 @pytest.mark.parametrize("r", (2, 4))
@@ -111,32 +191,21 @@ def test_native_cpu_expert_backend_inside_the_ranks_equals_moe_layer(dtype, num_
     cfg, params = setup("mixtral", dtype=dtype)
     x = tokens(num_tokens, dtype=jnp.dtype(dtype))
     got, stats = run_ep(params, x, cfg, 4, dispatch="capacity", backend="native_cpu")
-    want = reference(params, x, cfg, backend="native_cpu")[0]
-    np.testing.assert_allclose(got, want, **(FP32_TOL if dtype == "float32" else BF16_TOL))
-    np.testing.assert_allclose(got, reference(params, x, cfg, backend="expert_loop")[0],
-                               **(FP32_TOL if dtype == "float32" else BF16_TOL))
-    assert stats["dropped_pairs"] == 0
-
-
-@pytest.mark.parametrize("family,r", [("mixtral", 2), ("qwen2_moe", 8), ("deepseek_v3", 4), ("qwen3_moe", 8)])
-def test_ragged_dispatch_through_the_emulation_equals_capacity_dispatch(family, r):
-    cfg, params = setup(family)
-    x = tokens(24)
-    want, _ = run_ep(params, x, cfg, r, dispatch="capacity")
-    got, stats = run_ep(params, x, cfg, r, dispatch="ragged", ragged_all_to_all=emulated)
-    np.testing.assert_allclose(got, want, **FP32_TOL)
-    np.testing.assert_allclose(got, reference(params, x, cfg)[0], **FP32_TOL)
+    tol = FP32_TOL if dtype == "float32" else BF16_TOL
+    np.testing.assert_allclose(got, reference(params, x, cfg, backend="native_cpu")[0], **tol)
+    np.testing.assert_allclose(got, reference(params, x, cfg, backend="expert_loop")[0], **tol)
     assert stats["dropped_pairs"] == 0
 
 
 def test_bf16_matches_moe_layer_within_documented_tolerance():
     cfg, params = setup("deepseek_v3", dtype="bfloat16")
     x = tokens(24, dtype=jnp.bfloat16)
-    want, _ = reference(params, x, cfg)
+    want, routing = reference(params, x, cfg)
     got, stats = run_ep(params, x, cfg, 4, dispatch="ragged", ragged_all_to_all=emulated)
     np.testing.assert_allclose(got, want, **BF16_TOL)
-    # bf16 rows are 2 bytes per element: the minimum is (rows out + rows back) * H * 2.
-    assert stats["min_bytes"].sum() == 2 * 24 * cfg.topk * H * 2
+    # bf16 rows are 2 bytes per element.
+    counted, _ = expected_exchange(routing["topk_ids"], eplb.Placement.identity(8, 4), 4)
+    np.testing.assert_array_equal(stats["bytes_sent"], (counted["rows_out"] + counted["rows_in"]) * H * 2)
 
 
 @pytest.mark.parametrize("mode", ["capacity", "ragged"])
@@ -148,20 +217,21 @@ def test_all_tokens_to_one_ranks_experts(mode, r):
     want, routing = reference(params, x, cfg)
     el = cfg.num_experts // r
     assert (routing["topk_ids"] // el == r - 1).all()  # the setup really is skewed
-    kw = dict(ragged_all_to_all=emulated) if mode == "ragged" else {}
-    got, stats = run_ep(params, x, cfg, r, dispatch=mode, **kw)
+    got, stats = run_ep(params, x, cfg, r, **mode_kw(mode))
     np.testing.assert_allclose(got, want, **FP32_TOL)
     assert np.isfinite(got).all()
     assert stats["dropped_pairs"] == 0  # the worst-case capacity holds exactly this case
     np.testing.assert_array_equal(stats["rows_received"], [0] * (r - 1) + [24 * cfg.topk])
+    # Both experts of every token are on one rank: one row per token instead of two.
+    np.testing.assert_array_equal(stats["min_rank_bytes"].sum() * 2, stats["pair_bytes"].sum())
 
 
 def test_ranks_that_receive_nothing_and_more_ranks_than_tokens():
     cfg, params = setup("deepseek_v3")
     x = tokens(3)  # R=8: 5 ranks hold only padding rows
     want, _ = reference(params, x, cfg)
-    for mode, kw in (("capacity", {}), ("ragged", dict(ragged_all_to_all=emulated))):
-        got, stats = run_ep(params, x, cfg, 8, dispatch=mode, **kw)
+    for mode in ("capacity", "ragged"):
+        got, stats = run_ep(params, x, cfg, 8, **mode_kw(mode))
         np.testing.assert_allclose(got, want, **FP32_TOL)
         assert got.shape == (3, H)
         assert (stats["rows_received"] == 0).any()
@@ -188,20 +258,23 @@ def test_valid_tokens_count_and_mask_with_nan_padding():
     got, stats = run_ep(params, x, cfg, 4, dispatch="capacity", valid_tokens=0)
     np.testing.assert_array_equal(got, 0)
     assert stats["tokens_per_expert"].sum() == 0 and stats["bytes_ratio"] == np.inf
+    assert stats["balancedness"] == 1.0
 
 
-def dropped_pairs_by_hand(topk_ids, r, el, capacity):
-    """Per source rank and destination, pairs sent in (expert, token) order; those past `capacity` drop."""
+def dropped_by_hand(topk_ids, r, el, capacity):
+    """Per source rank: one row per (token, destination rank), in token order per destination;
+    rows past `capacity` drop with all their (token, expert) pairs. Returns (pairs, rows) dropped."""
     t = topk_ids.shape[0]
     per_rank = -(-t // r)
-    dropped = set()
+    pairs, rows = set(), 0
     for src in range(r):
-        pairs = sorted((e, tok, j) for tok in range(src * per_rank, min(t, (src + 1) * per_rank))
-                       for j, e in enumerate(topk_ids[tok]) if e >= 0)
         for dst in range(r):
-            to_dst = [p for p in pairs if p[0] // el == dst]
-            dropped.update((tok, j) for _, tok, j in to_dst[capacity:])
-    return dropped
+            hits = [tok for tok in range(src * per_rank, min(t, (src + 1) * per_rank))
+                    if any(e >= 0 and e // el == dst for e in topk_ids[tok])]
+            for tok in hits[capacity:]:
+                rows += 1
+                pairs.update((tok, j) for j, e in enumerate(topk_ids[tok]) if e // el == dst)
+    return pairs, rows
 
 
 def gated_mlp_np(x, wg, wu, wd):
@@ -210,7 +283,7 @@ def gated_mlp_np(x, wg, wu, wd):
 
 
 def test_low_capacity_factor_reports_the_exact_dropped_pairs():
-    capacity_factor = 0.75
+    capacity_factor = 0.5
     cfg, params = setup("deepseek_v3", num_experts=16, topk=4)
     r, t = 4, 32
     params = skewed_params(cfg, params, target_rank=1, r=r)
@@ -221,12 +294,13 @@ def test_low_capacity_factor_reports_the_exact_dropped_pairs():
     _, routing = reference(params, x, cfg)
     ids, weights = routing["topk_ids"], routing["topk_weights"]
     per_rank, el = t // r, cfg.num_experts // r
-    capacity = min(per_rank * min(cfg.topk, el), max(1, math.ceil(capacity_factor * per_rank * cfg.topk / r)))
-    dropped = dropped_pairs_by_hand(ids, r, el, capacity)
+    capacity = ragged.rank_capacity(per_rank, cfg.topk, r, capacity_factor)
+    assert capacity == math.ceil(capacity_factor * per_rank * min(cfg.topk, r) / r) == 4
+    dropped, dropped_rows = dropped_by_hand(ids, r, el, capacity)
     assert 0 < len(dropped) < t * cfg.topk
 
     got, stats = run_ep(params, x, cfg, r, dispatch="capacity", capacity_factor=capacity_factor)
-    assert stats["dropped_pairs"] == len(dropped)
+    assert stats["dropped_pairs"] == len(dropped) and stats["dropped_rows"] == dropped_rows
     np.testing.assert_array_equal(stats["tokens_per_expert"], routing["tokens_per_expert"])  # routed, pre-drop
     assert stats["rows_received"].sum() == t * cfg.topk - len(dropped)
     # Dropped pairs contribute nothing and the kept weights are NOT renormalised.
@@ -239,25 +313,30 @@ def test_low_capacity_factor_reports_the_exact_dropped_pairs():
                 want[tok] += weights[tok, j] * gated_mlp_np(x64[tok], p["w_gate"][e], p["w_up"][e], p["w_down"][e])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     # The bytes on the wire are the fixed buffers: R * C rows out and back per rank.
-    np.testing.assert_allclose(stats["bytes_sent"], 2 * r * capacity * H * 4 + r * cfg.num_experts * 4)
+    np.testing.assert_array_equal(stats["bytes_sent"], 2 * r * capacity * H * 4)
+    assert (stats["padding_bytes"] < stats["bytes_sent"]).all()
 
 
-def test_bytes_accounting_ragged_is_minimal_and_capacity_is_worst_case():
+def test_bytes_and_metadata_accounting():
     cfg, params = setup("mixtral")
     x = tokens(24)
     r, row = 2, H * 4
+    _, routing = reference(params, x, cfg)
+    counted, _ = expected_exchange(routing["topk_ids"], eplb.Placement.identity(8, r), r)
     _, cap = run_ep(params, x, cfg, r, dispatch="capacity")
     _, rag = run_ep(params, x, cfg, r, dispatch="ragged", ragged_all_to_all=emulated)
-    np.testing.assert_array_equal(cap["min_bytes"], rag["min_bytes"])
-    assert cap["min_bytes"].sum() == 2 * 24 * cfg.topk * row
-    meta = r * cfg.num_experts * 4  # the int32 [R, E] count all_gather
-    np.testing.assert_allclose(rag["bytes_sent"], rag["min_bytes"] + meta)
-    worst = 12 * min(cfg.topk, cfg.num_experts // r)  # T/R * min(k, El) rows per destination
-    np.testing.assert_allclose(cap["bytes_sent"], 2 * r * worst * row + meta)
-    np.testing.assert_allclose(cap["bytes_ratio"], cap["bytes_sent"].sum() / cap["min_bytes"].sum(), rtol=1e-6)
+    np.testing.assert_array_equal(cap["min_rank_bytes"], rag["min_rank_bytes"])
+    np.testing.assert_array_equal(rag["bytes_sent"], rag["min_rank_bytes"])
+    assert rag["bytes_ratio"] == 1.0
+    np.testing.assert_array_equal(cap["bytes_sent"], 2 * r * 12 * row)  # C = T/R = 12 rows per destination
+    np.testing.assert_allclose(cap["bytes_ratio"], cap["bytes_sent"].sum() / cap["min_rank_bytes"].sum(), rtol=1e-6)
+    # Metadata, outside the payload: the [2, R] int32 counts to every rank, then per dispatch row
+    # min(k, S) = 2 (slot, weight) pairs of int32.
+    np.testing.assert_array_equal(rag["meta_bytes"], 2 * r * r * 4 + counted["rows_out"] * 2 * 8)
+    np.testing.assert_array_equal(cap["meta_bytes"], 2 * r * r * 4 + r * 12 * 2 * 8)
 
 
-def test_device_inputs_and_placed_params_give_the_same_output():
+def test_shard_params_lays_out_physical_slots_and_placed_params_are_reused():
     cfg, params = setup("mixtral")
     mesh = mesh_of(4)
     placed = ep.shard_params(params, cfg, mesh)
@@ -268,8 +347,42 @@ def test_device_inputs_and_placed_params_give_the_same_output():
     x = tokens(24)
     host = np.asarray(ep.ep_moe_layer(params, x, cfg, mesh, dispatch="capacity"))
     x_placed = jax.device_put(x, NamedSharding(mesh, P("ep")))
-    on_device = ep.ep_moe_layer(placed, x_placed, cfg, mesh, dispatch="capacity")
-    np.testing.assert_array_equal(np.asarray(on_device), host)
+    np.testing.assert_array_equal(np.asarray(ep.ep_moe_layer(placed, x_placed, cfg, mesh, dispatch="capacity")), host)
+    # A placement with 4 redundant slots: 3 slots per rank, each slot a copy of its expert's weights.
+    placement = eplb.plan_placement(np.arange(1.0, 9.0) ** 2, 4, 4)
+    physical = ep.shard_params(params, cfg, mesh, placement=placement)
+    assert physical.w_down.shape == (12, I, H)
+    assert {s.data.shape for s in physical.w_down.addressable_shards} == {(3, I, H)}
+    np.testing.assert_array_equal(np.asarray(physical.w_down), params.w_down[placement.physical_to_logical.reshape(-1)])
+    on_device = ep.shard_params(placed, cfg, mesh, placement=placement)  # from device arrays: the same
+    np.testing.assert_array_equal(np.asarray(on_device.w_gate), np.asarray(physical.w_gate))
+
+
+def test_placement_tables_swap_without_recompiling_and_relayout_moves_only_changed_ranks():
+    cfg, params = setup("mixtral")
+    mesh, r = mesh_of(4), 4
+    x = tokens(24)
+    want = reference(params, x, cfg)[0]
+    first = eplb.plan_placement(np.arange(1.0, 9.0), r, 4)
+    second = eplb.plan_placement(np.arange(8.0, 0.0, -1.0) ** 3, r, 4)
+    assert first != second and first.num_physical == second.num_physical
+    weights = ep.shard_params(params, cfg, mesh, placement=first)
+    tables = ep.placement_tables(first, mesh)
+    out = ep.ep_moe_layer(weights, x, cfg, mesh, dispatch="capacity", placement=tables)
+    np.testing.assert_allclose(np.asarray(out), want, **FP32_TOL)
+    compiled = ep._forward._cache_size()
+    moved = ep.relayout(weights, first, second, mesh)
+    np.testing.assert_array_equal(np.asarray(moved.w_up), np.asarray(ep.shard_params(params, cfg, mesh,
+                                                                                     placement=second).w_up))
+    same = (first.physical_to_logical == second.physical_to_logical).all(axis=1)
+    for old, new in zip(weights.w_up.addressable_shards, moved.w_up.addressable_shards):
+        rank = old.index[0].start // 3
+        assert (old.data.unsafe_buffer_pointer() == new.data.unsafe_buffer_pointer()) == bool(same[rank])
+    assert moved.router_weight is weights.router_weight
+    out = ep.ep_moe_layer(moved, x, cfg, mesh, dispatch="capacity", placement=ep.placement_tables(second, mesh))
+    np.testing.assert_allclose(np.asarray(out), want, **FP32_TOL)
+    assert ep._forward._cache_size() == compiled  # same shapes: the swap reused the compiled step
+    assert ep.relayout(weights, first, first, mesh) is weights
 
 
 def test_auto_dispatch_is_capacity_on_cpu():
@@ -291,7 +404,7 @@ def test_bad_arguments_raise_value_errors_naming_them(kwargs, match):
         ep.ep_moe_layer(params, tokens(4), cfg, mesh_of(2), **kwargs)
 
 
-def test_bad_shapes_raise_value_errors():
+def test_bad_shapes_and_placements_raise_errors():
     cfg, params = setup("mixtral")
     with pytest.raises(ValueError, match="must be divisible by the 3 ranks"):
         ep.ep_moe_layer(params, tokens(4), cfg, mesh_of(3))
@@ -301,3 +414,12 @@ def test_bad_shapes_raise_value_errors():
         ep.ep_moe_layer(params.replace(w_down=None), tokens(4), cfg, mesh_of(2))
     with pytest.raises(TypeError, match="MoEParams"):
         ep.ep_moe_layer(params.to_dict(), tokens(4), cfg, mesh_of(2))
+    placement = eplb.plan_placement(np.arange(8.0), 2, 2)
+    with pytest.raises(ValueError, match=r"w_gate must have shape \(10, 32, 16\).*shard_params"):
+        ep.ep_moe_layer(params, tokens(4), cfg, mesh_of(2), placement=placement.tables())
+    with pytest.raises(ValueError, match="host expert weights can only be logical"):
+        ep.ep_moe_layer(params, tokens(4), cfg, mesh_of(2), placement=eplb.plan_placement(np.arange(8.0), 2, 0))
+    with pytest.raises(ValueError, match="placement is for 8 experts on 2 ranks"):
+        ep.shard_params(params, cfg, mesh_of(4), placement=placement)
+    with pytest.raises(TypeError, match="placement must be"):
+        ep.ep_moe_layer(params, tokens(4), cfg, mesh_of(2), placement=np.zeros((2, 5)))

@@ -1,5 +1,6 @@
 """Expert parallelism across processes: 2 processes x 2 CPU devices (jax.distributed, gloo) give the
-same result as one process with 4 devices, and a missing peer ends in a bounded time."""
+same result as one process with 4 devices, with and without redundant experts (each process lays
+out its own slots), and a missing peer ends in a bounded time."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +25,7 @@ def test_two_processes_match_one_process(tmp_path):
     assert all(rc == 0 for rc, _ in results), _failure(results)
     got = dict(np.load(out))
     assert got["num_global_devices"] == 4
+    assert got["tokens_per_slot_eplb"].shape == (12,)  # 8 experts + 4 redundant slots
 
     mesh = jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
     want = run_case(mesh, params.to_dict(), x)
@@ -31,7 +33,8 @@ def test_two_processes_match_one_process(tmp_path):
     for mode in MODES:
         np.testing.assert_allclose(got[f"out_{mode}"], want[f"out_{mode}"], rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(got[f"out_{mode}"], single, rtol=1e-5, atol=1e-5)
-        for stat in ("tokens_per_expert", "dropped_pairs", "rows_received", "bytes_sent", "min_bytes"):
+        for stat in ("tokens_per_expert", "tokens_per_slot", "dropped_pairs", "rows_received", "bytes_sent",
+                     "min_rank_bytes"):
             np.testing.assert_array_equal(got[f"{stat}_{mode}"], want[f"{stat}_{mode}"])
 
 

@@ -160,25 +160,6 @@ def test_pack_slices_cuts_at_capacity():
     np.testing.assert_array_equal(packed, [[0, 0], [1, 2], [0, 0]])
 
 
-def test_expert_major_positions_by_hand():
-    # 2 sources, 2 local experts; source 0 at rows 0..3 (+1 pad row), source 1 from row 5.
-    counts = np.array([[1, 2], [2, 0]])
-    order = ragged.expert_major_positions(counts, [0, 5], 8)
-    assert isinstance(order, ragged.ExpertMajorOrder)
-    pos, sizes = order.positions, order.group_sizes
-    np.testing.assert_array_equal(sizes, [3, 2])
-    # rows: 0:(s0,e0) 1,2:(s0,e1) 3,4:pad 5,6:(s1,e0) 7:pad
-    # expert-major: e0 = [s0 row0, s1 row5, s1 row6], e1 = [s0 row1, s0 row2]
-    np.testing.assert_array_equal(pos, [0, 3, 4, 8, 8, 1, 2, 8])
-
-
-def test_expert_major_positions_with_empty_sources_and_experts():
-    counts = np.array([[0, 0, 0], [0, 3, 0], [1, 0, 1]])
-    pos, sizes = ragged.expert_major_positions(counts, [0, 0, 3], 6)
-    np.testing.assert_array_equal(sizes, [1, 3, 1])
-    np.testing.assert_array_equal(pos, [1, 2, 3, 0, 4, 6])
-
-
 def test_unpack_slices_inverts_pack_slices():
     operand = jnp.arange(7, dtype=jnp.float32)[:, None] + 1
     offsets, sizes = jnp.array([0, 3, 6]), jnp.array([2, 3, 1])
@@ -187,20 +168,48 @@ def test_unpack_slices_inverts_pack_slices():
     np.testing.assert_array_equal(back, [1, 2, 0, 4, 5, 6, 7])  # row 2 is in no slice
 
 
-def test_capacity_rows():
-    # 6 tokens per rank, top-2, 8 experts over 4 ranks (2 per rank): worst case 6 * min(2, 2) = 12.
-    assert ragged.worst_case_rows(6, 2, 2) == 12
-    assert ragged.capacity_rows(6, 2, 8, 4) == 12
-    # balanced share 6 * 2 / 4 = 3 rows; factor 1.5 -> ceil(4.5) = 5; tiny factors keep 1 row.
-    assert ragged.capacity_rows(6, 2, 8, 4, 1.5) == 5
-    assert ragged.capacity_rows(6, 2, 8, 4, 0.01) == 1
-    assert ragged.capacity_rows(6, 2, 8, 4, 100.0) == 12
-    # top-8 over 32 experts per rank: a token reaches at most 8 experts of one rank.
-    assert ragged.worst_case_rows(128, 8, 32) == 1024
+def test_rank_capacity():
+    # 6 tokens per rank: dropless is 6 rows per destination (a token goes to a rank once).
+    assert ragged.rank_capacity(6, 2, 4) == 6
+    # share 6 * min(2, 4) / 4 = 3 rows; factor 1.5 -> ceil(4.5) = 5; tiny factors keep 1, huge ones 6.
+    assert ragged.rank_capacity(6, 2, 4, 1.5) == 5
+    assert ragged.rank_capacity(6, 2, 4, 0.01) == 1
+    assert ragged.rank_capacity(6, 2, 4, 100.0) == 6
+    # top-8 over 4 ranks: every token may reach every rank, share = 6 * 4 / 4.
+    assert ragged.rank_capacity(6, 8, 4, 1.0) == 6
 
 
-def test_kept_counts_drop_the_last_rows_of_each_destination():
-    counts = np.array([[2, 3, 1], [0, 0, 4]])  # 2 destinations, 3 local experts each
-    np.testing.assert_array_equal(ragged.kept_counts(counts, 4), [[2, 2, 0], [0, 0, 4]])
-    np.testing.assert_array_equal(ragged.kept_counts(counts, 0), [[0, 0, 0], [0, 0, 0]])
-    np.testing.assert_array_equal(ragged.kept_counts(counts, 9), counts)
+def rank_rows_by_hand(slots, weights, r, s):
+    """One row per (token, destination), destination-major, tokens ascending; slots in top-k order."""
+    rows = []
+    for d in range(r):
+        for t in range(len(slots)):
+            mine = [(int(p) % s, float(w)) for p, w in zip(slots[t], weights[t]) if p >= 0 and p // s == d]
+            if mine:
+                rows.append((d, t, mine))
+    return rows
+
+
+@pytest.mark.parametrize("r,s,k", [(2, 4, 2), (4, 2, 4), (3, 3, 3), (8, 1, 2)])
+def test_rank_rows_match_the_rule_by_hand(r, s, k):
+    rng = np.random.default_rng(r * 100 + s * 10 + k)
+    t = 7
+    slots = np.stack([rng.choice(r * s, size=k, replace=False) for _ in range(t)]).astype(np.int32)
+    slots[2] = -1  # a padding row: routed nowhere
+    weights = np.where(slots >= 0, rng.uniform(0.1, 1.0, size=(t, k)), 0).astype(np.float32)
+    lay = jax.tree.map(np.asarray, ragged.rank_rows(slots, weights, r, s))
+    assert isinstance(ragged.rank_rows(slots, weights, r, s), ragged.RankRows)
+    want = rank_rows_by_hand(slots, weights, r, s)
+    n, kk, kr = t * min(k, r), min(k, s), min(k, r)
+    assert lay.row_token.shape == (n,) and lay.row_slots.shape == (n, kk) and lay.token_rows.shape == (t, kr)
+    np.testing.assert_array_equal(lay.send_counts, np.bincount([d for d, _, _ in want], minlength=r))
+    np.testing.assert_array_equal(lay.pair_counts, np.bincount(slots[slots >= 0] // s, minlength=r))
+    for i, (d, tok, mine) in enumerate(want):
+        assert (lay.row_dest[i], lay.row_token[i]) == (d, tok)
+        np.testing.assert_array_equal(lay.row_slots[i], [m for m, _ in mine] + [-1] * (kk - len(mine)))
+        np.testing.assert_allclose(lay.row_weights[i], [w for _, w in mine] + [0.0] * (kk - len(mine)))
+    assert (lay.row_token[len(want):] == t).all() and (lay.row_dest[len(want):] == r).all()
+    assert (lay.row_slots[len(want):] == -1).all()
+    for tok in range(t):
+        rows = [i for i, (_, tt, _) in enumerate(want) if tt == tok]
+        np.testing.assert_array_equal(lay.token_rows[tok], rows + [n] * (kr - len(rows)))

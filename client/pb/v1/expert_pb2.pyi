@@ -120,7 +120,7 @@ class RouterSettings(_message.Message):
     def __init__(self, score_function: _Optional[str] = ..., use_pre_softmax: _Optional[bool] = ..., num_groups: _Optional[int] = ..., group_topk: _Optional[int] = ..., scaling_factor: _Optional[float] = ..., has_expert_bias: _Optional[bool] = ..., norm_topk_prob: _Optional[bool] = ...) -> None: ...
 
 class LayerInfo(_message.Message):
-    __slots__ = ("index", "hidden_size", "intermediate_size", "num_experts", "topk", "router", "num_shared_experts", "shared_intermediate_size", "shared_expert_gate", "activation")
+    __slots__ = ("index", "hidden_size", "intermediate_size", "num_experts", "topk", "router", "num_shared_experts", "shared_intermediate_size", "shared_expert_gate", "activation", "placement")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class LayerInfo(_message.Message):
     SHARED_INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARED_EXPERT_GATE_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     index: int
     hidden_size: int
     intermediate_size: int
@@ -141,7 +142,24 @@ class LayerInfo(_message.Message):
     shared_intermediate_size: int
     shared_expert_gate: bool
     activation: str
-    def __init__(self, index: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., topk: _Optional[int] = ..., router: _Optional[_Union[RouterSettings, _Mapping]] = ..., num_shared_experts: _Optional[int] = ..., shared_intermediate_size: _Optional[int] = ..., shared_expert_gate: _Optional[bool] = ..., activation: _Optional[str] = ...) -> None: ...
+    placement: ExpertPlacement
+    def __init__(self, index: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., topk: _Optional[int] = ..., router: _Optional[_Union[RouterSettings, _Mapping]] = ..., num_shared_experts: _Optional[int] = ..., shared_intermediate_size: _Optional[int] = ..., shared_expert_gate: _Optional[bool] = ..., activation: _Optional[str] = ..., placement: _Optional[_Union[ExpertPlacement, _Mapping]] = ...) -> None: ...
+
+class ExpertPlacement(_message.Message):
+    __slots__ = ("num_ranks", "slots_per_rank", "physical_to_logical", "replica_counts", "num_redundant_experts", "version")
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_TO_LOGICAL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REDUNDANT_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    num_ranks: int
+    slots_per_rank: int
+    physical_to_logical: _containers.RepeatedScalarFieldContainer[int]
+    replica_counts: _containers.RepeatedScalarFieldContainer[int]
+    num_redundant_experts: int
+    version: int
+    def __init__(self, num_ranks: _Optional[int] = ..., slots_per_rank: _Optional[int] = ..., physical_to_logical: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., num_redundant_experts: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Mesh(_message.Message):
     __slots__ = ("axis_names", "axis_sizes", "platform", "num_devices")
@@ -184,16 +202,22 @@ class GetExpertLoadRequest(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
-    __slots__ = ("layer", "tokens_total", "tokens_recent", "window_seconds")
+    __slots__ = ("layer", "tokens_total", "tokens_recent", "window_seconds", "placement", "rank_tokens_recent", "balancedness")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TOKENS_RECENT_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    RANK_TOKENS_RECENT_FIELD_NUMBER: _ClassVar[int]
+    BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     tokens_total: _containers.RepeatedScalarFieldContainer[int]
     tokens_recent: _containers.RepeatedScalarFieldContainer[int]
     window_seconds: float
-    def __init__(self, layer: _Optional[int] = ..., tokens_total: _Optional[_Iterable[int]] = ..., tokens_recent: _Optional[_Iterable[int]] = ..., window_seconds: _Optional[float] = ...) -> None: ...
+    placement: ExpertPlacement
+    rank_tokens_recent: _containers.RepeatedScalarFieldContainer[float]
+    balancedness: float
+    def __init__(self, layer: _Optional[int] = ..., tokens_total: _Optional[_Iterable[int]] = ..., tokens_recent: _Optional[_Iterable[int]] = ..., window_seconds: _Optional[float] = ..., placement: _Optional[_Union[ExpertPlacement, _Mapping]] = ..., rank_tokens_recent: _Optional[_Iterable[float]] = ..., balancedness: _Optional[float] = ...) -> None: ...
 
 class GetExpertLoadResponse(_message.Message):
     __slots__ = ("layers",)
