@@ -19,7 +19,12 @@ nothing here checks them again:
 4. The step's bucket is chosen once and its row ranges (views of the requests' arrays) are copied
    once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
    which the engine runs as one step on the single device-worker thread (``run_in_executor``):
-   the loop never blocks on device work. Its seconds on that thread feed the step-time estimates
+   the loop never blocks on device work, with one exception, the idle fast path: a request that
+   finds nothing else admitted and the device thread free, whose step fits one step and is
+   expected to take at most ``--inline-step-max-ms``, runs its step on the loop at once (no
+   scheduler wake-up, no hand-over to the device thread and back: the two thread switches that
+   cost a lone small request more than its step). The loop blocks for at most that long, and only
+   while no other request is waiting. Its seconds on that thread feed the step-time estimates
    (the device's time alone: a busy event loop must not make the device look slower).
    Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
    with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
@@ -99,6 +104,7 @@ class Batcher:
         self._buckets = frozenset(model.buckets)
         self._pending = 0
         self._in_flight: dict[int, tuple] = {}  # steps handed to the device thread: (step key, bucket, since)
+        self._device_jobs = 0  # jobs handed to the device thread and not finished (steps, warm-up, swaps)
         self._steps = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -184,8 +190,12 @@ class Batcher:
         self.executor.shutdown(wait=True)
 
     async def run_on_device(self, fn, *args):
-        """Run ``fn(*args)`` on the device-worker thread (warm-up, engine steps)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Run ``fn(*args)`` on the device-worker thread (warm-up, engine steps, weight swaps)."""
+        self._device_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self._device_jobs -= 1
 
     async def calibrate(self) -> None:
         """Seed the step-time estimates: each (layer config, step kind, bucket) step run on random
@@ -213,9 +223,12 @@ class Batcher:
         loop = asyncio.get_running_loop()
         request = QueuedRequest(queue, tokens, field, deadline, time.monotonic(), loop.create_future(), ticket.small)
         self.queues.enqueue(request)
-        if deadline is not None:
+        inline = self._runs_inline(queue, len(tokens))
+        if deadline is not None and not inline:  # an inline step ends before this call returns
             request.timer = loop.call_at(deadline, self._expire, request)
         try:
+            if inline and (batch := self.queues.take(queue, time.monotonic())):
+                await self._execute(queue, batch, inline=True)
             pieces = await request.future
             queued = max(request.last_end - request.arrived - request.compute_seconds, 0.0)
             self.metrics.observe_queue("forward" if kind == steps.FORWARD else "route", queued)
@@ -295,15 +308,24 @@ class Batcher:
         return max(sum(seconds for _, seconds in estimates) - min(now - since, first), 0.0)
 
     # -- execution ------------------------------------------------------------------------------
-    async def _execute(self, queue: LayerQueue, batch: Batch) -> None:
+    def _runs_inline(self, queue: LayerQueue, rows: int) -> bool:
+        """The idle fast path (module docstring, step 4): this request is the only one admitted, the
+        device thread has nothing to do, and its one step is expected within --inline-step-max-ms."""
+        limit_s = self.config.inline_step_max_ms / 1e3
+        if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and queue.queued == rows
+                and rows <= self.max_part_tokens):
+            return False
+        return self.times.estimate(queue.step_key, self.model.bucket_for(rows)) <= limit_s
+
+    async def _execute(self, queue: LayerQueue, batch: Batch, inline: bool = False) -> None:
         rows = sum(stop - start for _, start, stop in batch)
         bucket = self.model.bucket_for(rows)
         self._steps += 1
         step = self._steps
         self._in_flight[step] = (queue.step_key, bucket, time.monotonic())
         try:
-            result, seconds, bad_rows = await self.run_on_device(
-                self._step, queue.layer, queue.kind, [r.tokens[start:stop] for r, start, stop in batch], bucket, rows)
+            args = (queue.layer, queue.kind, [r.tokens[start:stop] for r, start, stop in batch], bucket, rows)
+            result, seconds, bad_rows = self._step(*args) if inline else await self.run_on_device(self._step, *args)
         except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
             self._in_flight.pop(step, None)
             if len(batch) > 1:

@@ -129,6 +129,10 @@ class BatchingConfig:
     max_queue_wait_ms: float = option(1000.0, "expected wait (the queued work ahead at the measured step times) "
                                       "at most; a request expected to wait longer, or to finish after its "
                                       "deadline, gets RESOURCE_EXHAUSTED at once", parse=float, metavar="MS")
+    inline_step_max_ms: float = option(1.0, "a request that finds the server idle (nothing else admitted, the "
+                                       "device thread free) runs its step on the event loop, without the hand-over "
+                                       "to the device thread and back, when its step is expected to take at most "
+                                       "this long; 0: always hand over", parse=float, metavar="MS")
     max_request_tokens: int = option(8192, "tokens one request may carry (larger requests are split into batches "
                                      "of at most the largest bucket); sizes the gRPC message limit", parse=int,
                                      metavar="N")
@@ -153,6 +157,8 @@ class BatchingConfig:
                              f"the largest request could never be queued), got {self.max_queue_tokens}")
         if not self.max_queue_wait_ms > 0:
             raise ValueError(f"--max-queue-wait-ms must be > 0, got {self.max_queue_wait_ms}")
+        if not self.inline_step_max_ms >= 0:
+            raise ValueError(f"--inline-step-max-ms must be >= 0, got {self.inline_step_max_ms}")
         if self.expert_load_window_s <= 0:
             raise ValueError(f"--expert-load-window-s must be > 0, got {self.expert_load_window_s}")
 
