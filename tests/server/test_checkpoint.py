@@ -12,15 +12,9 @@ import pytest
 from hf_fixtures import FAMILIES, hf_reference, write_checkpoint
 
 from expertd.kernels.moe import MoEParams, moe_layer, param_shapes
-from expertd.server.checkpoint import (
-    CheckpointError,
-    CheckpointRefused,
-    copy_into,
-    host_empty,
-    load_checkpoint,
-    plan_checkpoint,
-    read_config,
-)
+from expertd.kernels.params import param_dtype
+from expertd.server.checkpoint import CheckpointError, CheckpointRefused, load_checkpoint, plan_checkpoint, read_config
+from expertd.server.checkpoint_layer import copy_into, host_empty
 from expertd.server.models.stored import StoredTensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -35,22 +29,24 @@ def assert_layers_equal(layers, expected, dtype=np.float32):
         assert set(layer.params) == set(want) == set(param_shapes(layer.cfg))
         for name, value in want.items():
             got = layer.params[name]
-            router = name in ("router_weight", "expert_bias")
-            assert got.dtype == (np.float32 if router else dtype), name
+            held = np.dtype(param_dtype(name, dtype))  # router tensors and norms fp32, hash table int32
+            assert got.dtype == held, name
             assert got.flags.c_contiguous, name
-            np.testing.assert_array_equal(got, value.astype(np.float32 if router else dtype), err_msg=name)
+            np.testing.assert_array_equal(got, value.astype(held), err_msg=name)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, x, valid, cfg):
-    return moe_layer(params, x, cfg, valid_tokens=valid)
+def _forward(params, x, valid, token_ids, cfg):
+    return moe_layer(params, x, cfg, valid_tokens=valid, token_ids=token_ids)
 
 
-def forward(layer, x: np.ndarray) -> np.ndarray:
+def forward(layer, x: np.ndarray, token_ids=None) -> np.ndarray:
+    """The layer's kernels on x; `token_ids [T]` for a hash-routed layer (DeepSeek-V4's hash_moe)."""
     padded = np.zeros((ROWS, x.shape[1]), np.float32)
     padded[:len(x)] = x
+    ids = None if token_ids is None else jnp.asarray(np.pad(token_ids, (0, ROWS - len(x))), jnp.int32)
     params = MoEParams.from_dict({k: jnp.asarray(v) for k, v in layer.params.items()})
-    return np.asarray(_forward(params, jnp.asarray(padded), len(x), layer.cfg))[:len(x)]
+    return np.asarray(_forward(params, jnp.asarray(padded), len(x), ids, layer.cfg))[:len(x)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -63,8 +59,9 @@ def test_every_family_loads_and_computes_its_transformers_block(tmp_path, family
     for layer in layers:
         for tokens in (3, 13):
             x = rng.standard_normal((tokens, layer.cfg.hidden_size)).astype(np.float32)
-            want = hf_reference(tmp_path, layer.index, x, expected[layer.index])
-            np.testing.assert_allclose(forward(layer, x), want, rtol=1e-4, atol=1e-5,
+            ids = rng.integers(0, layer.cfg.hash_vocab_size, tokens) if layer.cfg.hash_routed else None
+            want = hf_reference(tmp_path, layer.index, x, expected[layer.index], token_ids=ids)
+            np.testing.assert_allclose(forward(layer, x, ids), want, rtol=1e-4, atol=1e-5,
                                        err_msg=f"{family} layer {layer.index}, {tokens} tokens")
 
 
