@@ -58,11 +58,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from expertd.kernels import dispatch as dispatch_ops
-from expertd.kernels import experts, moe, ragged
-from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams
+from expertd.kernels import moe, ragged
+from expertd.kernels.params import EXPERT_FIELDS, MoEParams
 
 DISPATCH_MODES = ("auto", "ragged", "capacity")
-EXPERT_KEYS = EXPERT_WEIGHTS  # sharded on dim 0; all other params are replicated
+EXPERT_KEYS = EXPERT_FIELDS  # sharded on dim 0 (weights and per-expert biases); the rest replicated (issue 25)
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # where XLA compiles ragged-all-to-all
 
 
@@ -244,18 +244,18 @@ def _rank_forward(params: MoEParams, x, valid, *, plan: _Plan, axis: str, backen
     cfg, r = plan.cfg, plan.num_ranks
     me = lax.axis_index(axis)
     ids, weights = moe.route(params, x, cfg, valid)
-    rows, perm = dispatch_ops.permute(x, jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
+    # issue 25 (layer semantics): the layer's parts, as moe.moe_layer calls them
+    rows, perm = dispatch_ops.permute(moe.expert_input(params, x, cfg), jnp.maximum(ids, 0), cfg.num_experts,
+                                      valid=valid)
+    rows, combine_weights = moe.input_weights(rows, perm, weights, cfg)
     counts = lax.all_gather(perm.tokens_per_expert, axis)  # [R, E]: every exchange size, everywhere
     got = _exchange(rows, counts, me, plan, axis, ragged_fn)
     order = ragged.expert_major_positions(got.counts, got.source_starts, plan.recv_rows)
     xs = jnp.zeros_like(got.rows).at[order.positions].set(got.rows, mode="drop")
-    ys = experts.grouped_ffn(xs, order.group_sizes, params.w_gate, params.w_up, params.w_down,
-                             activation=cfg.activation, backend=backend, capacity=plan.expert_rows)
+    ys = moe.routed_ffn(params, xs, order.group_sizes, cfg, backend=backend, capacity=plan.expert_rows)
     y_recv = ys.at[order.positions].get(mode="fill", fill_value=0)  # padding rows (pos == M) read as 0
     y_rows = _exchange_back(y_recv, counts, me, got.kept_send, rows.shape[0], plan, axis, ragged_fn)
-    out = dispatch_ops.unpermute(y_rows, perm, weights, out_dtype=jnp.float32)
-    if cfg.has_shared:
-        out = out + moe.shared_experts(params, x, cfg)
+    out = moe.finish(params, dispatch_ops.unpermute(y_rows, perm, combine_weights, out_dtype=jnp.float32), x, cfg)
     out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
     sent = perm.tokens_per_expert.sum()
     routed_in = counts.reshape(r, r, plan.local_experts)[:, me, :].sum()
@@ -302,6 +302,9 @@ def ep_moe_layer(params: MoEParams, x, cfg: moe.MoEConfig, mesh, *, axis: str = 
     if x.shape[0] < 1:
         raise ValueError("x must hold at least one token row, got T=0")
     moe.check_params(params, cfg)
+    if cfg.hash_routed:  # issue 25: token ids are not sharded with the tokens yet
+        raise ValueError("ep_moe_layer does not take token_ids yet: a hash-routed layer (cfg.hash_vocab_size > 0) "
+                         "runs on one device (moe.moe_layer) until it does")
     r = _num_ranks(mesh, axis)
     _check_experts_divide(cfg, r)
     _check_capacity_factor(capacity_factor)
