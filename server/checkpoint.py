@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from expertd.kernels.config import MoEConfig
-from expertd.kernels.params import ROUTER_FIELDS, param_shapes
+from expertd.kernels.params import param_dtype, param_shapes
 from expertd.server import models
 from expertd.server.checkpoint_layer import CheckpointError, load_layer
 from expertd.server.model import LoadedLayer, select_layers
@@ -177,8 +177,8 @@ def _open(path: Path) -> StoredTensors:
 
 
 def _served_bytes(cfg: MoEConfig, dtype: str) -> int:
-    size = np.dtype(quant.codecs.out_dtype_of(dtype)).itemsize
-    return sum(int(np.prod(shape)) * (4 if name in ROUTER_FIELDS else size)
+    out = quant.codecs.out_dtype_of(dtype)
+    return sum(int(np.prod(shape)) * np.dtype(param_dtype(name, out)).itemsize
                for name, shape in param_shapes(cfg).items())
 
 

@@ -180,7 +180,7 @@ SPECS = {
 }
 FAMILIES = tuple(SPECS)
 _SHARED_NAMES = {"mistral_large4": _W, "deepseek_v4": _W}
-_BIAS_STEP = {"ernie4_5_moe": 0.1, "deepseek_v4": 0.1}  # selection bias per expert index
+_BIAS_STEP = {"ernie4_5_moe": 0.1, "deepseek_v4": 0.1, "step3p7": 0.1}  # selection bias per expert index
 
 
 def hf_config(family: str, *, num_layers: int = 3, dtype: str = "float32", hidden: int = HIDDEN) -> dict:
