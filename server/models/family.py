@@ -22,6 +22,13 @@ E experts; every layout yields per expert j: w_gate[j], w_up[j] `[H, I]` and w_d
   Stacked        `gate`, `up` `[E, I, H]`, `down [E, H, I]` (Step-3.7)
   FlatRows       `w1`, `v1`, `w2` `[E*I, H]` (DBRX): w_gate[j] = w1[jI:(j+1)I].T, w_down[j] = w2[jI:(j+1)I]
 
+Beyond the router, selection bias, experts and shared expert, a `LayerTensors` names the tensors
+of the families' own semantics (docs/semantics.md), each needed when its MoEConfig switch is on:
+`router_bias [E]` (gpt-oss), `tid2eid [V, k]` (DeepSeek-V4 hash layers), `ProjBiases` (gpt-oss's
+`gate_up [E, 2I]` + `down [E, H]` expert biases) and `BranchNorms` (Gemma 4's router scale,
+per-expert scale and branch RMSNorm weights); the loader (`expertd.server.checkpoint_layer`) turns
+them into the MoEParams fields.
+
 A layout reads through a `reader` (the checkpoint loader's) with one method:
   reader.dense(name, shape, expert=None, num_experts=None, in_out=False) -> array
       the dense weight `name` as transformers holds it (dequantised, in the serving dtype), checked

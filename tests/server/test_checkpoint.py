@@ -285,3 +285,23 @@ def test_one_worker_loads_what_many_do(tmp_path):
     expected = write_checkpoint(tmp_path, "mistral4", num_layers=3, quantize="fp8")
     for workers in (1, 3):
         assert_layers_equal(load_checkpoint(tmp_path, dtype="float32", workers=workers), expected)
+
+
+def test_hash_table_entries_and_shape_are_checked(tmp_path):
+    """DeepSeek-V4's tid2eid: int64 on disk, int32 served; an entry that is no expert id is named."""
+    name = "layers.0.ffn.gate.tid2eid"
+    expected = write_checkpoint(tmp_path / "good", "deepseek_v4", num_layers=2)
+    layer = load_checkpoint(tmp_path / "good", layers=[0])[0]
+    assert layer.cfg.hash_vocab_size == 32 and not layer.cfg.use_expert_bias and "expert_bias" not in layer.params
+    np.testing.assert_array_equal(layer.params["tid2eid"], expected[0]["tid2eid"])
+    bad = expected[0]["tid2eid"].astype(np.int64)
+    bad[5, 1] = 8
+    write_checkpoint(tmp_path / "bad", "deepseek_v4", num_layers=2, replace={name: bad})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}': entry \[5, 1\] = 8 is not an expert id in \[0, 8\)"):
+        load_checkpoint(tmp_path / "bad")
+    write_checkpoint(tmp_path / "shape", "deepseek_v4", num_layers=2, replace={name: np.zeros((32, 3), np.int64)})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \[32, 3\], expected \[32, 2\]"):
+        load_checkpoint(tmp_path / "shape")
+    write_checkpoint(tmp_path / "float", "deepseek_v4", num_layers=2, replace={name: np.zeros((32, 2), np.float32)})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' must be an integer table \[32, 2\]"):
+        load_checkpoint(tmp_path / "float")
