@@ -18,6 +18,7 @@ from expertd.client.errors import InvalidArgumentError
 from expertd.server import steps
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
+from expertd.server.errors import InvalidRequest
 
 # (family, quantize, storage dtype, sharded): what each case adds
 CASES = [
@@ -72,6 +73,8 @@ def test_forward_equals_the_transformers_block_on_every_layer(served):
                                                                 token_ids=part_ids).output
                                           for part, part_ids in ((x[:8], ids[:8]), (x[8:], ids[8:])) if len(part)])
                     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"layer {index} (hash)")
+                    with pytest.raises(InvalidRequest, match=r"token_ids\[1\] = 32 is out of the vocabulary \[0, 32\)"):
+                        handle.engine.forward(index, steps.pad_rows([x[:3]], 8), 3, token_ids=np.array([0, 32, 1]))
                     continue
                 result = client.forward(x, layer=index, return_routing=True)
                 want = hf_fixtures.hf_reference(path, index, x, params)
