@@ -78,8 +78,14 @@ def _quantization(config) -> dict | None:
 
 def _tensor_summary(tensors) -> dict:
     layout = tensors.experts
+    own = [tensors.router_bias, tensors.tid2eid]
+    if tensors.proj_bias:
+        own += [tensors.proj_bias.gate_up, tensors.proj_bias.down]
+    if tensors.norms:
+        own += list(dataclasses.astuple(tensors.norms))
     return {"router": tensors.router, "bias": tensors.bias, "experts": type(layout).__name__,
-            "first_expert_tensor": layout.probe(), "shared": tensors.shared.gate if tensors.shared else None}
+            "first_expert_tensor": layout.probe(), "shared": tensors.shared.gate if tensors.shared else None,
+            "family_tensors": [name for name in own if name]}
 
 
 def describe_router(cfg: MoEConfig) -> str:
@@ -148,7 +154,8 @@ def format_report(report: dict) -> str:
         lines.append(f"  router     {group['router']}")
         if group.get("tensors"):
             t = group["tensors"]
-            lines.append(f"  tensors    {t['router']}; experts {t['experts']} ({t['first_expert_tensor']}, ...)")
+            lines.append(f"  tensors    {t['router']}; experts {t['experts']} ({t['first_expert_tensor']}, ...)"
+                         + "".join(f"; {name}" for name in t["family_tensors"]))
     q = report["quantization"]
     if q is not None:
         lines.append(f"quantised    {q['description']}" + (f"; left unquantised: {', '.join(q['excluded'])}"

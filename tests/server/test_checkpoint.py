@@ -65,7 +65,8 @@ def test_every_family_loads_and_computes_its_transformers_block(tmp_path, family
                                        err_msg=f"{family} layer {layer.index}, {tokens} tokens")
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "dbrx", "mistral4"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "dbrx", "mistral4", "gpt_oss", "deepseek_v4", "gemma4",
+                                    "step3p7"])
 def test_bfloat16_checkpoints_load_as_stored(tmp_path, family):
     expected = write_checkpoint(tmp_path, family, num_layers=3, sharded=True, dtype="bfloat16")
     assert_layers_equal(load_checkpoint(tmp_path), expected, BF16)  # --dtype auto keeps bfloat16

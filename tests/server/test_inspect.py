@@ -72,6 +72,8 @@ def test_new_family_semantics_are_described(tmp_path, capsys):
     assert "layers 0-1: E=4 k=2 H=32 I=32, no shared expert, swiglu_oai, clamped at 1 before the activation, " \
            "alpha 1.702, projection biases" in out
     assert "  router     logits + router bias, softmax over the top-2, renormalised" in out
+    assert ("experts FusedColumns (model.layers.0.mlp.experts.gate_up_proj, ...); model.layers.0.mlp.router.bias; "
+            "model.layers.0.mlp.experts.gate_up_proj_bias; model.layers.0.mlp.experts.down_proj_bias") in out
     assert "quantised    mxfp4: e2m1 with e8m0 scales per 32" in out
     write_checkpoint(tmp_path / "v4", "deepseek_v4", num_layers=3)
     code, out = inspect(capsys, tmp_path / "v4")
