@@ -8,11 +8,12 @@ Public API (T tokens, H hidden, E experts, El = E/R local experts, k top-k, R ra
       never re-transfers weights.
 
   ep_moe_layer(params: MoEParams, x [T, H], cfg, mesh, *, axis="ep", dispatch="auto", capacity_factor=None,
-               valid_tokens=None, return_stats=False, backend="auto", ragged_all_to_all=None)
+               valid_tokens=None, return_stats=False, backend="auto", ragged_all_to_all=None, token_ids=None)
       -> out [T, H] in x.dtype, or (out, stats) with return_stats.
       Same contract as `moe.moe_layer` (valid_tokens: None, an int count or a bool [T] mask;
-      padding rows are not routed and come back as zeros). x and params may be host (numpy) or
-      device arrays; with several processes every process passes the same host values.
+      padding rows are not routed and come back as zeros; token_ids int32 [T], required by
+      hash-routed layers and sharded with the tokens, ignored by the others). x and params may be
+      host (numpy) or device arrays; with several processes every process passes the same host values.
       dispatch:
         "ragged"    counts are exchanged first, then only the routed rows travel
                     (`jax.lax.ragged_all_to_all`) into a worst-case receive buffer; dropless.
@@ -60,6 +61,7 @@ from jax.sharding import PartitionSpec as P
 from expertd.kernels import dispatch as dispatch_ops
 from expertd.kernels import moe, ragged
 from expertd.kernels.params import EXPERT_FIELDS, MoEParams
+from expertd.kernels.routing import TokenIdsError
 
 DISPATCH_MODES = ("auto", "ragged", "capacity")
 EXPERT_KEYS = EXPERT_FIELDS  # sharded on dim 0 (weights and per-expert biases); the rest replicated (issue 25)
@@ -136,6 +138,22 @@ def _valid_rows(valid_tokens, num_tokens: int, padded: int):
     if isinstance(mask, jax.core.Tracer) or isinstance(valid_tokens, jax.Array):
         return jnp.pad(mask, (0, padded - num_tokens))
     return np.pad(np.asarray(mask), (0, padded - num_tokens))
+
+
+def _token_id_rows(token_ids, cfg: moe.MoEConfig, num_tokens: int, padded: int):
+    """int32 [T_pad]: a hash-routed layer's token ids padded with 0 (padding rows are not routed);
+    None for other layers. TokenIdsError when they are missing or not [T]; their values are the
+    caller's to check on the host (`moe.check_token_ids`; the kernel clips them into [0, V))."""
+    if not cfg.hash_routed:
+        return None
+    if token_ids is None:
+        moe.check_token_ids(None, cfg)  # raises: required
+    if tuple(np.shape(token_ids)) != (num_tokens,):
+        raise TokenIdsError(f"must hold one id per token: expected shape [{num_tokens}], "
+                            f"got {list(np.shape(token_ids))}")
+    if isinstance(token_ids, np.ndarray):
+        return np.pad(token_ids.astype(np.int32), (0, padded - num_tokens))
+    return jnp.pad(jnp.asarray(token_ids, jnp.int32), (0, padded - num_tokens))
 
 
 def _pad_rows(x, padded: int):
@@ -239,11 +257,13 @@ def _exchange_back(y_recv, counts, me, kept_send, num_rows: int, plan: _Plan, ax
     return ragged.unpack_slices(back, ragged.exclusive_cumsum(send_sizes), kept_send, out)
 
 
-def _rank_forward(params: MoEParams, x, valid, *, plan: _Plan, axis: str, backend: str, ragged_fn) -> RankOutputs:
-    """One rank: x [T/R, H], valid bool [T/R] -> its RankOutputs."""
+def _rank_forward(params: MoEParams, x, valid, token_ids=None, *, plan: _Plan, axis: str, backend: str,
+                  ragged_fn) -> RankOutputs:
+    """One rank: x [T/R, H], valid bool [T/R], token_ids int32 [T/R] (hash-routed layers, else None)
+    -> its RankOutputs."""
     cfg, r = plan.cfg, plan.num_ranks
     me = lax.axis_index(axis)
-    ids, weights = moe.route(params, x, cfg, valid)
+    ids, weights = moe.route(params, x, cfg, valid, token_ids=token_ids)
     # issue 25 (layer semantics): the layer's parts, as moe.moe_layer calls them
     rows, perm = dispatch_ops.permute(moe.expert_input(params, x, cfg), jnp.maximum(ids, 0), cfg.num_experts,
                                       valid=valid)
@@ -267,13 +287,14 @@ def _rank_forward(params: MoEParams, x, valid, *, plan: _Plan, axis: str, backen
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "mesh", "axis", "backend", "ragged_fn", "num_tokens"))
-def _forward(params: MoEParams, x, valid, *, plan, mesh, axis, backend, ragged_fn, num_tokens):
+def _forward(params: MoEParams, x, valid, token_ids, *, plan, mesh, axis, backend, ragged_fn, num_tokens):
     expert_spec = params.replace(**{name: P(axis) if name in EXPERT_KEYS else P() for name, _ in params.items()})
     body = functools.partial(_rank_forward, plan=plan, axis=axis, backend=backend, ragged_fn=ragged_fn)
     # check_vma=False: the Pallas expert / router kernels inside need it (jax-on-cpu.md 4).
     out_specs = RankOutputs(*(P(axis),) * len(RankOutputs._fields))
-    res = jax.shard_map(body, mesh=mesh, in_specs=(expert_spec, P(axis), P(axis)), out_specs=out_specs,
-                        check_vma=False)(params, x, valid)
+    args = (params, x, valid) + (() if token_ids is None else (token_ids,))
+    in_specs = (expert_spec,) + (P(axis),) * (len(args) - 1)
+    res = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
     per_rank = res.per_rank
     row_bytes = plan.cfg.hidden_size * jnp.dtype(x.dtype).itemsize
     count_bytes = plan.num_ranks * plan.cfg.num_experts * 4  # the all_gather of int32 counts
@@ -295,16 +316,13 @@ def _forward(params: MoEParams, x, valid, *, plan, mesh, axis, backend, ragged_f
 
 def ep_moe_layer(params: MoEParams, x, cfg: moe.MoEConfig, mesh, *, axis: str = "ep", dispatch: str = "auto",
                  capacity_factor=None, valid_tokens=None, return_stats: bool = False, backend: str = "auto",
-                 ragged_all_to_all=None):
+                 ragged_all_to_all=None, token_ids=None):
     """Expert-parallel MoE forward `x [T, H]` -> `[T, H]` (x.dtype); see the module docstring."""
     if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.hidden_size:
         raise ValueError(f"x must be [T, H={cfg.hidden_size}], got shape {getattr(x, 'shape', None)}")
     if x.shape[0] < 1:
         raise ValueError("x must hold at least one token row, got T=0")
     moe.check_params(params, cfg)
-    if cfg.hash_routed:  # issue 25: token ids are not sharded with the tokens yet
-        raise ValueError("ep_moe_layer does not take token_ids yet: a hash-routed layer (cfg.hash_vocab_size > 0) "
-                         "runs on one device (moe.moe_layer) until it does")
     r = _num_ranks(mesh, axis)
     _check_experts_divide(cfg, r)
     _check_capacity_factor(capacity_factor)
@@ -316,7 +334,9 @@ def ep_moe_layer(params: MoEParams, x, cfg: moe.MoEConfig, mesh, *, axis: str = 
     token_sharding = NamedSharding(mesh, P(axis))
     x_global = _place(_pad_rows(x, rows_per_rank * r), token_sharding)
     valid = _place(_valid_rows(valid_tokens, t, rows_per_rank * r), token_sharding)
+    ids = _token_id_rows(token_ids, cfg, t, rows_per_rank * r)
+    ids = None if ids is None else _place(ids, token_sharding)
     params = shard_params(params, cfg, mesh, axis)  # a no-op for already placed params
-    out, stats = _forward(params, x_global, valid, plan=plan, mesh=mesh, axis=axis, backend=backend,
+    out, stats = _forward(params, x_global, valid, ids, plan=plan, mesh=mesh, axis=axis, backend=backend,
                           ragged_fn=ragged_all_to_all or lax.ragged_all_to_all, num_tokens=t)
     return (out, stats) if return_stats else out

@@ -48,16 +48,17 @@ def forward_step(params: MoEParams, x, num_valid, token_ids=None, *, cfg, backen
     return out, routing["topk_ids"], routing["topk_weights"], routing["tokens_per_expert"]
 
 
-def ep_forward_step(params: MoEParams, x, num_valid, *, cfg, backend, mesh, ep, axis):
+def ep_forward_step(params: MoEParams, x, num_valid, token_ids=None, *, cfg, backend, mesh, ep, axis):
     """`forward_step` over the expert-parallel mesh: `ep.ep_moe_layer` (tokens sharded over `axis`,
     E / R experts per rank), traced under the engine's jit like every other step.
 
-    params: placed as `ep.shard_params` lays them out (expert weights split over `axis`); x [B, H]
-    -> (out [B, H], ids int32 [B, k], weights fp32 [B, k], counts int32 [E]): the routing each rank
-    computed inside the layer (`ep_moe_layer`'s stats), not computed again.
+    params: placed as `ep.shard_params` lays them out (expert weights split over `axis`); x [B, H],
+    token_ids int32 [B] (hash-routed layers only, else None) -> (out [B, H], ids int32 [B, k],
+    weights fp32 [B, k], counts int32 [E]): the routing each rank computed inside the layer
+    (`ep_moe_layer`'s stats), not computed again.
     """
     out, stats = ep.ep_moe_layer(params, x, cfg, mesh, axis=axis, valid_tokens=num_valid, return_stats=True,
-                                 backend=backend)
+                                 backend=backend, token_ids=token_ids)
     return out, stats["topk_ids"], stats["topk_weights"], stats["tokens_per_expert"]
 
 

@@ -168,22 +168,25 @@ def test_prepared_params_keep_the_families_bits():
 
 
 def test_expert_parallel_layer_runs_the_families():
-    """ep_moe_layer over 4 simulated devices equals the oracle for every family it takes (per-expert
-    biases split with the experts), and refuses hash-routed layers clearly."""
+    """ep_moe_layer over 4 simulated devices equals the oracle for every family (per-expert biases
+    split with the experts; a hash-routed layer's token ids sharded with the tokens, T not a
+    multiple of the ranks), and needs the token ids of a hash-routed layer."""
     from jax.sharding import Mesh
 
     from expertd.kernels import ep
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
-    families = [f for f in SEMANTIC_FAMILIES if f != "deepseek_v4_hash"]
-    cases = [family_case(f, jnp.float32, num_tokens=16) for f in families]
-    outs = jax.jit(lambda ps, xs: [ep.ep_moe_layer(p, x, c[0], mesh, backend="capacity")
-                                   for c, p, x in zip(cases, ps, xs)])([c[1] for c in cases], [c[2] for c in cases])
-    for family, (cfg, params, x, _), out in zip(families, cases, outs):
-        assert_close_to_oracle(out, moe_oracle(params, x, cfg), x.dtype, what=family)
-    cfg, params, x, _ = family_case("deepseek_v4_hash", jnp.float32, num_tokens=8)
-    with pytest.raises(ValueError, match="ep_moe_layer does not take token_ids yet"):
+    cases = [family_case(f, jnp.float32, num_tokens=14) for f in SEMANTIC_FAMILIES]
+    outs = jax.jit(lambda ps, xs, ts: [ep.ep_moe_layer(p, x, c[0], mesh, backend="capacity", token_ids=t)
+                                       for c, p, x, t in zip(cases, ps, xs, ts)])(
+        [c[1] for c in cases], [c[2] for c in cases], [c[3] for c in cases])
+    for family, (cfg, params, x, token_ids), out in zip(SEMANTIC_FAMILIES, cases, outs):
+        assert_close_to_oracle(out, moe_oracle(params, x, cfg, token_ids=token_ids), x.dtype, what=family)
+    cfg, params, x, token_ids = family_case("deepseek_v4_hash", jnp.float32, num_tokens=8)
+    with pytest.raises(TokenIdsError, match="token_ids: required: this layer is hash-routed"):
         ep.ep_moe_layer(params, x, cfg, mesh)
+    with pytest.raises(TokenIdsError, match=r"token_ids: must hold one id per token: expected shape \[8\], got \[5\]"):
+        ep.ep_moe_layer(params, x, cfg, mesh, token_ids=token_ids[:5])
 
 
 def test_gpu_check_runs_the_semantic_families():

@@ -15,6 +15,7 @@ from expertd.kernels.cpu import build as cpu_build
 from expertd.kernels.cpu.policy import SMALL_ROWS_CPU_OPTIONS
 from expertd.server import console, host_allocator, host_memory, steps, weights
 from expertd.server.engine import CompileEvent
+from expertd.server.errors import InvalidRequest
 from expertd.server.model import LoadedLayer, load_preset
 from expertd.server.startup import build_engine
 from expertd.server.warmup import enable_compile_cache, warm_up
@@ -415,7 +416,7 @@ def test_hash_routed_layer_takes_token_ids_as_a_step_input(hashed):
 
 
 def test_hash_routed_layer_without_or_with_bad_token_ids_is_invalid_argument(hashed):
-    from expertd.server.errors import InvalidRequest, status_of
+    from expertd.server.errors import status_of
 
     _, engine = hashed
     padded = steps.pad_rows([_tokens(3)], 8)
@@ -433,3 +434,19 @@ def test_hash_routed_layer_without_or_with_bad_token_ids_is_invalid_argument(has
     with pytest.raises(ValueError, match=r"token_ids\[0\] = -4") as host:
         moe.check_token_ids(np.array([-4]), engine.layers[7].cfg)
     assert status_of(host.value)[2][0].field_violations[0].field == "token_ids"
+
+
+def test_hash_routed_layer_over_the_expert_parallel_mesh(hashed):
+    """The token ids travel with their tokens over 4 devices: the same routing and output as one device."""
+    layer, single = hashed
+    engine = build_engine([layer], buckets=(8,), dtype="float32", devices=4).engine
+    assert engine.layers[7].params.b_gate is None and engine.layers[7].params.tid2eid.dtype == np.int32
+    padded = steps.pad_rows([_tokens(5, seed=12)], 8)
+    ids = np.array([7, 7, 0, 99, 13], np.int32)
+    sharded = engine.forward(7, padded, 5, token_ids=ids)
+    alone = single.forward(7, padded, 5, token_ids=ids)
+    np.testing.assert_allclose(sharded.output, alone.output, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(sharded.topk_ids, alone.topk_ids)
+    np.testing.assert_array_equal(sharded.tokens_per_expert, alone.tokens_per_expert)
+    with pytest.raises(InvalidRequest, match="token_ids: required"):
+        engine.forward(7, padded, 5)
