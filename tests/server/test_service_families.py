@@ -83,3 +83,31 @@ def test_forward_equals_the_transformers_block_on_every_layer(served):
                 route = client.route(x, layer=index)
                 np.testing.assert_array_equal(route.topk_ids, result.routing.topk_ids)
                 np.testing.assert_allclose(route.topk_weights, result.routing.topk_weights, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "gpt_oss", "gemma4"])
+def test_expert_parallel_server_computes_the_same_block(tmp_path_factory, family):
+    """Four simulated CPU devices: the experts (and their biases) split over the ranks; the hash layer's
+    token ids travel with their tokens (engine level)."""
+    path = tmp_path_factory.mktemp(f"{family}-ep")
+    expected = hf_fixtures.write_checkpoint(path, family)
+    config = server_config(tmp_path_factory, bucket_sizes=(8,),
+                           model=ModelConfig(checkpoint=str(path), dtype="float32", num_devices=4))
+    handle = create_server(config)
+    rng = np.random.default_rng(3)
+    try:
+        handle.wait_ready(timeout=300)
+        with ExpertClient(f"127.0.0.1:{handle.port}", timeout=60) as client:
+            assert client.model_info().mesh.num_devices == 4
+            for index, params in expected.items():
+                cfg = handle.engine.layers[index].cfg
+                x = rng.standard_normal((7, cfg.hidden_size)).astype(np.float32)
+                ids = rng.integers(0, cfg.hash_vocab_size, 7) if cfg.hash_routed else None
+                want = hf_fixtures.hf_reference(path, index, x, params, token_ids=ids)
+                if cfg.hash_routed:
+                    got = handle.engine.forward(index, steps.pad_rows([x], 8), 7, token_ids=ids).output
+                else:
+                    got = client.forward(x, layer=index)
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{family} layer {index}")
+    finally:
+        handle.stop(grace=2)
