@@ -2,7 +2,10 @@
 
 Public modules:
   moe       the whole layer: MoEConfig, MoEParams, init_params, prepare_params (once after
-            loading, for the fastest layout), moe_layer, route, compiler_options
+            loading, for the fastest layout), moe_layer, route, check_token_ids, compiler_options
+            (the families' semantics: MoEConfig's docstring and docs/semantics.md)
+  routing   a layer's routing in Hugging Face semantics (router_logits, route, route_from_logits,
+            hash routing and check_token_ids)
   router    top-k routing with TransformerEngine's semantics (fused_topk_with_score_function,
             fused_moe_aux_loss)
   dispatch  permute / unpermute tokens into expert-major rows (Permutation)

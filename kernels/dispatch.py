@@ -32,6 +32,11 @@ E experts, N buffer rows):
 
   buffer_rows(T, k, E, align_size) -> int: the static N above.
 
+  scale_rows(rows [N, H], perm, topk_weights fp32 [T, k]) -> [N, H] rows.dtype
+      Every routed row times its copy's weight (rounded to rows.dtype), pad rows zero: the
+      expert input of a layer that weights the input instead of the output (Llama 4), which
+      then combines with `unpermute(..., topk_weights=None)`.
+
 `permute_reference` / `unpermute_reference` are plain-jnp versions written for clarity (one-hot
 running counts instead of a sort, a dense selection matrix instead of a gather) that the tests
 compare against.
@@ -180,6 +185,18 @@ def unpermute(rows, perm: Permutation, topk_weights=None, *, out_dtype=None):
         picked = picked * topk_weights.astype(jnp.float32)[..., None]
     picked = jnp.where(routed[..., None], picked, 0.0)
     return picked.sum(axis=1).astype(out_dtype)
+
+
+def scale_rows(rows, perm: Permutation, topk_weights):
+    """`rows [N, H]` with routed row dest[t, j] times topk_weights[t, j] (fp32 product rounded to
+    rows.dtype) and every other row zero (pad rows may hold NaN: masked with `where`)."""
+    t, k = check_unpermute_args(rows, perm, topk_weights)
+    n = rows.shape[0]
+    row_weight = jnp.zeros((n,), jnp.float32).at[perm.dest.reshape(t * k)].set(
+        topk_weights.reshape(t * k).astype(jnp.float32), mode="drop")
+    routed = jnp.zeros((n,), jnp.bool_).at[perm.dest.reshape(t * k)].set(True, mode="drop")
+    scaled = rows.astype(jnp.float32) * row_weight[:, None]
+    return jnp.where(routed[:, None], scaled, 0.0).astype(rows.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

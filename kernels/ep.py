@@ -38,6 +38,8 @@ P = E + N physical slots, S = P / R per rank; without one, P = E and expert e is
         weights [P, ...] in its physical order; host expert weights with a non-identity Placement
         are refused, since they can only be logical). Each rank splits its tokens of a replicated
         expert evenly over its replicas (the n-th, in token order, to replica (n + rank) % count).
+      token_ids: int32 [T], required by hash-routed layers (sharded with the tokens), ignored by
+        the others.
       dispatch:
         "ragged"    counts first, then only the routed rows (`jax.lax.ragged_all_to_all`) into a
                     receive buffer of R * T/R rows; dropless. GPU/TPU only: XLA:CPU cannot compile
@@ -85,13 +87,15 @@ from jax.sharding import PartitionSpec as P
 
 from expertd.kernels import ep_rank, moe, ragged
 from expertd.kernels.eplb import Placement, PlacementTables, plan_placement
-from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams, logical_shape, param_shapes
+from expertd.kernels.params import EXPERT_FIELDS, MoEParams, logical_shape, param_shapes
+from expertd.kernels.routing import TokenIdsError
 
 __all__ = ["DISPATCH_MODES", "Placement", "PlacementTables", "ep_moe_layer", "placement_tables", "plan_placement",
            "relayout", "resolve_dispatch", "shard_params"]
 
 DISPATCH_MODES = ("auto", "ragged", "capacity")
-EXPERT_KEYS = EXPERT_WEIGHTS  # laid out by slot and split on dim 0; all other params are replicated
+# laid out by slot and split on dim 0 (weights and per-expert biases); all other params are replicated
+EXPERT_KEYS = EXPERT_FIELDS
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")  # where XLA compiles ragged-all-to-all
 
 
@@ -288,14 +292,15 @@ def _tables_of(placement, cfg: moe.MoEConfig, num_ranks: int, params: MoEParams)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "mesh", "axis", "backend", "ragged_fn", "num_tokens"))
-def _forward(params: MoEParams, tables: PlacementTables, x, valid, *, plan, mesh, axis, backend, ragged_fn,
+def _forward(params: MoEParams, tables: PlacementTables, x, valid, token_ids, *, plan, mesh, axis, backend, ragged_fn,
              num_tokens):
     param_spec = params.replace(**{name: P(axis) if name in EXPERT_KEYS else P() for name, _ in params.items()})
     body = functools.partial(ep_rank.rank_forward, plan=plan, axis=axis, backend=backend, ragged_fn=ragged_fn)
     # check_vma=False: the Pallas expert / router kernels inside need it (jax-on-cpu.md 4).
     out_specs = ep_rank.RankOutputs(*(P(axis),) * len(ep_rank.RankOutputs._fields))
-    res = jax.shard_map(body, mesh=mesh, in_specs=(param_spec, PlacementTables(P(), P()), P(axis), P(axis)),
-                        out_specs=out_specs, check_vma=False)(params, tables, x, valid)
+    args = (params, tables, x, valid) + (() if token_ids is None else (token_ids,))
+    in_specs = (param_spec, PlacementTables(P(), P())) + (P(axis),) * (len(args) - 2)
+    res = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
     c = {name: res.per_rank[:, i].astype(jnp.float32) for i, name in enumerate(ep_rank.COUNTERS)}
     row_bytes = plan.cfg.hidden_size * jnp.dtype(x.dtype).itemsize
     load = res.slot_tokens.sum(axis=1)
@@ -334,6 +339,38 @@ def _valid_rows(valid_tokens, num_tokens: int, padded: int):
     return np.pad(np.asarray(mask), (0, padded - num_tokens))
 
 
+def _token_id_rows(token_ids, cfg: moe.MoEConfig, num_tokens: int, padded: int):
+    """int32 [T_pad]: a hash-routed layer's token ids padded with 0 (padding rows are not routed);
+    None for other layers. TokenIdsError when they are missing or not [T]; their values are the
+    caller's to check on the host (`moe.check_token_ids`; the kernel clips them into [0, V))."""
+    if not cfg.hash_routed:
+        return None
+    if token_ids is None:
+        moe.check_token_ids(None, cfg)  # raises: required
+    if tuple(np.shape(token_ids)) != (num_tokens,):
+        raise TokenIdsError(f"must hold one id per token: expected shape [{num_tokens}], "
+                            f"got {list(np.shape(token_ids))}")
+    if isinstance(token_ids, np.ndarray):
+        return np.pad(token_ids.astype(np.int32), (0, padded - num_tokens))
+    return jnp.pad(jnp.asarray(token_ids, jnp.int32), (0, padded - num_tokens))
+
+
+def _token_id_rows(token_ids, cfg: moe.MoEConfig, num_tokens: int, padded: int):
+    """int32 [T_pad]: a hash-routed layer's token ids padded with 0 (padding rows are not routed);
+    None for other layers. TokenIdsError when they are missing or not [T]; their values are the
+    caller's to check on the host (`moe.check_token_ids`; the kernel clips them into [0, V))."""
+    if not cfg.hash_routed:
+        return None
+    if token_ids is None:
+        moe.check_token_ids(None, cfg)  # raises: required
+    if tuple(np.shape(token_ids)) != (num_tokens,):
+        raise TokenIdsError(f"must hold one id per token: expected shape [{num_tokens}], "
+                            f"got {list(np.shape(token_ids))}")
+    if isinstance(token_ids, np.ndarray):
+        return np.pad(token_ids.astype(np.int32), (0, padded - num_tokens))
+    return jnp.pad(jnp.asarray(token_ids, jnp.int32), (0, padded - num_tokens))
+
+
 def _pad_rows(x, padded: int):
     extra = padded - x.shape[0]
     if not extra:
@@ -345,7 +382,7 @@ def _pad_rows(x, padded: int):
 
 def ep_moe_layer(params: MoEParams, x, cfg: moe.MoEConfig, mesh, *, axis: str = "ep", dispatch: str = "auto",
                  capacity_factor=None, valid_tokens=None, return_stats: bool = False, backend: str = "auto",
-                 ragged_all_to_all=None, placement=None):
+                 ragged_all_to_all=None, placement=None, token_ids=None):
     """Expert-parallel MoE forward `x [T, H]` -> `[T, H]` (x.dtype); see the module docstring."""
     if getattr(x, "ndim", None) != 2 or x.shape[1] != cfg.hidden_size:
         raise ValueError(f"x must be [T, H={cfg.hidden_size}], got shape {getattr(x, 'shape', None)}")
@@ -367,6 +404,8 @@ def ep_moe_layer(params: MoEParams, x, cfg: moe.MoEConfig, mesh, *, axis: str = 
     params = params.replace(**{name: _place(value, split if name in EXPERT_KEYS else replicated)
                                for name, value in params.items()})
     tables = PlacementTables(*(_place(v, replicated) for v in tables))
-    out, stats = _forward(params, tables, x_global, valid, plan=plan, mesh=mesh, axis=axis, backend=backend,
+    ids = _token_id_rows(token_ids, cfg, t, rows_per_rank * r)
+    ids = None if ids is None else _place(ids, token_sharding)
+    out, stats = _forward(params, tables, x_global, valid, ids, plan=plan, mesh=mesh, axis=axis, backend=backend,
                           ragged_fn=ragged_all_to_all or lax.ragged_all_to_all, num_tokens=t)
     return (out, stats) if return_stats else out

@@ -17,7 +17,7 @@ tokens on the rank, k top-k, R ranks, S physical slots per rank, H hidden):
               c-th row for destination d; rows past C are dropped (the highest tokens of that
               destination) and counted;
 4. the receiver expands its rows to expert-major (token, slot) rows (`dispatch.permute`, with an
-   extra empty slot S for "no expert"), runs `experts.grouped_ffn` on its S slots, and reduces
+   extra empty slot S for "no expert"), runs `moe.routed_ffn` on its S slots, and reduces
    each row to ONE weighted partial sum over its experts (`dispatch.unpermute`, fp32), cast to
    x.dtype for the trip back;
 5. the reverse exchange returns one partial per (token, rank) to the token's rank, which adds
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from expertd.kernels import dispatch as dispatch_ops
-from expertd.kernels import experts, moe, ragged
+from expertd.kernels import moe, ragged
 from expertd.kernels.eplb import PlacementTables
 from expertd.kernels.params import MoEParams
 
@@ -155,16 +155,19 @@ def _exchange(x, lay: ragged.RankRows, counts, me, plan: Plan, axis: str, ragged
 
 def _run_experts(params: MoEParams, got: Received, plan: Plan, backend: str, out_dtype):
     """The rank's slots on its received rows -> (one weighted partial per row [M, H] out_dtype,
-    pairs each slot ran int32 [S])."""
+    pairs each slot ran int32 [S]). The layer's expert semantics are `moe`'s: its gated activation
+    and per-expert biases (`moe.routed_ffn`, the biases laid out by slot like the weights) and, with
+    cfg.router_weight_on_input, each row scaled by its weight before its expert, summed unweighted
+    (`moe.input_weights`)."""
     s = plan.slots_per_rank
     has_expert = got.slots >= 0
     ids = jnp.where(has_expert, got.slots, s)  # slot S: an empty slot that no FFN runs
     xs, perm = dispatch_ops.permute(got.rows, ids, s + 1)
+    xs, combine_weights = moe.input_weights(xs, perm, got.weights, plan.cfg)
     group_sizes = perm.group_sizes[:s]
-    ys = experts.grouped_ffn(xs, group_sizes, params.w_gate, params.w_up, params.w_down,
-                             activation=plan.cfg.activation, backend=backend, capacity=plan.recv_rows)
+    ys = moe.routed_ffn(params, xs, group_sizes, plan.cfg, backend=backend, capacity=plan.recv_rows)
     perm = perm._replace(dest=jnp.where(has_expert, perm.dest, xs.shape[0]))
-    partial = dispatch_ops.unpermute(ys, perm, got.weights, out_dtype=jnp.float32)
+    partial = dispatch_ops.unpermute(ys, perm, combine_weights, out_dtype=jnp.float32)
     return partial.astype(out_dtype), group_sizes
 
 
@@ -178,17 +181,19 @@ def _exchange_back(partial, lay: ragged.RankRows, counts, me, kept_send, plan: P
     return ragged.unpack_slices(back, ragged.exclusive_cumsum(lay.send_counts), kept_send, out)
 
 
-def rank_forward(params: MoEParams, tables: PlacementTables, x, valid, *, plan: Plan, axis: str, backend: str,
-                 ragged_fn) -> RankOutputs:
-    """One rank: x [Tr, H], valid bool [Tr] -> its RankOutputs (see the module docstring)."""
+def rank_forward(params: MoEParams, tables: PlacementTables, x, valid, token_ids=None, *, plan: Plan, axis: str,
+                 backend: str, ragged_fn) -> RankOutputs:
+    """One rank: x [Tr, H], valid bool [Tr], token_ids int32 [Tr] (hash-routed layers, else None)
+    -> its RankOutputs (see the module docstring). The rows sent are `moe.expert_input(x)`; the
+    combined partials end as `moe.finish` makes them (output norm, shared experts on x)."""
     cfg, r = plan.cfg, plan.num_ranks
     me = lax.axis_index(axis)
-    ids, weights = moe.route(params, x, cfg, valid)
+    ids, weights = moe.route(params, x, cfg, valid, token_ids=token_ids)
     slots = physical_slots(ids, valid, me, tables)
     lay = ragged.rank_rows(slots, weights, r, plan.slots_per_rank)
     counts = lax.all_gather(jnp.stack([lay.send_counts, lay.pair_counts]), axis)  # [R, 2, R]
     rows_counts = counts[:, 0, :]
-    got = _exchange(x, lay, rows_counts, me, plan, axis, ragged_fn)
+    got = _exchange(moe.expert_input(params, x, cfg), lay, rows_counts, me, plan, axis, ragged_fn)
     partial, slot_tokens = _run_experts(params, got, plan, backend, x.dtype)
     back = _exchange_back(partial, lay, rows_counts, me, got.kept_send, plan, axis, ragged_fn)
     # A row survives when it is within its destination's kept rows (all of them in ragged mode).
@@ -198,9 +203,7 @@ def rank_forward(params: MoEParams, tables: PlacementTables, x, valid, *, plan: 
     kept = used & (within < got.kept_send[jnp.minimum(lay.row_dest, r - 1)])
     row_ok = kept.at[lay.token_rows].get(mode="fill", fill_value=False)  # [Tr, kr]
     picked = back.at[lay.token_rows].get(mode="fill", fill_value=0).astype(jnp.float32)
-    out = jnp.where(row_ok[..., None], picked, 0.0).sum(axis=1)
-    if cfg.has_shared:
-        out = out + moe.shared_experts(params, x, cfg)
+    out = moe.finish(params, jnp.where(row_ok[..., None], picked, 0.0).sum(axis=1), x, cfg)
     out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
 
     dropped = used & ~kept

@@ -1,13 +1,17 @@
 """Grouped expert FFN: every expert's gated MLP over its block of expert-major rows, by backend.
 
-    y = (act(x @ W_gate[e]) * (x @ W_up[e])) @ W_down[e]      (SwiGLU with act = silu)
+    y = glu(x @ W_gate[e] + b_gate[e], x @ W_up[e] + b_up[e]) @ W_down[e] + b_down[e]
+    (SwiGLU: glu(g, u) = silu(g) * u, no biases)
 
 Public API (the expert-parallel layer reuses it; N rows, H hidden, I intermediate, E experts):
 
   grouped_ffn(xs [N, H], group_sizes int32 [E], w_gate [E, H, I], w_up [E, H, I], w_down [E, I, H],
-              *, activation="silu", backend="auto", capacity=None) -> [N, H] xs.dtype
+              *, activation="silu", backend="auto", capacity=None, biases=None) -> [N, H] xs.dtype
       The contract of `expertd.kernels.ffn` (expert-major rows, rows past sum(group_sizes) never
-      read and zero, fp32 accumulation). `capacity` (static int, "capacity" backend only): rows per
+      read and zero, fp32 accumulation). `activation`: a name of ACTIVATIONS or a
+      `ffn.GatedActivation` (the clamped / gpt-oss variants; `ffn.expert_activation(cfg)` is a
+      layer's). `biases`: an `ffn.ExpertBiases` (gate [E, I], up [E, I], down [E, H]) or None;
+      every backend takes both. `capacity` (static int, "capacity" backend only): rows per
       expert in the padded [E, C, H] buffer; None = dropless (C = N, or pass the largest possible
       group, e.g. T for a top-k layout). Rows past the capacity of their expert are dropped
       (zeros). The weights may be in the native CPU backend's prepared layout
@@ -49,7 +53,10 @@ from expertd.kernels.experts_xla import (
     grouped_ffn_ragged_dot,
 )
 from expertd.kernels.ffn import (
+    ExpertBiases,
+    GatedActivation,
     activation_fn,
+    as_gated_activation,
     check_ffn_args,
     gated_mlp,
     grouped_ffn_reference,
@@ -65,7 +72,8 @@ BACKENDS = ("reference", "ragged_dot", "capacity", "expert_loop", "native_cpu", 
 GPU_PALLAS_MIN_ROWS = 2048
 
 __all__ = [
-    "ACTIVATIONS", "BACKENDS", "CAPACITY_BUCKETS", "GPU_PALLAS_MIN_ROWS", "LOOP_TILES", "activation_fn",
+    "ACTIVATIONS", "BACKENDS", "CAPACITY_BUCKETS", "GPU_PALLAS_MIN_ROWS", "LOOP_TILES", "ExpertBiases",
+    "GatedActivation", "activation_fn", "as_gated_activation",
     "capacity_buckets", "capacity_slots", "check_backend", "check_ffn_args", "choose_backend", "compiler_options",
     "expert_weights_f32", "gated_mlp", "grouped_ffn", "grouped_ffn_capacity", "grouped_ffn_expert_loop",
     "grouped_ffn_pallas", "grouped_ffn_ragged_dot", "grouped_ffn_reference", "matmul_f32", "matmul_precision",
@@ -114,24 +122,24 @@ def compiler_options(num_rows: int, num_experts: int, hidden: int, intermediate:
 
 
 def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", backend="auto",
-                capacity=None):
+                capacity=None, biases=None):
     """Grouped gated-MLP over expert-major rows; see the module docstring for the contract."""
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
-    activation_fn(activation)  # validate early
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
+    activation = as_gated_activation(activation)  # validate early
     check_backend(backend)
     if backend == "auto":
         e, h, i = logical_shape(w_gate)
         backend = choose_backend(xs.shape[0], e, h, i, w_gate.dtype)
+    kwargs = dict(activation=activation, biases=biases)
     if backend == "native_cpu":  # reads prepared weights in place
-        return cpu.grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, activation=activation)
+        return cpu.grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, **kwargs)
     w_gate, w_up, w_down = (cpu.dense_weights(w) for w in (w_gate, w_up, w_down))
     if backend == "reference":
-        return grouped_ffn_reference(xs, group_sizes, w_gate, w_up, w_down, activation=activation)
+        return grouped_ffn_reference(xs, group_sizes, w_gate, w_up, w_down, **kwargs)
     if backend == "ragged_dot":
-        return grouped_ffn_ragged_dot(xs, group_sizes, w_gate, w_up, w_down, activation=activation)
+        return grouped_ffn_ragged_dot(xs, group_sizes, w_gate, w_up, w_down, **kwargs)
     if backend == "capacity":
-        return grouped_ffn_capacity(xs, group_sizes, w_gate, w_up, w_down, activation=activation,
-                                    capacity=capacity)
+        return grouped_ffn_capacity(xs, group_sizes, w_gate, w_up, w_down, capacity=capacity, **kwargs)
     if backend == "expert_loop":
-        return grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, activation=activation)
-    return grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, activation=activation)
+        return grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, **kwargs)
+    return grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, **kwargs)

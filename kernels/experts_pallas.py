@@ -8,8 +8,12 @@ Layout: rows are re-laid so that every expert's block starts on a multiple of th
 `block_m` (pad rows are zero); `tile_expert[i]` names the expert owning row tile i (E for tiles
 past the last block, which write zeros and read no weights).
 
-  kernel 1, grid (tiles, I / block_n):  h = act(x W_gate[e]) * (x W_up[e])   fp32 accumulation
-  kernel 2, grid (tiles, H / block_n):  y = h W_down[e]
+  kernel 1, grid (tiles, I / block_n):  h = glu(x W_gate[e] (+ b_gate[e]), x W_up[e] (+ b_up[e]))
+                                        fp32 accumulation; glu a `ffn.GatedActivation`
+  kernel 2, grid (tiles, H / block_n):  y = h W_down[e]   (+ b_down[e] after the kernel)
+
+With per-expert biases kernel 1 takes the gate / up biases as two more whole-array operands
+(a separate compiled kernel: the bias-free one is unchanged).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from expertd.kernels.ffn import activation_fn, check_ffn_args, matmul_precision, row_experts
+from expertd.kernels.ffn import as_gated_activation, check_ffn_args, matmul_precision, row_biases, row_experts
 
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
 
@@ -36,7 +40,8 @@ def _pow2_block(dim: int, cap: int) -> int:
     raise ValueError(f"the pallas backend needs H and I to be multiples of {MIN_BLOCK}, got {dim}")
 
 
-def _gate_up_kernel(tile_expert_ref, x_ref, wg_ref, wu_ref, h_ref, *, num_experts, block_k, act):
+def _gate_up_kernel(tile_expert_ref, x_ref, wg_ref, wu_ref, *refs, num_experts, block_k, glu):
+    bias_refs, h_ref = refs[:-1], refs[-1]  # (b_gate [E, I], b_up [E, I]) or ()
     i, j = pl.program_id(0), pl.program_id(1)
     block_m, block_n = h_ref.shape
     e = tile_expert_ref[i]
@@ -54,7 +59,11 @@ def _gate_up_kernel(tile_expert_ref, x_ref, wg_ref, wu_ref, h_ref, *, num_expert
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
         g, u = lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
-        h_ref[...] = (act(g) * u).astype(h_ref.dtype)
+        if bias_refs:
+            cols = pl.ds(j * block_n, block_n)
+            g = g + bias_refs[0][pl.ds(e, 1), cols].astype(jnp.float32)
+            u = u + bias_refs[1][pl.ds(e, 1), cols].astype(jnp.float32)
+        h_ref[...] = glu(g, u).astype(h_ref.dtype)
 
     @pl.when(e >= num_experts)
     def _empty():
@@ -100,10 +109,10 @@ def tile_layout(group_sizes, num_rows: int, block_m: int):
     return dest, tile_expert, tiled_rows
 
 
-def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", block_m=None,
+def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None, block_m=None,
                        interpret=None):
     """Pallas grouped gated MLP; same contract as `experts.grouped_ffn` (xs [N, H] -> [N, H])."""
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
     n, h = xs.shape
     e, _, inter = w_gate.shape
     if interpret is None:
@@ -113,7 +122,7 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
     if block_m is None:  # small tiles when experts get few rows (decode), else larger ones
         block_m = 16 if n <= 16 * e else 64
     dest, tile_expert, tiled_rows = tile_layout(group_sizes, n, block_m)
-    _, valid = row_experts(group_sizes, n)
+    expert, valid = row_experts(group_sizes, n)
     dest = jnp.where(valid, dest, tiled_rows)  # invalid rows (maybe NaN garbage) are never read
     source = jnp.full((tiled_rows,), n, jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     x_tiled = xs.at[source].get(mode="fill", fill_value=0)  # [tiled_rows, H]
@@ -122,14 +131,15 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
     # Name Triton explicitly: newer JAX may default GPU Pallas to Mosaic GPU.
     params = pltriton.CompilerParams(num_warps=4, num_stages=2)
 
+    gate_up_biases = () if biases is None else (biases.gate, biases.up)
     gate_up = pl.pallas_call(
-        functools.partial(_gate_up_kernel, num_experts=e, block_k=block_k_h, act=activation_fn(activation)),
+        functools.partial(_gate_up_kernel, num_experts=e, block_k=block_k_h, glu=as_gated_activation(activation)),
         out_shape=jax.ShapeDtypeStruct((tiled_rows, inter), xs.dtype),
         grid=(tiles, inter // block_n_i),
-        in_specs=[whole, whole, whole, whole],
+        in_specs=[whole] * (4 + len(gate_up_biases)),
         out_specs=pl.BlockSpec((block_m, block_n_i), lambda i, j: (i, j)),
         interpret=interpret, compiler_params=params, name="grouped_gate_up")
-    hidden = gate_up(tile_expert, x_tiled, w_gate, w_up)
+    hidden = gate_up(tile_expert, x_tiled, w_gate, w_up, *gate_up_biases)
 
     down = pl.pallas_call(
         functools.partial(_down_kernel, num_experts=e, block_k=block_k_i),
@@ -138,5 +148,7 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
         in_specs=[whole, whole, whole],
         out_specs=pl.BlockSpec((block_m, block_n_h), lambda i, j: (i, j)),
         interpret=interpret, compiler_params=params, name="grouped_down")
-    y = down(tile_expert, hidden, w_down)
-    return jnp.where(valid[:, None], y.at[dest].get(mode="fill", fill_value=0), 0)
+    y = down(tile_expert, hidden, w_down).at[dest].get(mode="fill", fill_value=0)
+    if biases is not None:
+        y = (y.astype(jnp.float32) + row_biases(biases, expert, valid).down).astype(xs.dtype)
+    return jnp.where(valid[:, None], y, 0)

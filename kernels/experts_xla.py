@@ -17,23 +17,36 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from expertd.kernels.ffn import activation_fn, check_ffn_args, gated_mlp, matmul_precision, row_experts
+from expertd.kernels.ffn import (
+    ExpertBiases,
+    as_gated_activation,
+    check_ffn_args,
+    gated_mlp,
+    matmul_precision,
+    row_biases,
+    row_experts,
+)
 
 
-def grouped_ffn_ragged_dot(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu"):
+def grouped_ffn_ragged_dot(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None):
     """Grouped FFN through `jax.lax.ragged_dot` (rows past sum(group_sizes) come back zero)."""
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
-    _, valid = row_experts(group_sizes, xs.shape[0])
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
+    expert, valid = row_experts(group_sizes, xs.shape[0])
     xs = jnp.where(valid[:, None], xs, 0)
     gs = group_sizes.astype(jnp.int32)
-    act = activation_fn(activation)
+    glu = as_gated_activation(activation)
+    rb = row_biases(biases, expert, valid)
 
     def rdot(a, w):
         return lax.ragged_dot(a, w, gs, preferred_element_type=jnp.float32, precision=matmul_precision(a, w))
 
-    h = act(rdot(xs, w_gate)) * rdot(xs, w_up)
-    y = rdot(h.astype(xs.dtype), w_down).astype(xs.dtype)
-    return jnp.where(valid[:, None], y, 0)
+    g, u = rdot(xs, w_gate), rdot(xs, w_up)
+    if rb is not None:
+        g, u = g + rb.gate, u + rb.up
+    y = rdot(glu(g, u).astype(xs.dtype), w_down)
+    if rb is not None:
+        y = y + rb.down
+    return jnp.where(valid[:, None], y.astype(xs.dtype), 0)
 
 
 def capacity_slots(group_sizes, capacity: int):
@@ -64,12 +77,14 @@ def capacity_buckets(capacity: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, activation, capacity: int):
-    """Grouped FFN through a `[E, capacity, H]` buffer; rows past the capacity of their expert -> 0."""
+def _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, biases, activation, capacity: int):
+    """Grouped FFN through a `[E, capacity, H]` buffer; rows past the capacity of their expert -> 0
+    (empty slots compute their expert's biases alone, and are never read back)."""
     n = xs.shape[0]
     slots = capacity_slots(group_sizes, capacity)  # [E, C]
     buf = xs.at[slots].get(mode="fill", fill_value=0)  # [E, C, H]; empty slots are 0
-    out = gated_mlp(buf, w_gate, w_up, w_down, activation)  # [E, C, H]
+    per_expert = None if biases is None else ExpertBiases(*(b[:, None, :] for b in biases))
+    out = gated_mlp(buf, w_gate, w_up, w_down, activation, per_expert)  # [E, C, H]
     expert, valid = row_experts(group_sizes, n)
     gs = group_sizes.astype(jnp.int32)
     pos = jnp.arange(n, dtype=jnp.int32) - jnp.take(jnp.cumsum(gs) - gs, jnp.minimum(expert, gs.shape[0] - 1))
@@ -78,24 +93,25 @@ def _capacity_ffn(xs, group_sizes, w_gate, w_up, w_down, activation, capacity: i
     return jnp.where(kept[:, None], y, 0)
 
 
-def grouped_ffn_capacity(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", capacity=None):
+def grouped_ffn_capacity(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", capacity=None, biases=None):
     """Capacity-padded grouped FFN: gather rows into `[E, C, H]`, batched matmuls, gather back.
 
     C is chosen per call from `capacity_buckets(capacity)`: the smallest that holds the largest
     group (the full capacity when a group exceeds it, whose extra rows are dropped), so a dropless
     capacity costs the padding of the batch at hand, not of the worst case. On GPU the switch reads
     max(group_sizes) on the host (a sync per call)."""
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
     capacity = xs.shape[0] if capacity is None else int(capacity)
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     buckets = capacity_buckets(capacity)
-    branches = [functools.partial(_capacity_ffn, activation=activation, capacity=c) for c in buckets]
+    glu = as_gated_activation(activation)
+    branches = [functools.partial(_capacity_ffn, activation=glu, capacity=c) for c in buckets]
     if len(branches) == 1:
-        return branches[0](xs, group_sizes, w_gate, w_up, w_down)
+        return branches[0](xs, group_sizes, w_gate, w_up, w_down, biases)
     largest = jnp.max(group_sizes.astype(jnp.int32))
     index = jnp.minimum(jnp.sum(largest > jnp.asarray(buckets, jnp.int32)), len(buckets) - 1)
-    return lax.switch(index, branches, xs, group_sizes, w_gate, w_up, w_down)
+    return lax.switch(index, branches, xs, group_sizes, w_gate, w_up, w_down, biases)
 
 
 # Row tiles of the "expert_loop" backend, largest first. An expert's rows run as full tiles of a
@@ -129,7 +145,7 @@ def expert_weights_f32(w, e):
     return _widen(lax.dynamic_index_in_dim(_raw(w), e, keepdims=False))
 
 
-def grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu"):
+def grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None):
     """Grouped FFN as a loop over the experts that have rows, each running only its own rows.
 
     XLA:CPU has no grouped GEMM (ragged_dot costs E x the FLOPs there) and no bf16 matmul unit
@@ -140,9 +156,9 @@ def grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, *, activation
     before the down projection, as in the other backends. Rows past sum(group_sizes) are never
     read as data.
     """
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
     n, h = xs.shape
-    act = activation_fn(activation)
+    glu = as_gated_activation(activation)
     pad = LOOP_TILES[0]  # masked tiles may read up to pad - 1 rows past the last one
     gs = group_sizes.astype(jnp.int32)
     offsets = jnp.cumsum(gs) - gs
@@ -153,9 +169,13 @@ def grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, *, activation
     precision = matmul_precision(xs, w_gate, w_up, w_down)
 
     def tile(out, weights, start, size, keep):
-        g, u, d = (functools.partial(jnp.matmul, b=w, precision=precision) for w in weights)
+        g, u, d = (functools.partial(jnp.matmul, b=w, precision=precision) for w in weights[:3])
         x = lax.dynamic_slice(x32, (start, 0), (size, h))
-        y = d((act(g(x)) * u(x)).astype(xs.dtype).astype(jnp.float32))
+        if len(weights) == 3:
+            y = d(glu(g(x), u(x)).astype(xs.dtype).astype(jnp.float32))
+        else:  # with this expert's biases (fp32 [I], [I], [H])
+            bg, bu, bd = weights[3:]
+            y = d(glu(g(x) + bg, u(x) + bu).astype(xs.dtype).astype(jnp.float32)) + bd
         # a partial tile must not overwrite the next expert's rows
         y = jnp.where(keep[:, None], y, lax.dynamic_slice(out, (start, 0), (size, h)))
         return lax.dynamic_update_slice(out, y, (start, 0))
@@ -168,7 +188,7 @@ def grouped_ffn_expert_loop(xs, group_sizes, w_gate, w_up, w_down, *, activation
         return lax.fori_loop(0, count, body, out)
 
     def one_expert(e, out):
-        weights = tuple(expert_weights_f32(w, e) for w in (w_gate, w_up, w_down))
+        weights = tuple(expert_weights_f32(w, e) for w in (w_gate, w_up, w_down) + tuple(biases or ()))
         start, rest = offsets[e], gs[e]
         for size in LOOP_TILES[:-1]:
             count = rest // size + ((rest % size) * 4 >= 3 * size)

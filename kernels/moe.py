@@ -16,31 +16,44 @@ Public API (T tokens, H hidden, I expert intermediate, Is shared intermediate, E
       Once after loading (the role vLLM's process_weights_after_loading plays): on CPU, where the
       native kernel is available and `backend` would run it ("auto" or "native_cpu"), the routed
       expert weights in its layout (opaque, not arrays); elsewhere `params` unchanged. Exact.
-  moe_layer(params, x [T, H], cfg, *, backend="auto", valid_tokens=None, return_routing=False)
+  moe_layer(params, x [T, H], cfg, *, backend="auto", valid_tokens=None, return_routing=False,
+            token_ids=None)
       -> out [T, H] in x.dtype, or (out, routing) with routing a dict:
          topk_ids int32 [T, k] (descending weight; -1 on padding rows),
          topk_weights fp32 [T, k] (0 on padding rows), tokens_per_expert int32 [E] (padding excluded).
       valid_tokens: None, an int n (rows >= n are padding) or a bool [T] mask. Padding rows are not
       routed, not counted and come back as zeros.
+      token_ids: int32 [T], required by hash-routed layers (cfg.hash_vocab_size > 0; ids outside
+      [0, V) are clipped here: check them on the host with `routing.check_token_ids`), ignored
+      by the others.
       backend: an expert backend of `expertd.kernels.experts` ("auto", "reference", "ragged_dot",
       "capacity", "expert_loop", "native_cpu", "pallas"). With "native_cpu" (auto's CPU choice
       where its library builds) the dispatch runs in C++ too (`cpu.routed_experts`); the other
       backends use dispatch.permute / unpermute. Prepared params give every backend the outputs
-      of unprepared ones, bit for bit.
-  route(params, x [T, H], cfg, valid=None) -> (ids int32 [T, k], weights fp32 [T, k]); params a
-      MoEParams or RouterParams (the router's part alone).
+      of unprepared ones, bit for bit. Every backend runs every semantic of MoEConfig.
+  route(params, x [T, H], cfg, valid=None, *, token_ids=None) -> (ids int32 [T, k], weights fp32
+      [T, k]); params a MoEParams or RouterParams (the router's part alone). `router_logits`,
+      `route_from_logits` and `check_token_ids` too: `expertd.kernels.routing`.
   compiler_options(cfg, T, *, dtype, backend="auto") -> dict for `jax.jit(..., compiler_options=...)`
       of the program calling moe_layer on T tokens with expert weights of `dtype` (empty where the
       defaults are fastest; see experts.compiler_options).
 
-Semantics (checked against the Hugging Face modelling code; router math in fp32):
+The layer's parts, which the expert-parallel layer (`expertd.kernels.ep`) calls in the same order:
+  route -> expert_input(params, x, cfg) (the rows the routed experts read) -> dispatch.permute ->
+  input_weights(rows, perm, weights, cfg) -> (rows, combine weights) -> routed_ffn(params, rows,
+  group_sizes, cfg, backend=, capacity=) -> dispatch.unpermute(..., combine weights) ->
+  finish(params, routed [T, H] fp32, x, cfg) (output norm, shared experts).
+
+Semantics (checked against the Hugging Face modelling code; router math in fp32; the families'
+variants are MoEConfig's docstring and docs/semantics.md):
   logits = x @ router_weight in fp32; the router is expertd.kernels.router (TE semantics).
   Mixtral: softmax over the top-k logits (= softmax over all E, top-k, renormalise).
   Qwen2/3-MoE: softmax over all E, top-k; renormalised only with norm_topk_prob (then equal to
   Mixtral's), so norm_topk_prob=False maps to use_pre_softmax=True.
   DeepSeek-V3: sigmoid scores, selection on score + e_score_correction_bias limited to the
-  topk_group best of n_group groups (group score = sum of the top 2), weights = unbiased scores,
-  divided by their sum (+1e-20) if norm_topk_prob, times routed_scaling_factor.
+  topk_group best of n_group groups (group score = sum of the top 2: group_score_topk=2),
+  weights = unbiased scores, divided by their sum (+1e-20) if norm_topk_prob, times
+  routed_scaling_factor.
   out = sum_j w[t, j] * expert_{ids[t, j]}(x[t])  (fp32 accumulation)
         + [sigmoid(x @ shared_gate)] * shared_mlp(x)  (Qwen2-MoE gate; DeepSeek-V3 ungated).
 """
@@ -51,24 +64,26 @@ import jax.numpy as jnp
 
 from expertd.kernels import cpu, dispatch, experts
 from expertd.kernels.config import SCORE_FUNCTIONS, MoEConfig
+from expertd.kernels.ffn import expert_activation, expert_biases, rms_norm, shared_activation
 from expertd.kernels.params import (
+    EXPERT_FIELDS,
     EXPERT_WEIGHTS,
     MoEParams,
     RouterParams,
     check_params,
     init_params,
     logical_shape,
+    param_dtype,
     param_shapes,
 )
-from expertd.kernels.router import fused_topk_with_score_function, topk_ids_and_weights
+from expertd.kernels.routing import check_token_ids, route, route_from_logits, router_logits
 
 __all__ = [
-    "EXPERT_WEIGHTS", "SCORE_FUNCTIONS", "MoEConfig", "MoEParams", "RouterParams", "check_params",
-    "compiler_options", "init_params", "logical_shape", "moe_layer", "param_shapes", "prepare_params", "route",
+    "EXPERT_FIELDS", "EXPERT_WEIGHTS", "SCORE_FUNCTIONS", "MoEConfig", "MoEParams", "RouterParams", "check_params",
+    "check_token_ids", "compiler_options", "expert_input", "finish", "init_params", "input_weights", "logical_shape",
+    "moe_layer", "param_dtype", "param_shapes", "prepare_params", "route", "route_from_logits", "routed_ffn",
     "router_logits", "shared_experts", "valid_mask",
 ]
-
-_EPS = 1e-20  # added to the weight sum before normalising, as TE and DeepSeek-V3
 
 
 def valid_mask(valid_tokens, num_tokens: int):
@@ -85,66 +100,50 @@ def valid_mask(valid_tokens, num_tokens: int):
     return v.astype(bool)
 
 
-def _check_router_params(params) -> None:
-    if not isinstance(params, (MoEParams, RouterParams)):
-        raise TypeError(f"params must be a MoEParams or RouterParams (see expertd.kernels.params), "
-                        f"got {type(params).__name__}")
-
-
-def router_logits(params: MoEParams | RouterParams, x):
-    """`x [T, H]` -> fp32 logits `[T, E]`, computed in full fp32 (HIGHEST precision: left at
-    DEFAULT, GPUs round the operands to TF32 / bf16 and near-equal logits swap experts)."""
-    _check_router_params(params)
-    return jnp.matmul(x.astype(jnp.float32), params.router_weight.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
-
-
-def route(params: MoEParams | RouterParams, x, cfg: MoEConfig, valid=None, *, router_backend: str = "auto"):
-    """Router step: `x [T, H]` -> (ids int32 [T, k], weights fp32 [T, k]) in HF semantics."""
-    logits = router_logits(params, x)
-    probs, routing_map = fused_topk_with_score_function(
-        logits, cfg.topk, use_pre_softmax=cfg.use_pre_softmax, num_groups=cfg.num_groups,
-        group_topk=cfg.group_topk, scaling_factor=float(cfg.scaling_factor),
-        score_function=cfg.score_function, expert_bias=params.expert_bias if cfg.use_expert_bias else None,
-        backend=router_backend)
-    ids, weights = topk_ids_and_weights(probs, routing_map, cfg.topk)
-    if _overrides_normalisation(cfg):
-        # The router's weights are normalised differently; recompute from the raw scores.
-        if cfg.score_function == "softmax":
-            raw = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), ids, axis=-1)
-        else:
-            raw = jnp.take_along_axis(_elementwise_score(logits, cfg.score_function), ids, axis=-1)
-        if cfg.norm_topk_prob:
-            raw = raw / (raw.sum(axis=-1, keepdims=True) + _EPS)
-        weights = raw * jnp.float32(cfg.scaling_factor)
-    if valid is not None:
-        ids = jnp.where(valid[:, None], ids, -1)
-        weights = jnp.where(valid[:, None], weights, 0.0)
-    return ids, weights
-
-
-def _overrides_normalisation(cfg: MoEConfig) -> bool:
-    if cfg.norm_topk_prob is None:
-        return False
-    if cfg.score_function == "softmax":
-        return cfg.use_pre_softmax and cfg.norm_topk_prob
-    return cfg.norm_topk_prob != (cfg.topk > 1)
-
-
-def _elementwise_score(logits, score_function):
-    if score_function == "sigmoid":
-        return jax.nn.sigmoid(logits)
-    return jnp.sqrt(jax.nn.softplus(logits))
-
-
 def shared_experts(params: MoEParams, x, cfg: MoEConfig):
     """Shared-expert output `[T, H]` fp32 (only called when cfg.has_shared)."""
     y = experts.gated_mlp(x, params.shared_w_gate, params.shared_w_up, params.shared_w_down,
-                          cfg.activation).astype(jnp.float32)
+                          shared_activation(cfg)).astype(jnp.float32)
     if cfg.shared_expert_gate:
         gate = experts.matmul_f32(x, params.shared_gate.astype(x.dtype))  # [T, 1]
         y = jax.nn.sigmoid(gate) * y
     return y
+
+
+def expert_input(params: MoEParams, x, cfg: MoEConfig):
+    """The `[T, H]` rows the routed experts read (x.dtype): x, or with cfg.expert_input_norm
+    rmsnorm(x) * expert_input_norm_weight (Gemma 4's pre_feedforward_layernorm_2)."""
+    if not cfg.expert_input_norm:
+        return x
+    return rms_norm(x, params.expert_input_norm_weight, cfg.norm_eps).astype(x.dtype)
+
+
+def input_weights(rows, perm: dispatch.Permutation, weights, cfg: MoEConfig):
+    """(expert input rows, the weights to combine their outputs with): `(rows, weights)`, or with
+    cfg.router_weight_on_input (Llama 4) `(w * rows, None)`, combined unweighted."""
+    if not cfg.router_weight_on_input:
+        return rows, weights
+    return dispatch.scale_rows(rows, perm, weights), None
+
+
+def routed_ffn(params: MoEParams, rows, group_sizes, cfg: MoEConfig, *, backend: str = "auto", capacity=None):
+    """`experts.grouped_ffn` of the layer's routed experts over expert-major `rows [N, H]`, with the
+    config's gated activation (clamps, gpt-oss's variant) and per-expert biases."""
+    return experts.grouped_ffn(rows, group_sizes, params.w_gate, params.w_up, params.w_down,
+                               activation=expert_activation(cfg), biases=expert_biases(params, cfg),
+                               backend=backend, capacity=capacity)
+
+
+def finish(params: MoEParams, routed, x, cfg: MoEConfig):
+    """The layer's fp32 `[T, H]` output from the routed experts' fp32 combine: with
+    cfg.expert_output_norm rmsnorm(routed) * expert_output_norm_weight, plus the shared experts
+    (which read x)."""
+    out = routed
+    if cfg.expert_output_norm:  # Gemma 4's post_feedforward_layernorm_2
+        out = rms_norm(out, params.expert_output_norm_weight, cfg.norm_eps)
+    if cfg.has_shared:
+        out = out + shared_experts(params, x, cfg)
+    return out
 
 
 def compiler_options(cfg: MoEConfig, num_tokens: int, *, dtype, backend: str = "auto",
@@ -173,7 +172,7 @@ def prepare_params(params: MoEParams, cfg: MoEConfig, platform: str | None = Non
 
 
 def moe_layer(params: MoEParams, x, cfg: MoEConfig, *, backend: str = "auto", valid_tokens=None,
-              return_routing: bool = False):
+              return_routing: bool = False, token_ids=None):
     """MoE layer forward `x [T, H]` -> `[T, H]` (x.dtype); see the module docstring. For the fast
     path, pass params made once by `prepare_params`."""
     if x.ndim != 2 or x.shape[1] != cfg.hidden_size:
@@ -182,19 +181,19 @@ def moe_layer(params: MoEParams, x, cfg: MoEConfig, *, backend: str = "auto", va
     experts.check_backend(backend)
     t = x.shape[0]
     valid = valid_mask(valid_tokens, t)
-    ids, weights = route(params, x, cfg, valid)
+    ids, weights = route(params, x, cfg, valid, token_ids=token_ids)
     if backend == "auto":
         backend = experts.choose_backend(t * cfg.topk, cfg.num_experts, cfg.hidden_size,
                                          cfg.intermediate_size, params.w_gate.dtype)
+    xe = expert_input(params, x, cfg)
     if backend == "native_cpu":
-        out, perm = cpu.routed_experts(params, x, ids, weights, valid, cfg)
+        out, perm = cpu.routed_experts(params, xe, ids, weights, valid, cfg)
     else:
-        rows, perm = dispatch.permute(x, jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
-        ys = experts.grouped_ffn(rows, perm.group_sizes, params.w_gate, params.w_up, params.w_down,
-                                 activation=cfg.activation, backend=backend, capacity=t)
-        out = dispatch.unpermute(ys, perm, weights, out_dtype=jnp.float32)
-    if cfg.has_shared:
-        out = out + shared_experts(params, x, cfg)
+        rows, perm = dispatch.permute(xe, jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
+        rows, combine_weights = input_weights(rows, perm, weights, cfg)
+        ys = routed_ffn(params, rows, perm.group_sizes, cfg, backend=backend, capacity=t)
+        out = dispatch.unpermute(ys, perm, combine_weights, out_dtype=jnp.float32)
+    out = finish(params, out, x, cfg)
     if valid is not None:
         out = jnp.where(valid[:, None], out, 0.0)
     out = out.astype(x.dtype)

@@ -15,6 +15,25 @@ shared intermediate; `param_shapes(cfg)` gives the concrete shapes of a config):
   shared_gate    [H, 1]     dtype  Qwen2-MoE's sigmoid gate on the shared MLP; None unless
                                    cfg.shared_expert_gate
 
+Family semantics (each None unless its MoEConfig switch is on; docs/semantics.md):
+
+  router_bias        [E]     fp32   added to the logits (gpt-oss); cfg.router_bias
+  router_input_scale [H]     fp32   scales the router's RMS-normed input (Gemma 4's router.scale
+                                    times hidden_size**-0.5); cfg.router_input_norm
+  per_expert_scale   [E]     fp32   multiplies each routing weight by its expert's scale (Gemma 4);
+                                    cfg.per_expert_scale
+  tid2eid            [V, k]  int32  hash routing's expert ids per token id, each in [0, E)
+                                    (DeepSeek-V4's ffn.gate.tid2eid); cfg.hash_vocab_size = V > 0
+  b_gate             [E, I]  dtype  per-expert bias of the gate projection (gpt-oss); cfg.expert_proj_bias
+  b_up               [E, I]  dtype  per-expert bias of the up projection; cfg.expert_proj_bias
+  b_down             [E, H]  dtype  per-expert bias of the down projection; cfg.expert_proj_bias
+  expert_input_norm_weight  [H]  fp32  RMSNorm weight of the routed experts' input (Gemma 4's
+                                    pre_feedforward_layernorm_2); cfg.expert_input_norm
+  expert_output_norm_weight [H]  fp32  RMSNorm weight of their weighted sum (Gemma 4's
+                                    post_feedforward_layernorm_2); cfg.expert_output_norm
+
+`param_dtype(name, dtype)` is the dtype a field is held in when the expert weights are `dtype`.
+
 Both are frozen dataclasses registered as JAX pytrees (absent fields are None), so they go
 through `jax.jit`, `jax.tree.map` and `jax.device_put` as a dict of arrays would. Loaders build a
 dict of host arrays keyed by these names and call `MoEParams.from_dict(d, cfg)`; `to_dict()` and
@@ -31,18 +50,38 @@ from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from expertd.kernels.config import MoEConfig
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # routed expert matrices [E, ...]: what EP splits
-ROUTER_FIELDS = ("router_weight", "expert_bias")  # kept in fp32 whatever the weight dtype
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # routed expert matrices [E, ...] (the ones a backend may lay out)
+EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # per-expert biases [E, ...]
+EXPERT_FIELDS = EXPERT_WEIGHTS + EXPERT_BIASES  # every tensor with a leading expert dim: what EP splits
+# The router's part (RouterParams): fp32 whatever the weight dtype, except the int32 hash table.
+ROUTER_FIELDS = ("router_weight", "expert_bias", "router_bias", "router_input_scale", "per_expert_scale", "tid2eid")
+INDEX_FIELDS = ("tid2eid",)  # int32
+NORM_FIELDS = ("expert_input_norm_weight", "expert_output_norm_weight")  # fp32
 REQUIRED = ("router_weight",) + EXPERT_WEIGHTS
-OPTIONAL = ("expert_bias", "shared_w_gate", "shared_w_up", "shared_w_down", "shared_gate")
+OPTIONAL = ("expert_bias", "shared_w_gate", "shared_w_up", "shared_w_down", "shared_gate", "router_bias",
+            "router_input_scale", "per_expert_scale", "tid2eid") + EXPERT_BIASES + NORM_FIELDS
 FIELDS = REQUIRED + OPTIONAL
 # The shape of every field in shape letters, for errors raised without a config at hand.
 SYMBOLIC_SHAPES = {"router_weight": "[H, E]", "w_gate": "[E, H, I]", "w_up": "[E, H, I]", "w_down": "[E, I, H]",
                    "expert_bias": "[E]", "shared_w_gate": "[H, Is]", "shared_w_up": "[H, Is]",
-                   "shared_w_down": "[Is, H]", "shared_gate": "[H, 1]"}
+                   "shared_w_down": "[Is, H]", "shared_gate": "[H, 1]", "router_bias": "[E]",
+                   "router_input_scale": "[H]", "per_expert_scale": "[E]", "tid2eid": "[V, k]",
+                   "b_gate": "[E, I]", "b_up": "[E, I]", "b_down": "[E, H]", "expert_input_norm_weight": "[H]",
+                   "expert_output_norm_weight": "[H]"}
+
+
+def param_dtype(name: str, dtype):
+    """The dtype field `name` is held in when the expert weights are `dtype`: int32 for the hash
+    table, fp32 for the router's tensors and the norm weights, `dtype` for the rest."""
+    if name in INDEX_FIELDS:
+        return jnp.int32
+    if name in ROUTER_FIELDS or name in NORM_FIELDS:
+        return jnp.float32
+    return dtype
 
 
 def logical_shape(value) -> tuple[int, ...]:
@@ -86,14 +125,20 @@ class RouterParams:
     Attributes:
       router_weight: fp32 [H, E]; logits = x @ router_weight.
       expert_bias: fp32 [E], added to the scores for selection only; None when the layer has none.
+      router_bias, router_input_scale, per_expert_scale, tid2eid: the family fields of the module
+        docstring (None when the config has no use for them).
     """
 
     router_weight: jax.Array
     expert_bias: jax.Array | None = None
+    router_bias: jax.Array | None = None
+    router_input_scale: jax.Array | None = None
+    per_expert_scale: jax.Array | None = None
+    tid2eid: jax.Array | None = None
 
     @classmethod
     def from_dict(cls, mapping: Mapping) -> RouterParams:
-        """From a mapping with "router_weight" and optionally "expert_bias" (no other keys)."""
+        """From a mapping with "router_weight" and optionally the other ROUTER_FIELDS (no other keys)."""
         return cls(**_from_mapping(mapping, ROUTER_FIELDS, ("router_weight",), {}, cls.__name__))
 
     def to_dict(self) -> dict:
@@ -122,6 +167,9 @@ class MoEParams:
       shared_w_down: [Is, H], the shared MLP's down projection; None without shared experts.
       shared_gate: [H, 1], sigmoid(x @ shared_gate) scales the shared MLP; None unless
         cfg.shared_expert_gate.
+      router_bias, router_input_scale, per_expert_scale, tid2eid, b_gate, b_up, b_down,
+      expert_input_norm_weight, expert_output_norm_weight: the family fields of the module
+        docstring, None unless the config switches their semantic on.
     """
 
     router_weight: jax.Array
@@ -133,6 +181,15 @@ class MoEParams:
     shared_w_up: jax.Array | None = None
     shared_w_down: jax.Array | None = None
     shared_gate: jax.Array | None = None
+    router_bias: jax.Array | None = None
+    router_input_scale: jax.Array | None = None
+    per_expert_scale: jax.Array | None = None
+    tid2eid: jax.Array | None = None
+    b_gate: jax.Array | None = None
+    b_up: jax.Array | None = None
+    b_down: jax.Array | None = None
+    expert_input_norm_weight: jax.Array | None = None
+    expert_output_norm_weight: jax.Array | None = None
 
     @classmethod
     def from_dict(cls, mapping: Mapping, cfg: MoEConfig | None = None) -> MoEParams:
@@ -143,6 +200,7 @@ class MoEParams:
         params = cls(**_from_mapping(mapping, FIELDS, REQUIRED, shapes, cls.__name__))
         if cfg is not None:
             check_params(params, cfg)
+            check_hash_table(params.tid2eid, cfg)
         return params
 
     def to_dict(self) -> dict:
@@ -159,8 +217,8 @@ class MoEParams:
 
     @property
     def router(self) -> RouterParams:
-        """The router's part (router_weight, expert_bias)."""
-        return RouterParams(self.router_weight, self.expert_bias)
+        """The router's part (the ROUTER_FIELDS)."""
+        return RouterParams(**{name: getattr(self, name) for name in ROUTER_FIELDS})
 
     def replace(self, **changes) -> MoEParams:
         """A copy with the given fields replaced (`dataclasses.replace`)."""
@@ -185,6 +243,20 @@ def param_shapes(cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(shared_w_gate=(h, s), shared_w_up=(h, s), shared_w_down=(s, h))
         if cfg.shared_expert_gate:
             shapes["shared_gate"] = (h, 1)
+    if cfg.router_bias:
+        shapes["router_bias"] = (e,)
+    if cfg.router_input_norm:
+        shapes["router_input_scale"] = (h,)
+    if cfg.per_expert_scale:
+        shapes["per_expert_scale"] = (e,)
+    if cfg.hash_routed:
+        shapes["tid2eid"] = (cfg.hash_vocab_size, cfg.topk)
+    if cfg.expert_proj_bias:
+        shapes.update(b_gate=(e, i), b_up=(e, i), b_down=(e, h))
+    if cfg.expert_input_norm:
+        shapes["expert_input_norm_weight"] = (h,)
+    if cfg.expert_output_norm:
+        shapes["expert_output_norm_weight"] = (h,)
     return shapes
 
 
@@ -200,21 +272,45 @@ def check_params(params: MoEParams, cfg: MoEConfig) -> None:
             raise ValueError(f"params is missing {name!r} (expected shape {shape})")
         if logical_shape(value) != shape:
             raise ValueError(f"params.{name} must have shape {shape}, got {logical_shape(value)}")
+    if params.tid2eid is not None and not jnp.issubdtype(params.tid2eid.dtype, jnp.integer):
+        raise ValueError(f"params.tid2eid must be an integer array (int32 expert ids), got {params.tid2eid.dtype}")
+
+
+def check_hash_table(tid2eid, cfg: MoEConfig) -> None:
+    """ValueError unless every entry of a concrete hash table is an expert id in [0, E) (a traced
+    table is left alone: its values are not known). Loaders get this from `MoEParams.from_dict(d, cfg)`."""
+    if tid2eid is None or isinstance(tid2eid, jax.core.Tracer):
+        return
+    table = np.asarray(tid2eid)
+    bad = np.flatnonzero((table < 0) | (table >= cfg.num_experts))
+    if bad.size:
+        row, slot = np.unravel_index(bad[0], table.shape)
+        raise ValueError(f"params.tid2eid[{row}, {slot}] = {table[row, slot]} is not an expert id in "
+                         f"[0, {cfg.num_experts})")
 
 
 def init_params(cfg: MoEConfig, key, dtype=jnp.float32) -> MoEParams:
     """Seeded random parameters of `cfg` (the fields it needs; the others None).
 
     Fan-in scaled normals so activations stay O(1): router and input projections ~ N(0, 1/H),
-    down projections ~ N(0, 1/I). router_weight and expert_bias (~ N(0, 0.1^2), so that the bias
-    really steers selection) are fp32; the rest are `dtype`.
+    down projections ~ N(0, 1/I). expert_bias, router_bias and the projection biases ~ N(0, 0.1^2)
+    (so that a bias really steers selection), the scales and norm weights ~ 1 + N(0, 0.1^2), the
+    hash table k distinct random experts per token id. Dtypes are `param_dtype(name, dtype)`.
     """
     shapes = param_shapes(cfg)
     keys = dict(zip(sorted(shapes), jax.random.split(key, len(shapes))))
     values = {}
     for name, shape in shapes.items():
-        fan_in = shape[-2] if len(shape) >= 2 else 1
-        std = 0.1 if name == "expert_bias" else fan_in ** -0.5
-        value = std * jax.random.normal(keys[name], shape, jnp.float32)
-        values[name] = value if name in ROUTER_FIELDS else value.astype(dtype)
+        if name == "tid2eid":  # k distinct experts per token id
+            order = jnp.argsort(jax.random.uniform(keys[name], (shape[0], cfg.num_experts)), axis=-1)
+            values[name] = order[:, :cfg.topk].astype(jnp.int32)
+            continue
+        value = jax.random.normal(keys[name], shape, jnp.float32)
+        if name in ("router_input_scale", "per_expert_scale") + NORM_FIELDS:
+            value = 1.0 + 0.1 * value
+        elif name in ("expert_bias", "router_bias") + EXPERT_BIASES:
+            value = 0.1 * value
+        else:
+            value = value * (shape[-2] if len(shape) >= 2 else 1) ** -0.5
+        values[name] = value.astype(param_dtype(name, dtype))
     return MoEParams(**values)

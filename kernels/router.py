@@ -44,13 +44,14 @@ def _check_bool(name: str, value) -> bool:
     return bool(value)
 
 
-def _grouping(num_groups, group_topk, topk: int, num_experts: int) -> tuple[int, int]:
-    """Validated (num_groups, group_topk); (0, 0) when grouping is off (None or <= 0)."""
-    for name, value in (("num_groups", num_groups), ("group_topk", group_topk)):
+def _grouping(num_groups, group_topk, topk: int, num_experts: int, group_score_topk=None) -> tuple[int, int, int]:
+    """Validated (num_groups, group_topk, group_score_topk); zeros when grouping is off (None or
+    <= 0) and group_score_topk 0 for TE's rule (topk // group_topk)."""
+    for name, value in (("num_groups", num_groups), ("group_topk", group_topk), ("group_score_topk", group_score_topk)):
         if value is not None and not _is_int(value):
             raise ValueError(f"{name} must be an int or None, got {value!r}")
     if group_topk is None or group_topk <= 0:
-        return 0, 0
+        return 0, 0, 0
     if num_groups is None or num_groups <= 0:
         raise ValueError(f"group_topk={group_topk} needs num_groups > 0, got num_groups={num_groups!r}")
     if num_experts % num_groups:
@@ -58,13 +59,20 @@ def _grouping(num_groups, group_topk, topk: int, num_experts: int) -> tuple[int,
             f"num_groups must divide the number of experts E={num_experts}, got num_groups={num_groups}")
     if group_topk > num_groups:
         raise ValueError(f"group_topk must be <= num_groups={num_groups}, got group_topk={group_topk}")
+    group_size = num_experts // num_groups
+    if group_score_topk is not None:  # Hugging Face's rule: a fixed number of scores per group
+        if not 1 <= group_score_topk <= group_size:
+            raise ValueError(f"group_score_topk must be in [1, E // num_groups = {group_size}], got {group_score_topk}")
+        if topk > group_topk * group_size:
+            raise ValueError(f"topk must be <= the {group_topk * group_size} experts of the kept groups, got {topk}")
+        return int(num_groups), int(group_topk), int(group_score_topk)
     if topk % group_topk:
         raise ValueError(f"topk must be a multiple of group_topk={group_topk}, got topk={topk}")
     if topk // group_topk > num_experts // num_groups:
         raise ValueError(
             f"topk // group_topk must be <= experts per group ({num_experts // num_groups}), "
             f"got topk={topk}, group_topk={group_topk}")
-    return int(num_groups), int(group_topk)
+    return int(num_groups), int(group_topk), 0
 
 
 def _check_logits(logits, name: str = "logits"):
@@ -77,7 +85,7 @@ def _check_logits(logits, name: str = "logits"):
 
 
 def make_router_config(logits, topk, *, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                       score_function, expert_bias, compute_aux_scores) -> RouterConfig:
+                       score_function, expert_bias, compute_aux_scores, group_score_topk=None) -> RouterConfig:
     """Validate the router arguments (ValueError naming the argument) into a RouterConfig."""
     _check_logits(logits)
     num_experts = logits.shape[-1]
@@ -95,10 +103,11 @@ def make_router_config(logits, topk, *, use_pre_softmax, num_groups, group_topk,
         raise ValueError(f"scaling_factor must be a Python float or int, got {type(scaling_factor).__name__}")
     if not math.isfinite(scaling_factor):
         raise ValueError(f"scaling_factor must be finite, got {scaling_factor}")
-    num_groups, group_topk = _grouping(num_groups, group_topk, topk, num_experts)
+    num_groups, group_topk, group_score_topk = _grouping(num_groups, group_topk, topk, num_experts, group_score_topk)
     if expert_bias is not None:
-        if score_function == "softmax":
-            raise ValueError("expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus', got 'softmax'")
+        if score_function == "softmax" and not use_pre_softmax:
+            raise ValueError("expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus', or 'softmax' with "
+                             "use_pre_softmax=True; got softmax post-top-k")
         if not hasattr(expert_bias, "shape") or tuple(expert_bias.shape) != (num_experts,):
             raise ValueError(
                 f"expert_bias must have shape [E]=({num_experts},), got {getattr(expert_bias, 'shape', expert_bias)!r}")
@@ -107,7 +116,7 @@ def make_router_config(logits, topk, *, use_pre_softmax, num_groups, group_topk,
     return RouterConfig(
         topk=int(topk), score_function=score_function, use_pre_softmax=use_pre_softmax,
         num_groups=num_groups, group_topk=group_topk, scaling_factor=float(scaling_factor),
-        has_bias=expert_bias is not None, aux_scores=compute_aux_scores)
+        has_bias=expert_bias is not None, aux_scores=compute_aux_scores, group_score_topk=group_score_topk)
 
 
 def resolve_backend(backend: str) -> str:
@@ -152,7 +161,8 @@ _fast_router.defvjp(_fast_router_fwd, _fast_router_bwd)
 
 def fused_topk_with_score_function(logits, topk, *, use_pre_softmax=False, num_groups=None,
                                    group_topk=None, scaling_factor=1.0, score_function="softmax",
-                                   expert_bias=None, compute_aux_scores=False, backend="auto"):
+                                   expert_bias=None, compute_aux_scores=False, backend="auto",
+                                   group_score_topk=None):
     """Route each token to its top-k experts.
 
     Args:
@@ -163,10 +173,14 @@ def fused_topk_with_score_function(logits, topk, *, use_pre_softmax=False, num_g
       num_groups, group_topk: group-limited top-k (DeepSeek-V3): keep the `group_topk` groups (of
         E / num_groups experts) with the largest sum of their top `topk // group_topk` scores.
         None or a value <= 0 for group_topk disables grouping.
+      group_score_topk: (beyond TE) sum each group's top `group_score_topk` scores instead
+        (Hugging Face's DeepSeek-V3 / Mistral 4 rule: 2); then topk need not be a multiple of
+        group_topk.
       scaling_factor: Python float multiplying the final weights.
       score_function: "softmax", "sigmoid" or "sqrtsoftplus". Sigmoid / sqrtsoftplus weights are
         normalised to sum to 1 when topk > 1.
-      expert_bias: `[E]` float, sigmoid / sqrtsoftplus only; added for selection only (no gradient).
+      expert_bias: `[E]` float, added for selection only (no gradient): sigmoid / sqrtsoftplus
+        scores, or (beyond TE, ERNIE 4.5) softmax-pre probabilities, whose weights stay unbiased.
       compute_aux_scores: return dense float32 scores for the aux loss (softmax, or normalised
         sigmoid / sqrtsoftplus, over all E, for every topk) and their top-k map; grouping, bias,
         pre-softmax and scaling are ignored (as TE).
@@ -179,7 +193,7 @@ def fused_topk_with_score_function(logits, topk, *, use_pre_softmax=False, num_g
     cfg = make_router_config(
         logits, topk, use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk,
         scaling_factor=scaling_factor, score_function=score_function, expert_bias=expert_bias,
-        compute_aux_scores=compute_aux_scores)
+        compute_aux_scores=compute_aux_scores, group_score_topk=group_score_topk)
     backend = resolve_backend(backend)
     bias = None if (expert_bias is None or cfg.aux_scores) else jnp.asarray(expert_bias)
     logits = jnp.asarray(logits)

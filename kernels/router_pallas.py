@@ -58,7 +58,7 @@ def _topk_mask(values, index, valid, k: int):
 
 
 def _group_limit(sel, lane, valid, cfg: RouterConfig, num_experts: int):
-    """-inf outside each token's `group_topk` best groups (score: sum of its top topk/group_topk)."""
+    """-inf outside each token's `group_topk` best groups (score: sum of its top `group_score_k`)."""
     rows, _ = sel.shape
     group_size = num_experts // cfg.num_groups
     group = lax.broadcasted_iota(jnp.int32, (rows, _next_pow2(cfg.num_groups)), 1)
@@ -72,7 +72,7 @@ def _group_limit(sel, lane, valid, cfg: RouterConfig, num_experts: int):
             return jnp.where(lane == first, -jnp.inf, remaining), total + best
 
         start = (jnp.where(lane_group == g, sel, -jnp.inf), jnp.zeros((rows, 1), jnp.float32))
-        _, total = lax.fori_loop(0, cfg.topk // cfg.group_topk, take_best, start)
+        _, total = lax.fori_loop(0, cfg.group_score_k, take_best, start)
         return jnp.where(group == g, total, scores)
 
     scores = lax.fori_loop(0, cfg.num_groups, score_group, jnp.full(group.shape, -jnp.inf, jnp.float32))
@@ -102,10 +102,12 @@ def _router_kernel(logits_ref, bias_ref, scale_ref, probs_ref, map_ref, *, cfg: 
         exp = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
         dense = exp / jnp.sum(exp, axis=1, keepdims=True)
         sel = dense if (cfg.use_pre_softmax or cfg.aux_scores) else x
+        if cfg.has_bias and cfg.use_pre_softmax and not cfg.aux_scores:  # probs + bias (ERNIE 4.5)
+            sel = jnp.where(valid, dense + plgpu.load(bias_ref, mask=lane_row, other=0.0), -jnp.inf)
     else:
+        bias = plgpu.load(bias_ref, mask=lane_row, other=0.0)  # zeros when there is no bias
         act = jnp.where(valid, activation(x, cfg.score_function), 0.0)
         dense = act / (jnp.sum(act, axis=1, keepdims=True) + NORMALISATION_EPS) if cfg.aux_scores else act
-        bias = plgpu.load(bias_ref, mask=lane_row, other=0.0)  # zeros when there is no bias
         sel = jnp.where(valid, dense + bias, -jnp.inf)
     if cfg.grouped:
         sel = _group_limit(sel, lane, valid, cfg, num_experts)
@@ -136,14 +138,17 @@ def router_pallas(logits, expert_bias, cfg: RouterConfig, *, interpret: bool | N
     """`[T, E]` logits -> (probs `[T, E]` logits dtype (fp32 aux scores), routing_map bool `[T, E]`).
 
     The bias and the scaling factor enter the kernel as `[1, E]` fp32 operands (zeros and ones
-    when absent; exact), so one compiled kernel serves every bias and scaling setting.
+    when absent; exact), so one compiled kernel serves every bias and scaling setting of the
+    sigmoid / sqrtsoftplus scores; softmax-pre selection reads a bias only in the kernel compiled
+    for one (ERNIE 4.5), so the other softmax kernels are unchanged.
     """
     num_tokens, num_experts = logits.shape
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     bias = jnp.zeros((num_experts,), jnp.float32) if expert_bias is None else expert_bias.astype(jnp.float32)
     scale = jnp.full((num_experts,), cfg.scaling_factor, jnp.float32)
-    kernel_cfg = dataclasses.replace(cfg, scaling_factor=1.0, has_bias=False)
+    kernel_cfg = dataclasses.replace(cfg, scaling_factor=1.0,
+                                     has_bias=cfg.has_bias and cfg.score_function == "softmax")
     return _router_call(logits, bias.reshape(1, -1), scale.reshape(1, -1), cfg=kernel_cfg, interpret=interpret)
 
 

@@ -7,8 +7,10 @@ router), restated:
 
   score      softmax (pre: over all E; post: raw logits), sigmoid, or sqrt(softplus(x))
   selection  top-k of `score + expert_bias`, optionally limited to the best `group_topk` groups
-             (group score = sum of the top `topk // group_topk` scores in the group); ties go to
-             the lowest expert index (`lax.top_k` semantics)
+             (group score = sum of the top `topk // group_topk` scores in the group, or of the top
+             `group_score_topk` where given: Hugging Face's 2); ties go to the lowest expert index
+             (`lax.top_k` semantics). Beyond TE, a bias may also steer softmax-pre selection
+             (ERNIE 4.5: probs + bias); its weights stay the unbiased probabilities.
   weights    softmax post: softmax over the k selected logits; softmax pre: the selected
              probabilities as they are; sigmoid / sqrtsoftplus: the unbiased selected scores,
              divided by (their sum + 1e-20) when topk > 1
@@ -46,10 +48,16 @@ class RouterConfig:
     scaling_factor: float = 1.0
     has_bias: bool = False
     aux_scores: bool = False  # compute_aux_scores=True: dense normalised scores, plain top-k
+    group_score_topk: int = 0  # scores summed per group; 0: topk // group_topk (TE's rule)
 
     @property
     def grouped(self) -> bool:
         return self.group_topk > 0 and not self.aux_scores
+
+    @property
+    def group_score_k(self) -> int:
+        """How many of its best scores make a group's score."""
+        return self.group_score_topk or self.topk // self.group_topk
 
 
 @jax.custom_jvp
@@ -113,7 +121,10 @@ def selection_scores(logits, expert_bias, cfg: RouterConfig):
     if cfg.aux_scores:
         return aux_scores_reference(logits, cfg.score_function)
     if cfg.score_function == "softmax":
-        return jax.nn.softmax(x, axis=-1) if cfg.use_pre_softmax else x
+        if not cfg.use_pre_softmax:
+            return x
+        s = jax.nn.softmax(x, axis=-1)
+        return s if expert_bias is None else s + expert_bias.astype(jnp.float32)
     s = activation(x, cfg.score_function)
     if expert_bias is not None:
         s = s + expert_bias.astype(jnp.float32)
@@ -125,7 +136,7 @@ def group_mask(scores, cfg: RouterConfig):
     t, e = scores.shape
     group_size = e // cfg.num_groups
     per_group = scores.reshape(t, cfg.num_groups, group_size)
-    group_scores = lax.top_k(per_group, cfg.topk // cfg.group_topk)[0].sum(axis=-1)  # [T, G]
+    group_scores = lax.top_k(per_group, cfg.group_score_k)[0].sum(axis=-1)  # [T, G]
     _, kept = lax.top_k(group_scores, cfg.group_topk)  # [T, group_topk]
     kept_groups = jax.nn.one_hot(kept, cfg.num_groups, dtype=jnp.bool_).any(axis=-2)  # [T, G]
     return jnp.repeat(kept_groups, group_size, axis=-1)
@@ -156,8 +167,8 @@ def routing_weights(logits, expert_bias, routing_map, cfg: RouterConfig):
         return aux_scores_reference(logits, cfg.score_function)
     x = logits.astype(jnp.float32)
     if cfg.score_function == "softmax":
-        if cfg.use_pre_softmax:
-            w = jnp.where(routing_map, jax.nn.softmax(x, axis=-1), 0.0)  # no renormalisation
+        if cfg.use_pre_softmax:  # the unbiased probabilities, no renormalisation
+            w = jnp.where(routing_map, jax.nn.softmax(x, axis=-1), 0.0)
         else:
             w = jax.nn.softmax(jnp.where(routing_map, x, -jnp.inf), axis=-1)
     else:

@@ -36,7 +36,13 @@ def router_xla(logits, expert_bias, cfg: RouterConfig):
     values, chosen = lax.top_k(scores, cfg.topk)  # [T, k]
     if cfg.score_function == "softmax":
         # post: softmax over the k selected logits; pre: the selected probabilities as they are
-        weights = values if cfg.use_pre_softmax else jax.nn.softmax(values, axis=-1)
+        # (with a selection bias, read back unbiased)
+        if not cfg.use_pre_softmax:
+            weights = jax.nn.softmax(values, axis=-1)
+        elif expert_bias is None:
+            weights = values
+        else:
+            weights = jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), chosen, axis=-1)
     else:
         if expert_bias is not None:  # unbias by fp32 subtraction, as TE
             values = values - jnp.take(expert_bias.astype(jnp.float32), chosen)

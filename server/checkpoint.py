@@ -15,7 +15,8 @@ Two steps, both through the model registry (`expertd.server.models`):
    [Is, H]`, `shared_gate [H, 1]`), and the pages it read are dropped from the process. Host memory
    peaks at the served weights plus, per worker thread, one expert's tensors and the dequantiser's
    chunk temporaries; fused `[E, ...]` tensors are read an expert slice at a time, never copied
-   whole.
+   whole. `checkpoint_layer.load_layer` reads one layer (the family semantics' tensors included:
+   router and projection biases, hash tables, Gemma 4's norms).
 
 Every problem raises `CheckpointError` (a ValueError) naming the file, tensor, layer or key.
 A native FP8 path on GPU would keep step 1 and, instead of step 2's dequantisation, take each
@@ -25,31 +26,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from expertd.kernels.config import MoEConfig
-from expertd.kernels.params import ROUTER_FIELDS, param_shapes
+from expertd.kernels.params import param_dtype, param_shapes
 from expertd.server import models
+from expertd.server.checkpoint_layer import CheckpointError, load_layer
 from expertd.server.model import LoadedLayer, select_layers
 from expertd.server.models import dtypes, quant
 from expertd.server.models.family import Family, LayerTensors
 from expertd.server.models.stored import StoredError, StoredTensors
 
-_DENSE_STORED = ("F32", "BF16", "F16", "F64", "F8_E4M3")  # stored with their dense shape
-TILE = 256  # rows and columns of the blocks a transposing copy moves at a time
-_INTEGER_VIEWS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_DENSE_STORED = ("F32", "BF16", "F16", "F64", "F8_E4M3", "I64", "I32")  # stored with their dense shape
 DEFAULT_WORKERS = min(16, os.cpu_count() or 1)
-HUGE_ALLOCATION = 16 << 20  # outputs at least this large get their own huge-page mapping
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be served as asked; the message names the file, tensor or layer."""
 
 
 class CheckpointRefused(CheckpointError):
@@ -171,7 +164,8 @@ def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_laye
     out_dtype = quant.codecs.out_dtype_of(plan.dtype)
     where = f"checkpoint {plan.path}"
     with _open(plan.path) as stored:
-        return [LoadedLayer(layer.index, layer.cfg, _load_layer(stored, layer, plan.scheme, out_dtype, where, workers),
+        return [LoadedLayer(layer.index, layer.cfg,
+                            load_layer(stored, layer.cfg, layer.tensors, plan.scheme, out_dtype, where, workers),
                             source=str(plan.path)) for layer in plan.layers]
 
 
@@ -183,8 +177,8 @@ def _open(path: Path) -> StoredTensors:
 
 
 def _served_bytes(cfg: MoEConfig, dtype: str) -> int:
-    size = np.dtype(quant.codecs.out_dtype_of(dtype)).itemsize
-    return sum(int(np.prod(shape)) * (4 if name in ROUTER_FIELDS else size)
+    out = quant.codecs.out_dtype_of(dtype)
+    return sum(int(np.prod(shape)) * np.dtype(param_dtype(name, out)).itemsize
                for name, shape in param_shapes(cfg).items())
 
 
@@ -254,143 +248,3 @@ def _stored_dtype(stored, name, scheme, where) -> str:
         raise CheckpointError(f"{where}: {exc}") from exc
 
 
-# ------------------------------------------------------------------------------- loading
-
-
-class _Reader:
-    """Dense weights of one layer for the layouts of `models.family` (see its `reader` contract).
-    One reader per thread: it remembers the stored tensors (or expert slices) it read, and
-    `release` drops their pages from the process."""
-
-    def __init__(self, stored: StoredTensors, scheme, out_dtype, where: str):
-        self.stored, self.scheme, self.out_dtype, self.where = stored, scheme, out_dtype, where
-        self.touched: list[tuple[str, int | None, int]] = []
-
-    def dense(self, name: str, shape, expert: int | None = None, num_experts: int | None = None,
-              dtype=None, in_out: bool = False) -> np.ndarray:
-        try:
-            found = quant.locate(name, self.stored, self.scheme)
-            parts = num_experts or shape[0]
-            self.touched += [(n, expert, parts) for n in found.names]
-            view = self.stored if expert is None else _ExpertSlice(self.stored, found, expert, parts)
-            data = view[found.data]
-            dense_stored = found.layout == "plain" and data.dtype in quant.names.DENSE_DTYPES
-            if num_experts and not dense_stored:
-                raise CheckpointError(f"{self.where}: tensor {name!r}: quantised flat [E * rows, columns] expert "
-                                      "tensors are not supported (their scale blocks may straddle experts)")
-            if dense_stored and dtype is None:
-                array = data  # cast by the copy into the served array
-            else:
-                array = quant.dequantize(name, view, self.scheme, dtype or self.out_dtype)
-                if found.layout == "mxfp4" and in_out:  # MXFP4 rows are outputs; the parameter is [.., in, out]
-                    array = np.swapaxes(array, -1, -2)
-        except (quant.QuantError, StoredError) as exc:
-            raise CheckpointError(f"{self.where}: {exc}") from exc
-        expected = tuple(shape) if expert is None else \
-            ((shape[0] // num_experts, *shape[1:]) if num_experts else tuple(shape[1:]))
-        if array.shape != expected and not (len(expected) == 1 and array.shape == (1, *expected)):
-            what = f"tensor {name!r}" + ("" if expert is None else f" (expert {expert})")
-            raise CheckpointError(f"{self.where}: {what} has shape {list(array.shape)} once read, expected "
-                                  f"{list(expected)} from config.json")
-        return array
-
-    def release(self) -> None:
-        for name, part, parts in self.touched:
-            whole = part is None or len(self.stored.header(name)[1]) < 2
-            self.stored.release(name, None if whole else part, parts)
-        self.touched.clear()
-
-
-class _ExpertSlice(Mapping):
-    """The stored tensors of one weight, sliced to expert `j` on their leading expert axis."""
-
-    def __init__(self, stored: StoredTensors, found: quant.StoredWeight, j: int, num_experts: int):
-        self.stored, self.names, self.j, self.e = stored, set(found.names), j, num_experts
-
-    def __contains__(self, name) -> bool:
-        return name in self.names
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        array = self.stored[name]
-        if name.endswith("_shape") and array.ndim == 1:  # compressed-tensors' dense shape: drop the E
-            return array[1:]
-        if array.ndim >= 2 and array.shape[0] == self.e:
-            return array[self.j]
-        if array.ndim >= 2 and array.shape[0] % self.e == 0:  # flat [E*R, C]
-            return array.reshape(self.e, -1, *array.shape[1:])[self.j]
-        return array  # one scale for the whole tensor
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
-def _load_layer(stored: StoredTensors, layer: LayerPlan, scheme, out_dtype, where: str, workers: int) -> dict:
-    cfg, names = layer.cfg, layer.tensors
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    reader = _Reader(stored, scheme, out_dtype, where)
-    params = {"router_weight": _copy(reader.dense(names.router, (e, h), dtype=np.float32).T, np.float32)}
-    if cfg.use_expert_bias:
-        params["expert_bias"] = np.array(reader.dense(names.bias, (e,), dtype=np.float32), np.float32).reshape(e)
-    w_gate, w_up, w_down = (host_empty(shape, out_dtype) for shape in ((e, h, i), (e, h, i), (e, i, h)))
-
-    def load_expert(j: int) -> None:  # the host holds the outputs plus one expert's tensors per worker
-        expert_reader = _Reader(stored, scheme, out_dtype, where)
-        gate, up, down = names.experts.expert(expert_reader, j, e, h, i)
-        copy_into(w_gate[j], gate)
-        copy_into(w_up[j], up)
-        copy_into(w_down[j], down)
-        expert_reader.release()
-
-    if workers > 1 and e > 1:
-        with ThreadPoolExecutor(min(workers, e)) as pool:
-            list(pool.map(load_expert, range(e)))  # numpy releases the GIL in the decoders and copies
-    else:
-        for j in range(e):
-            load_expert(j)
-    params.update(w_gate=w_gate, w_up=w_up, w_down=w_down)
-    if cfg.has_shared:
-        s, shared = cfg.shared_intermediate_size, names.shared
-        params["shared_w_gate"] = _copy(reader.dense(shared.gate, (s, h)).T, out_dtype)
-        params["shared_w_up"] = _copy(reader.dense(shared.up, (s, h)).T, out_dtype)
-        params["shared_w_down"] = _copy(reader.dense(shared.down, (h, s)).T, out_dtype)
-        if cfg.shared_expert_gate:
-            params["shared_gate"] = _copy(reader.dense(shared.gate_weight, (1, h)).T, out_dtype)
-    reader.release()
-    return params
-
-
-def host_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised array; a large one in its own anonymous mapping marked MADV_HUGEPAGE, so
-    writing it faults in 2 MiB pages rather than 4 KiB ones (where THP is in "madvise" mode)."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape))
-    if count * dtype.itemsize < HUGE_ALLOCATION or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
-    buffer = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(buffer, dtype, count).reshape(shape)
-
-
-def _copy(array, dtype) -> np.ndarray:
-    out = np.empty(array.shape, dtype)
-    copy_into(out, array)
-    return out
-
-
-def copy_into(out: np.ndarray, src: np.ndarray) -> None:
-    """`out[...] = src` for 2-D arrays of any strides (a transposed view), cast to out's dtype.
-
-    A transposed source is copied TILE x TILE at a time, so reads and writes both stay in cache, and
-    equal dtypes move as same-size integers (numpy's strided copy of ml_dtypes' bfloat16 is slow)."""
-    if src.ndim != 2 or src.flags.c_contiguous:
-        out[...] = src
-        return
-    if src.dtype == out.dtype and src.dtype.itemsize in _INTEGER_VIEWS:
-        out, src = out.view(_INTEGER_VIEWS[src.dtype.itemsize]), src.view(_INTEGER_VIEWS[src.dtype.itemsize])
-    rows, cols = out.shape
-    for r in range(0, rows, TILE):
-        for c in range(0, cols, TILE):
-            out[r:r + TILE, c:c + TILE] = src[r:r + TILE, c:c + TILE]

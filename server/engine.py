@@ -18,6 +18,12 @@ run-time tables ride with the params into the forward step). ``swap_expert_place
 layer's params and placement together between two steps; the shapes stay, so nothing recompiles
 (``expertd.server.eplb`` does this online).
 
+Hash-routed layers (``cfg.hash_routed``, DeepSeek-V4's first layers) need the tokens' ids:
+``forward(..., token_ids=)`` / ``route(..., token_ids=)`` take them (int ``[n]``, n >= num_valid),
+check them (``moe.check_token_ids``; ``InvalidRequest`` naming ``token_ids`` when missing or out of
+the vocabulary), pad them to the bucket and pass them as one more step input. Other layers ignore
+them and compile no such input.
+
 Host inputs go to the compiled step as numpy arrays (``placement.step_input``: the step places them
 itself) and results come back as numpy (``placement.fetch``), cut to the valid rows. Multi-host:
 every process builds the same Engine and runs the same steps in the same order
@@ -40,6 +46,7 @@ import numpy as np
 from expertd.kernels import experts, moe
 from expertd.kernels.eplb import Placement
 from expertd.server import steps
+from expertd.server.errors import InvalidRequest
 from expertd.server.model import LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement
 
@@ -123,17 +130,20 @@ class Engine:
 
     # ------------------------------------------------------------------ running steps
 
-    def forward(self, layer: int, tokens: np.ndarray, num_valid: int) -> ForwardOutput:
-        """The MoE layer's output for the first ``num_valid`` rows of ``tokens [B, H]`` (engine dtype)."""
-        out, ids, weights, counts = self._run(layer, steps.FORWARD, tokens, num_valid)
+    def forward(self, layer: int, tokens: np.ndarray, num_valid: int, token_ids: np.ndarray | None = None
+                ) -> ForwardOutput:
+        """The MoE layer's output for the first ``num_valid`` rows of ``tokens [B, H]`` (engine dtype).
+        ``token_ids``: int ``[n]`` (n >= num_valid; the first num_valid are the rows' ids), required
+        by hash-routed layers (``InvalidRequest`` naming ``token_ids`` otherwise), ignored by others."""
+        out, ids, weights, counts = self._run(layer, steps.FORWARD, tokens, num_valid, token_ids=token_ids)
         return ForwardOutput(out[:num_valid], ids[:num_valid], weights[:num_valid], counts)
 
     def route(self, layer: int, tokens: np.ndarray, num_valid: int, *, from_logits: bool = False,
-              aux_loss_coeff: float = 1.0) -> RouteOutput:
+              aux_loss_coeff: float = 1.0, token_ids: np.ndarray | None = None) -> RouteOutput:
         """Top-k routing of the first ``num_valid`` rows of hidden states ``[B, H]`` (engine dtype) or,
-        ``from_logits``, router logits ``[B, E]`` (fp32)."""
+        ``from_logits``, router logits ``[B, E]`` (fp32); ``token_ids`` as for ``forward``."""
         kind = steps.ROUTE_LOGITS if from_logits else steps.ROUTE_HIDDEN
-        ids, weights, counts, aux, scores = self._run(layer, kind, tokens, num_valid, aux_loss_coeff)
+        ids, weights, counts, aux, scores = self._run(layer, kind, tokens, num_valid, aux_loss_coeff, token_ids)
         return RouteOutput(ids[:num_valid], weights[:num_valid], counts, float(aux), scores[:num_valid])
 
     def expert_placement(self, layer: int) -> Placement | None:
@@ -162,20 +172,49 @@ class Engine:
             step = self._executables.get((key, bucket, kind))
             return step if step is not None else self._compile(key, (layer,), bucket, kind)
 
-    def _run(self, index: int, kind: str, tokens: np.ndarray, num_valid: int, coeff: float = 0.0) -> list[np.ndarray]:
+    def _run(self, index: int, kind: str, tokens: np.ndarray, num_valid: int, coeff: float = 0.0,
+             token_ids: np.ndarray | None = None) -> list[np.ndarray]:
         with self.lock:
             step = self.executable(index, tokens.shape[0], kind)
-            params, *inputs = self._step_args(index, kind, tokens, num_valid, coeff)
+            params, *inputs = self._step_args(index, kind, tokens, num_valid, coeff, token_ids)
             return self.placement.fetch(step(params, *map(self.placement.step_input, inputs)))
 
-    def _step_args(self, index: int, kind: str, tokens, num_valid: int, coeff: float):
+    def _step_args(self, index: int, kind: str, tokens, num_valid: int, coeff: float, token_ids=None):
         """A compiled step's arguments: the placed params it reads, then its host inputs (tokens,
-        num_valid, and coeff for routing); ``tokens`` is abstract (ShapeDtypeStruct) when lowering."""
-        params = self.layers[index].params
+        num_valid, coeff for routing, then token_ids int32 [B] for hash-routed layers); ``tokens`` is
+        abstract (ShapeDtypeStruct) when lowering, and so are the token ids then."""
+        layer = self.layers[index]
+        extra = ()
+        if layer.cfg.hash_routed:
+            extra = (self._token_ids(layer, token_ids, tokens, num_valid),)
         if kind == steps.FORWARD:
+            params = layer.params
             placed = params if self.placement.ep is None else (params, self._tables[index])
-            return placed, tokens, np.asarray(num_valid, np.int32)
-        return params.router, tokens, np.asarray(num_valid, np.int32), np.asarray(coeff, np.float32)
+            return (placed, tokens, np.asarray(num_valid, np.int32)) + extra
+        return (layer.params.router, tokens, np.asarray(num_valid, np.int32), np.asarray(coeff, np.float32)) + extra
+
+    @staticmethod
+    def _token_ids(layer: LoadedLayer, token_ids, tokens, num_valid: int):
+        """A hash-routed layer's token ids as the step input int32 [B]: checked (InvalidRequest
+        naming ``token_ids``), the first num_valid kept, the padding rows 0."""
+        bucket = tokens.shape[0]
+        if isinstance(tokens, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((bucket,), np.int32, sharding=tokens.sharding)
+        if token_ids is None:
+            raise InvalidRequest("token_ids", f"required: layer {layer.index} is hash-routed (expert ids come "
+                                 f"from tid2eid[token_id], vocabulary {layer.cfg.hash_vocab_size}); send one "
+                                 "token id per row")
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or not num_valid <= ids.shape[0] <= bucket:
+            raise InvalidRequest("token_ids", f"must be [n] with {num_valid} <= n <= {bucket} (one id per row), "
+                                 f"got shape {list(ids.shape)}")
+        try:
+            moe.check_token_ids(ids[:num_valid], layer.cfg)
+        except ValueError as exc:
+            raise InvalidRequest("token_ids", getattr(exc, "description", str(exc))) from exc
+        padded = np.zeros(bucket, np.int32)
+        padded[:num_valid] = ids[:num_valid]
+        return padded
 
     # ------------------------------------------------------------------ compiling steps
 

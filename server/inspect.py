@@ -63,7 +63,8 @@ def _layer_groups(c, indices) -> list[dict]:
     groups: dict[MoEConfig, list[int]] = {}
     for i in indices:
         groups.setdefault(models.layer_config(c, i), []).append(i)
-    return [{"indices": found, **dataclasses.asdict(cfg), "router": describe_router(cfg)}
+    return [{"indices": found, **dataclasses.asdict(cfg), "router": describe_router(cfg),
+             "experts": describe_experts(cfg)}
             for cfg, found in groups.items()]
 
 
@@ -77,23 +78,60 @@ def _quantization(config) -> dict | None:
 
 def _tensor_summary(tensors) -> dict:
     layout = tensors.experts
+    own = [tensors.router_bias, tensors.tid2eid]
+    if tensors.proj_bias:
+        own += [tensors.proj_bias.gate_up, tensors.proj_bias.down]
+    if tensors.norms:
+        own += list(dataclasses.astuple(tensors.norms))
     return {"router": tensors.router, "bias": tensors.bias, "experts": type(layout).__name__,
-            "first_expert_tensor": layout.probe(), "shared": tensors.shared.gate if tensors.shared else None}
+            "first_expert_tensor": layout.probe(), "shared": tensors.shared.gate if tensors.shared else None,
+            "family_tensors": [name for name in own if name]}
 
 
 def describe_router(cfg: MoEConfig) -> str:
     """One line for the router settings of `cfg`, e.g. "sigmoid, top-8 of score + bias, 4 of 8 groups, ..."."""
-    if cfg.score_function == "softmax":
-        parts = [f"softmax over E, top-{cfg.topk}" if cfg.use_pre_softmax else f"softmax over the top-{cfg.topk}"]
+    parts = ["RMS-normed input x scale"] if cfg.router_input_norm else []
+    if cfg.router_bias:
+        parts.append("logits + router bias")
+    bias = " + bias" if cfg.use_expert_bias else ""
+    if cfg.hash_routed:
+        parts.append(f"{cfg.score_function}, experts tid2eid[token id] (vocabulary {cfg.hash_vocab_size}; needs "
+                     "token ids)")
+    elif cfg.score_function == "softmax":
+        parts.append(f"softmax over E, top-{cfg.topk} of probability{bias}" if cfg.use_pre_softmax
+                     else f"softmax over the top-{cfg.topk}")
     else:
-        parts = [f"{cfg.score_function}, top-{cfg.topk}" + (" of score + bias" if cfg.use_expert_bias else "")]
+        parts.append(f"{cfg.score_function}, top-{cfg.topk}" + (" of score + bias" if cfg.use_expert_bias else ""))
     if cfg.num_groups:
-        parts.append(f"within the best {cfg.group_topk} of {cfg.num_groups} groups")
+        score = f" (group score: top {cfg.group_score_topk})" if cfg.group_score_topk else ""
+        parts.append(f"within the best {cfg.group_topk} of {cfg.num_groups} groups{score}")
     renorm = cfg.norm_topk_prob if cfg.norm_topk_prob is not None else \
         (not cfg.use_pre_softmax if cfg.score_function == "softmax" else cfg.topk > 1)
-    parts.append("renormalised" if renorm else "not renormalised")
+    floor = f" (sum floored at {cfg.norm_topk_min:g})" if cfg.norm_topk_min is not None else ""
+    parts.append(f"renormalised{floor}" if renorm else "not renormalised")
     if cfg.scaling_factor != 1.0:
         parts.append(f"x {cfg.scaling_factor:g}")
+    if cfg.per_expert_scale:
+        parts.append("x per_expert_scale")
+    if cfg.router_weight_on_input:
+        parts.append("weight on the expert input, summed unweighted")
+    return ", ".join(parts)
+
+
+def describe_experts(cfg: MoEConfig) -> str:
+    """The experts' activation with its clamps, biases and norms, e.g. "silu, clamped (limit 10) before"."""
+    parts = [cfg.activation]
+    if cfg.swiglu_limit is not None:
+        where = "before" if cfg.swiglu_limit_mode == "before_activation" else "after"
+        parts.append(f"clamped at {cfg.swiglu_limit:g} {where} the activation")
+    if cfg.activation == "swiglu_oai":
+        parts.append(f"alpha {cfg.swiglu_alpha:g}")
+    if cfg.shared_swiglu_limit is not None:
+        parts.append(f"shared clamped at {cfg.shared_swiglu_limit:g}")
+    if cfg.expert_proj_bias:
+        parts.append("projection biases")
+    if cfg.expert_input_norm or cfg.expert_output_norm:
+        parts.append("RMSNorm on the experts' input and output")
     return ", ".join(parts)
 
 
@@ -112,11 +150,12 @@ def format_report(report: dict) -> str:
                   + (" sigmoid-gated" if group["shared_expert_gate"] else " ungated")) if group["num_shared_experts"] \
             else ", no shared expert"
         lines.append(f"layers {describe_indices(group['indices'])}: E={group['num_experts']} k={group['topk']} "
-                     f"H={group['hidden_size']} I={group['intermediate_size']}{shared}, {group['activation']}")
+                     f"H={group['hidden_size']} I={group['intermediate_size']}{shared}, {group['experts']}")
         lines.append(f"  router     {group['router']}")
         if group.get("tensors"):
             t = group["tensors"]
-            lines.append(f"  tensors    {t['router']}; experts {t['experts']} ({t['first_expert_tensor']}, ...)")
+            lines.append(f"  tensors    {t['router']}; experts {t['experts']} ({t['first_expert_tensor']}, ...)"
+                         + "".join(f"; {name}" for name in t["family_tensors"]))
     q = report["quantization"]
     if q is not None:
         lines.append(f"quantised    {q['description']}" + (f"; left unquantised: {', '.join(q['excluded'])}"

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels.moe import MoEConfig, param_shapes
-from expertd.kernels.params import ROUTER_FIELDS, MoEParams
+from expertd.kernels.params import MoEParams, param_dtype
 from expertd.server import models
 
 DEFAULT_PRESET = "tiny"
@@ -156,7 +156,7 @@ class SeededParams(Mapping):
 
     def shape_dtype(self, name: str) -> jax.ShapeDtypeStruct:
         """Shape and dtype of `name` without generating it."""
-        return jax.ShapeDtypeStruct(self._shapes[name], jnp.float32 if name in ROUTER_FIELDS else self.dtype)
+        return jax.ShapeDtypeStruct(self._shapes[name], param_dtype(name, self.dtype))
 
     def generate(self, name: str, sharding=None, dtype=None) -> jax.Array:
         """Generate tensor `name` on device, laid out with `sharding` (default: the default device).

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from expertd.kernels import ep as ep_kernels
 from expertd.kernels.config import MoEConfig
 from expertd.kernels.eplb import Placement
-from expertd.kernels.params import EXPERT_WEIGHTS, ROUTER_FIELDS, MoEParams
+from expertd.kernels.params import EXPERT_FIELDS, MoEParams, param_dtype
 from expertd.server.model import LoadedLayer, SeededParams
 
 AXIS = "ep"
@@ -79,9 +78,10 @@ class MeshPlacement:
         return self.ep.plan_placement(np.ones(cfg.num_experts), len(self.devices), self.num_redundant_experts)
 
     def place_layer(self, layer: LoadedLayer, dtype) -> MoEParams:
-        """One layer's params on the mesh: router tensors fp32, expert weights in `dtype`."""
+        """One layer's params on the mesh: router tensors fp32, expert weights in `dtype`
+        (`params.param_dtype`: also the int32 hash table and fp32 norm weights)."""
         def target_dtype(name):
-            return jnp.float32 if name in ROUTER_FIELDS else dtype
+            return param_dtype(name, dtype)
 
         params = layer.params
         if self.ep is not None:
@@ -105,7 +105,7 @@ class MeshPlacement:
         return MoEParams.from_dict(placed, layer.cfg)
 
     def _ep_sharding(self, name: str) -> NamedSharding:
-        return NamedSharding(self.mesh, P(AXIS) if name in EXPERT_WEIGHTS else P())
+        return NamedSharding(self.mesh, P(AXIS) if name in EXPERT_FIELDS else P())
 
     def put(self, array: np.ndarray) -> jax.Array:
         """A host array replicated over the mesh."""

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from hf_layouts import expert_tensors, semantic_tensors
+from hf_oracle import moe_block
 from hf_quantizers import QUANTIZE, Quantizer, quantization_config, save_safetensors
 
 HIDDEN = 16          # H (32 for FP4 / MXFP4, whose groups are 32 inputs)
@@ -140,34 +142,72 @@ SPECS = {
                       intermediate_size=INTERMEDIATE), None, "model.layers.{i}.", "mlp.gate.weight", None,
                       ("fused_rows", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")), None, None,
                       "softmax", "dtype"),
+    # --- the families whose semantics expertd's kernels gained in 2026 (hf_oracle.py restates them)
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                intermediate_size=INTERMEDIATE, swiglu_limit=1.0), None, "model.layers.{i}.", "mlp.router.weight",
+                None, ("fused_columns_interleaved", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")), None,
+                None, "logits_bias_topk", "torch_dtype"),
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=INTERMEDIATE, n_shared_experts=1, scoring_func="sqrtsoftplus",
+                    routed_scaling_factor=1.5, swiglu_limit=1.0), None, "layers.{i}.", "ffn.gate.weight",
+                    "ffn.gate.bias", ("per_expert", tuple(f"ffn.experts.{{j}}.{n}.weight" for n in _W)),
+                    "ffn.shared_experts", None, "sqrtsoftplus", "dtype"),
+    "glm5_next": ("glm5_next_text", "Glm5NextForConditionalGeneration", dict(_GLM, swiglu_limit=1.0),
+                  dict(model_type="glm5_next"), "model.language_model.layers.{i}.", "mlp.gate.weight",
+                  "mlp.gate.e_score_correction_bias",
+                  ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                  "mlp.shared_experts", None, "sigmoid_groups", "dtype"),
+    "step3p7": ("step3p5", "Step3p7ForConditionalGeneration", dict(n_routed_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=INTERMEDIATE, share_expert_dim=SHARED, moe_router_scaling_factor=2.0),
+                dict(model_type="step3p7"), "model.layers.{i}.", "moe.gate.weight", "moe.router_bias",
+                ("stacked", ("moe.gate_proj.weight", "moe.up_proj.weight", "moe.down_proj.weight")),
+                "share_expert", None, "sigmoid_scaled", "dtype"),
+    "ernie4_5_moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", dict(moe_num_experts=4, moe_k=2,
+                     moe_intermediate_size=INTERMEDIATE, moe_num_shared_experts=1, moe_layer_start_index=1,
+                     moe_layer_end_index=-1, moe_layer_interval=1, moe_norm_min=0.7), None, "model.layers.{i}.",
+                     "mlp.gate.weight", "mlp.moe_statics.e_score_correction_bias",
+                     ("per_expert", tuple(f"mlp.experts.{{j}}.{n}.weight" for n in _PER_EXPERT)),
+                     "mlp.shared_experts", None, "softmax_probs_bias", "torch_dtype"),
+    "llama4": ("llama4_text", "Llama4ForConditionalGeneration", dict(num_local_experts=4, num_experts_per_tok=2,
+               intermediate_size=INTERMEDIATE, intermediate_size_mlp=DENSE_INTERMEDIATE),
+               dict(model_type="llama4"), "language_model.model.layers.{i}.", "feed_forward.router.weight", None,
+               ("fused_columns", ("feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj")),
+               "feed_forward.shared_expert", None, "llama4", "torch_dtype"),
+    "gemma4": ("gemma4_text", "Gemma4ForConditionalGeneration", dict(num_experts=4, top_k_experts=2,
+               moe_intermediate_size=INTERMEDIATE, hidden_activation="gelu_pytorch_tanh", enable_moe_block=True),
+               dict(model_type="gemma4"), "model.language_model.layers.{i}.", "router.proj.weight", None,
+               ("fused_rows", ("experts.gate_up_proj", "experts.down_proj")), None, None, "gemma4", "dtype"),
 }
 FAMILIES = tuple(SPECS)
-# Recognised but refused families: their tensor layouts only (the loader's naming rules are tested
-# with the refusal lifted; their semantics are not expertd's yet, so no hf_reference).
-PENDING_SPECS = {
-    "gpt_oss": ("gpt_oss", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
-                intermediate_size=INTERMEDIATE, swiglu_limit=7.0), None, "model.layers.{i}.", "mlp.router.weight",
-                None, ("fused_columns_interleaved", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")), None,
-                None, None, "torch_dtype"),
-}
-_SHARED_NAMES = {"mistral_large4": _W}
+_SHARED_NAMES = {"mistral_large4": _W, "deepseek_v4": _W}
+_BIAS_STEP = {"ernie4_5_moe": 0.1, "deepseek_v4": 0.1, "step3p7": 0.1}  # selection bias per expert index
 
 
 def hf_config(family: str, *, num_layers: int = 3, dtype: str = "float32", hidden: int = HIDDEN) -> dict:
     """The config.json dict of a tiny model of `family` with `num_layers` decoder layers."""
-    if family not in SPECS and family not in PENDING_SPECS:
-        raise ValueError(f"family must be one of {FAMILIES + tuple(PENDING_SPECS)}, got {family!r}")
-    model_type, arch, keys, outer, *_rest, dtype_key = {**SPECS, **PENDING_SPECS}[family]
+    if family not in SPECS:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    model_type, arch, keys, outer, *_rest, dtype_key = SPECS[family]
     text = {"model_type": model_type, "hidden_size": hidden, "intermediate_size": DENSE_INTERMEDIATE,
             "num_hidden_layers": num_layers, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32,
             "hidden_act": "silu", "rms_norm_eps": 1e-6, dtype_key: dtype, **keys}
     if family == "dbrx":  # DbrxConfig's own names
         text = {k: v for k, v in text.items() if k not in ("hidden_size", "num_hidden_layers", "intermediate_size")}
         text.update(d_model=hidden, n_layers=num_layers, n_heads=2)
-    if family in ("glm_moe_dsa", "deepseek_v32", "mistral_large4"):
+    if family in ("glm_moe_dsa", "deepseek_v32", "mistral_large4", "glm5_next"):
         text["mlp_layer_types"] = _sparse(1, num_layers)  # wins over first_k_dense_replace
     if family == "hunyuan_v1_moe":
         text["moe_topk"] = [2] * num_layers  # per-layer list
+    if family == "deepseek_v4":  # the first layer routes by token id
+        text["mlp_layer_types"] = ["hash_moe" if i < 1 else "moe" for i in range(num_layers)]
+    if family == "step3p7":  # per-layer limits, 0 = no clamp (layer 1: shared only, 2: routed only)
+        text.update(mlp_layer_types=_sparse(1, num_layers), swiglu_limits=[0.8 * (i % 2 == 0) for i in
+                                                                           range(num_layers)],
+                    swiglu_limits_shared=[0.9 * (i % 2) for i in range(num_layers)])
+    if family == "llama4":
+        text["moe_layers"] = list(range(0, num_layers, 2))
+    if family == "gemma4":  # Gemma4TextConfig names its activation hidden_activation only
+        del text["hidden_act"]
     if outer is None:
         return {"architectures": [arch], **text}
     return {"architectures": [arch], **outer, "text_config": text, dtype_key: dtype}
@@ -182,7 +222,13 @@ def moe_layer_indices(config: dict, family: str) -> list[int]:
     c = text_of(config)
     n = c.get("num_hidden_layers", c.get("n_layers"))
     if "mlp_layer_types" in c:
-        return [i for i, kind in enumerate(c["mlp_layer_types"]) if kind == "sparse"]
+        return [i for i, kind in enumerate(c["mlp_layer_types"]) if kind in ("sparse", "moe", "hash_moe")]
+    if "moe_layers" in c:  # Llama 4
+        return list(c["moe_layers"])
+    if "moe_layer_start_index" in c:  # ERNIE 4.5
+        end = n - 1 if c["moe_layer_end_index"] == -1 else c["moe_layer_end_index"]
+        return [i for i in range(n) if (i + 1) % c["moe_layer_interval"] == 0
+                and c["moe_layer_start_index"] <= i <= end]
     if "first_k_dense_replace" in c:
         return [i for i in range(n) if i >= c["first_k_dense_replace"] and i % c.get("moe_layer_freq", 1) == 0]
     if "decoder_sparse_step" in c:
@@ -196,12 +242,16 @@ def _shapes(family, config):
     if family == "dbrx":
         f = c["ffn_config"]
         return f["moe_num_experts"], f["moe_top_k"], f["ffn_hidden_size"], 0
-    e = c.get("num_experts", c.get("num_local_experts", c.get("n_routed_experts")))
-    k = c.get("num_experts_per_tok", c.get("moe_topk"))
+    e = c.get("num_experts", c.get("num_local_experts", c.get("n_routed_experts", c.get("moe_num_experts"))))
+    k = c.get("num_experts_per_tok", c.get("moe_topk", c.get("top_k_experts", c.get("moe_k"))))
     k = k[0] if isinstance(k, list) else k
     inter = c.get("moe_intermediate_size", c.get("intermediate_size"))
-    if family == "hunyuan_v1_moe":
+    if family in ("hunyuan_v1_moe", "llama4"):
         shared = c["intermediate_size"]
+    elif "share_expert_dim" in c:
+        shared = c["share_expert_dim"]
+    elif "moe_num_shared_experts" in c:
+        shared = c["moe_num_shared_experts"] * inter
     elif "shared_expert_intermediate_size" in c:
         shared = c["shared_expert_intermediate_size"]
     else:
@@ -241,7 +291,7 @@ def write_checkpoint(path, family: str, *, num_layers: int = 3, sharded: bool = 
             text_of(config)[key] = value
     if quantize is not None:
         config["quantization_config"] = quantization_config(quantize, block, group)
-    _, _, _, _, prefix, router, bias, (kind, names), shared, shared_gate, *_ = {**SPECS, **PENDING_SPECS}[family]
+    _, _, _, _, prefix, router, bias, (kind, names), shared, shared_gate, *_ = SPECS[family]
     store = _DTYPES[dtype]
     rng = np.random.default_rng(seed)
 
@@ -263,10 +313,14 @@ def write_checkpoint(path, family: str, *, num_layers: int = 3, sharded: bool = 
             continue
         quant = Quantizer(quantize, block, group, tensors)
         params = {"router_weight": _store(tensors, p + router, rand(e, hidden)).astype(np.float32).T.copy()}
-        if bias is not None:
-            value = ((np.arange(e, dtype=np.float32) - e / 2) * 0.01)
-            params["expert_bias"] = _store(tensors, p + bias, value)
-        params.update(_experts(kind, [p + n for n in names], e, hidden, inter, rand, quant))
+        hashed = family == "deepseek_v4" and text_of(config)["mlp_layer_types"][layer] == "hash_moe"
+        if bias is not None and not hashed:
+            value = ((np.arange(e, dtype=np.float32) - e / 2) * _BIAS_STEP.get(family, 0.01))
+            stored = value.reshape(1, e) if family == "ernie4_5_moe" else value  # ERNIE's moe_statics: [1, E]
+            _store(tensors, p + bias, stored)
+            params["expert_bias"] = value
+        params.update(expert_tensors(kind, [p + n for n in names], e, hidden, inter, rand, quant))
+        params.update(semantic_tensors(family, tensors, p, hashed, config, e, k, hidden, inter, rand, rng))
         if shared is not None:
             proj = _SHARED_NAMES.get(family, _PER_EXPERT)
             weights = [rand(shared_size, hidden), rand(shared_size, hidden), rand(hidden, shared_size)]
@@ -306,79 +360,12 @@ def _edit(groups, replace, omit):
             raise ValueError(f"omit: no tensor named {name!r} in this checkpoint")
 
 
-def _experts(kind, names, e, h, inter, rand, quant) -> dict:
-    """Store the routed experts in `kind`'s layout; their dequantised params in expertd's layouts."""
-    if kind == "per_expert":
-        shapes = ((inter, h), (inter, h), (h, inter))
-        w = [[quant.weight(t.format(j=j), rand(*shape)) for t, shape in zip(names, shapes)] for j in range(e)]
-        return {"w_gate": np.stack([g.T for g, _, _ in w]), "w_up": np.stack([u.T for _, u, _ in w]),
-                "w_down": np.stack([d.T for _, _, d in w])}
-    if kind == "fused_rows":  # [E, 2I, H] gate rows first, [E, H, I]
-        gate_up, down = quant.weight(names[0], rand(e, 2 * inter, h)), quant.weight(names[1], rand(e, h, inter))
-        return {"w_gate": np.swapaxes(gate_up[:, :inter], 1, 2).copy(),
-                "w_up": np.swapaxes(gate_up[:, inter:], 1, 2).copy(), "w_down": np.swapaxes(down, 1, 2).copy()}
-    if kind == "flat_rows":  # DBRX [E*I, H] each; down used untransposed
-        w1, v1, w2 = (quant.weight(n, rand(e * inter, h)) for n in names)
-        return {"w_gate": np.swapaxes(w1.reshape(e, inter, h), 1, 2).copy(),
-                "w_up": np.swapaxes(v1.reshape(e, inter, h), 1, 2).copy(), "w_down": w2.reshape(e, inter, h).copy()}
-    if kind == "fused_columns_interleaved":  # gpt-oss: [E, H, 2I] gate even columns, [E, I, H]; MXFP4 transposed
-        gate_up = quant.weight(names[0], rand(e, 2 * inter, h), transposed=True)  # [E, H, 2I]
-        down = quant.weight(names[1], rand(e, h, inter), transposed=True)  # [E, I, H]
-        return {"w_gate": gate_up[:, :, 0::2].copy(), "w_up": gate_up[:, :, 1::2].copy(), "w_down": down.copy()}
-    raise ValueError(kind)
-
-
-def hf_reference(path, layer: int, x: np.ndarray, params: dict) -> np.ndarray:
+def hf_reference(path, layer: int, x: np.ndarray, params: dict, token_ids=None) -> np.ndarray:
     """The MoE block of decoder `layer` of the fixture at `path` on x `[T, H]`, in float64, by the
-    family's transformers semantics (restated; `params` are the layer's expected params):
-      softmax           p = softmax(logits); top-k of p; renormalised if norm_topk_prob (Mixtral,
-                        GraniteMoE, DBRX p=1, Hunyuan: always, as `softmax_renorm`)
-      sigmoid_groups    DeepSeek-V3: s = sigmoid; choose on s + bias within the topk_group best of
-                        n_group groups (group score = sum of its top 2, dropped groups masked to 0);
-                        w = s (unbiased) / (sum + 1e-20) if norm_topk_prob; x routed_scaling_factor
-      sigmoid_renorm    MiniMax-M2: top-k of s + bias, w = s / sum
-      softmax_groups    Mistral 4: groups (top-2 sum) on p = softmax; top-k of p; / (sum + 1e-20) if
-                        norm_topk_prob (Large 4: always); x routed_scaling_factor
-    plus the shared expert (Qwen: times sigmoid(x @ shared_gate)).
-    """
+    family's transformers semantics (`hf_oracle.moe_block`; `params` are the layer's expected params,
+    `token_ids [T]` the tokens' ids for a hash-routed layer)."""
     config = json.loads((Path(path) / "config.json").read_text())
     family = next(f for f, s in SPECS.items() if s[0] == text_of(config)["model_type"]
                   and s[1] in config["architectures"])
-    c, routing = text_of(config), SPECS[family][10]
-    p = {name: np.asarray(v, np.float64) for name, v in params.items()}
-    x = x.astype(np.float64)
     e, k, _, _ = _shapes(family, config)
-    logits = x @ p["router_weight"]
-    renorm = routing.endswith("renorm") or c.get("norm_topk_prob", True)
-    scaling = c.get("routed_scaling_factor", 1.0)
-    out = np.zeros_like(x)
-    for t in range(len(x)):
-        if routing.startswith("softmax"):
-            scores = np.exp(logits[t] - logits[t].max())
-            scores /= scores.sum()
-            choice = scores.copy()
-        else:
-            scores = 1 / (1 + np.exp(-logits[t]))
-            choice = scores + p["expert_bias"]
-        if "groups" in routing and c.get("n_group", 1) > 1:
-            per_group = choice.reshape(c["n_group"], -1)
-            kept = np.argsort(-np.sort(per_group, axis=-1)[:, -2:].sum(-1), kind="stable")[:c["topk_group"]]
-            mask = np.zeros(c["n_group"], bool)
-            mask[kept] = True
-            choice = np.where(np.repeat(mask, e // c["n_group"]), choice, 0.0)
-        ids = np.argsort(-choice, kind="stable")[:k]
-        w = scores[ids]
-        if renorm:
-            w = w / (w.sum() + (1e-20 if routing in ("sigmoid_groups", "softmax_groups") else 0.0))
-        if routing in ("sigmoid_groups", "softmax_groups", "softmax_groups_renorm"):
-            w = w * scaling
-        for weight, j in zip(w, ids):
-            a = x[t] @ p["w_gate"][j]
-            out[t] += weight * ((a / (1 + np.exp(-a))) * (x[t] @ p["w_up"][j])) @ p["w_down"][j]
-    if "shared_w_gate" in p:
-        a = x @ p["shared_w_gate"]
-        shared = ((a / (1 + np.exp(-a))) * (x @ p["shared_w_up"])) @ p["shared_w_down"]
-        if "shared_gate" in p:
-            shared = shared / (1 + np.exp(-(x @ p["shared_gate"])))
-        out += shared
-    return out
+    return moe_block(family, SPECS[family][10], text_of(config), params, x, layer, token_ids, k=k, e=e)

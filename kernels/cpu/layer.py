@@ -1,11 +1,15 @@
 """The native CPU backend as the MoE layer uses it: the grouped FFN, the layer's routed-expert pass,
 the weights prepared once after loading, and what a server reports about it.
 
-  grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", source=None) -> [N, H]
+  grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", source=None, biases=None)
+      -> [N, H]
       The "native_cpu" grouped-FFN backend (the contract of `expertd.kernels.ffn`): one
-      `ffi.grouped_matmul` per projection, fp32 accumulation. Weights row-major or prepared.
+      `ffi.grouped_matmul` per projection, fp32 accumulation. Weights row-major or prepared. The
+      C++ kernel computes the projections; the gated activation (`ffn.GatedActivation`: clamps,
+      gpt-oss's variant) and the biases run in XLA around it, as the plain SwiGLU product does.
   routed_experts(params, x, ids, weights, valid, cfg) -> (fp32 [T, H], dispatch.Permutation)
-      `moe.moe_layer`'s routed part with backend "native_cpu": the dispatch in C++ too.
+      `moe.moe_layer`'s routed part with backend "native_cpu": the dispatch in C++ too. With
+      cfg.router_weight_on_input (Llama 4) the weighted rows are gathered in XLA first.
   prepare_params(params, *, backend="auto") -> MoEParams
       The routed expert weights in the layout the kernel reads fastest (panel-major, `panels`)
       where the library is available and `backend` would run it; otherwise `params` unchanged.
@@ -17,10 +21,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from expertd.kernels import dispatch
 from expertd.kernels.config import MoEConfig
 from expertd.kernels.cpu import ffi, library, panels
 from expertd.kernels.cpu.build import available, unavailable_reason
-from expertd.kernels.ffn import activation_fn, check_ffn_args
+from expertd.kernels.ffn import (
+    as_gated_activation,
+    check_ffn_args,
+    expert_activation,
+    expert_biases,
+    row_biases,
+    row_experts,
+)
 from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams
 
 PREPARING_BACKENDS = ("auto", "native_cpu")  # the backends whose CPU runs read prepared weights
@@ -28,7 +40,7 @@ PREPARING_BACKENDS = ("auto", "native_cpu")  # the backends whose CPU runs read 
 dense_weights = panels.dense
 
 
-def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", source=None):
+def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", source=None, biases=None):
     """Grouped FFN through the C++ grouped matmul, one call per projection, fp32 accumulation; `h`
     is rounded to xs.dtype before the down projection as in the other backends. The kernel never
     reads rows past sum(group_sizes) nor experts without rows, and writes zeros there.
@@ -36,12 +48,18 @@ def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", sou
     With `source int32 [N]` (a Permutation's token_of_row), `xs` is the `[T, H]` token rows and the
     gate / up projections gather their rows by it inside the kernel (the layer's CPU path: the
     permuted `[N, H]` copy of x is never written); the result is `[N, H]` either way."""
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down)
-    act = activation_fn(activation)
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
+    glu = as_gated_activation(activation)
     x32 = xs.astype(jnp.float32)
-    h = (act(ffi.grouped_matmul(x32, group_sizes, w_gate, source=source))
-         * ffi.grouped_matmul(x32, group_sizes, w_up, source=source))
-    y = ffi.grouped_matmul(h.astype(xs.dtype).astype(jnp.float32), group_sizes, w_down)
+    g = ffi.grouped_matmul(x32, group_sizes, w_gate, source=source)
+    u = ffi.grouped_matmul(x32, group_sizes, w_up, source=source)
+    rb = None
+    if biases is not None:  # each row's expert's biases; rows past the groups get none
+        rb = row_biases(biases, *row_experts(group_sizes, g.shape[0]))
+        g, u = g + rb.gate, u + rb.up
+    y = ffi.grouped_matmul(glu(g, u).astype(xs.dtype).astype(jnp.float32), group_sizes, w_down)
+    if rb is not None:
+        y = y + rb.down
     return y.astype(xs.dtype)
 
 
@@ -52,8 +70,13 @@ def routed_experts(params: MoEParams, x, ids, weights, valid, cfg: MoEConfig):
     fp32 `[T, k]`, valid bool `[T]` or None. Each pass equals its jnp twin in the generic path
     (tests/kernels/test_cpu_dispatch.py) and the layer matches the oracle (test_moe.py)."""
     perm = ffi.layout(jnp.maximum(ids, 0), cfg.num_experts, valid=valid)
-    ys = grouped_ffn(x, perm.group_sizes, params.w_gate, params.w_up, params.w_down,
-                     activation=cfg.activation, source=perm.token_of_row)
+    kwargs = dict(activation=expert_activation(cfg), biases=expert_biases(params, cfg))
+    if cfg.router_weight_on_input:  # Llama 4: experts(w * x), summed unweighted
+        rows = dispatch.scale_rows(x.at[perm.token_of_row].get(mode="fill", fill_value=0), perm, weights)
+        ys = grouped_ffn(rows, perm.group_sizes, params.w_gate, params.w_up, params.w_down, **kwargs)
+        return ffi.combine(ys, perm), perm
+    ys = grouped_ffn(x, perm.group_sizes, params.w_gate, params.w_up, params.w_down, source=perm.token_of_row,
+                     **kwargs)
     return ffi.combine(ys, perm, weights), perm
 
 

@@ -195,22 +195,22 @@ def sparse_by_step(c: HFConfig) -> list[int]:
     return [i for i in range(c.num_layers()) if i not in set(dense) and (i + 1) % step == 0]
 
 
-def effective_groups(c: HFConfig, family: str, topk: int, *, n_group_default: int, topk_group_default: int
-                     ) -> dict:
-    """MoEConfig's num_groups / group_topk for a grouped router (DeepSeek-V3's and Mistral's).
-
-    transformers scores a group by the sum of its top 2 scores; expertd's router by the sum of its
-    top topk // group_topk. Grouping that keeps every group (n_group <= 1 or topk_group >= n_group)
-    changes nothing and is dropped; otherwise the two rules must agree (topk // topk_group == 2 and
-    topk % topk_group == 0), else ConfigError names the keys."""
+def effective_groups(c: HFConfig, family: str, num_experts: int, topk: int, *, n_group_default: int,
+                     topk_group_default: int) -> dict:
+    """MoEConfig's num_groups / group_topk / group_score_topk for a grouped router (DeepSeek-V3's and
+    Mistral's): transformers scores a group by the sum of its top 2 selection scores, so
+    group_score_topk = 2. Grouping that keeps every group (n_group <= 1 or topk_group >= n_group)
+    changes nothing and is dropped. A grouping the kept groups cannot fill (topk above topk_group x
+    the group size) raises ConfigError naming the keys."""
     n_group = c.integer("n_group", default=n_group_default)
     topk_group = c.integer("topk_group", default=topk_group_default)
     if n_group <= 1 or topk_group >= n_group:
         return {}
-    if topk % topk_group or topk // topk_group != 2:
+    size = num_experts // n_group
+    if num_experts % n_group or size < 2 or topk > topk_group * size:
         raise ConfigError(
-            f"{family}: group-limited routing with n_group={n_group}, topk_group={topk_group} and "
-            f"num_experts_per_tok={topk} is not supported: transformers scores a group by the sum of its top 2 "
-            f"experts, expertd's router by the sum of its top num_experts_per_tok // topk_group "
-            f"(= {topk / topk_group:g}); they agree only when that is 2")
-    return {"num_groups": n_group, "group_topk": topk_group}
+            f"{family}: group-limited routing with n_group={n_group}, topk_group={topk_group}, {num_experts} experts "
+            f"and num_experts_per_tok={topk} is not servable: the experts must split into n_group equal groups of "
+            f"at least 2 (a group scores by its top 2) and the topk_group kept groups must hold num_experts_per_tok "
+            f"experts")
+    return {"num_groups": n_group, "group_topk": topk_group, "group_score_topk": 2}

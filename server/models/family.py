@@ -22,6 +22,13 @@ E experts; every layout yields per expert j: w_gate[j], w_up[j] `[H, I]` and w_d
   Stacked        `gate`, `up` `[E, I, H]`, `down [E, H, I]` (Step-3.7)
   FlatRows       `w1`, `v1`, `w2` `[E*I, H]` (DBRX): w_gate[j] = w1[jI:(j+1)I].T, w_down[j] = w2[jI:(j+1)I]
 
+Beyond the router, selection bias, experts and shared expert, a `LayerTensors` names the tensors
+of the families' own semantics (docs/semantics.md), each needed when its MoEConfig switch is on:
+`router_bias [E]` (gpt-oss), `tid2eid [V, k]` (DeepSeek-V4 hash layers), `ProjBiases` (gpt-oss's
+`gate_up [E, 2I]` + `down [E, H]` expert biases) and `BranchNorms` (Gemma 4's router scale,
+per-expert scale and branch RMSNorm weights); the loader (`expertd.server.checkpoint_layer`) turns
+them into the MoEParams fields.
+
 A layout reads through a `reader` (the checkpoint loader's) with one method:
   reader.dense(name, shape, expert=None, num_experts=None, in_out=False) -> array
       the dense weight `name` as transformers holds it (dequantised, in the serving dtype), checked
@@ -146,6 +153,28 @@ ExpertLayout = PerExpert | FusedRows | FusedColumns | Stacked | FlatRows
 
 
 @dataclasses.dataclass(frozen=True)
+class ProjBiases:
+    """Per-expert projection biases (gpt-oss): `gate_up [E, 2I]` (gate half first, or interleaved:
+    gate on even columns, up on odd, as the weight's columns) and `down [E, H]`."""
+
+    gate_up: str
+    down: str
+    interleaved: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchNorms:
+    """Gemma 4's MoE branch: `router_scale [H]` (served as router_input_scale = scale * H**-0.5),
+    `per_expert_scale [E]`, and the RMSNorm weights `input_norm [H]` (pre_feedforward_layernorm_2)
+    and `output_norm [H]` (post_feedforward_layernorm_2), used as stored (y = norm(x) * weight)."""
+
+    router_scale: str
+    per_expert_scale: str
+    input_norm: str
+    output_norm: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Shared:
     """Shared-expert Linear weights gate, up `[Is, H]`, down `[H, Is]`, and the optional sigmoid gate `[1, H]`."""
 
@@ -163,12 +192,22 @@ class LayerTensors:
     experts: the routed experts' layout (see the module docstring).
     bias: the selection-only expert bias `[E]` (or `[1, E]`), served fp32; None if the family has none.
     shared: the shared expert, None if none.
+    router_bias: the router Linear's bias `[E]` (part of the logits), served fp32 (cfg.router_bias).
+    tid2eid: a hash-routed layer's expert ids per token id `[V, k]` (any int dtype), served int32
+      (cfg.hash_vocab_size > 0).
+    proj_bias: the experts' projection biases (cfg.expert_proj_bias).
+    norms: the MoE branch's own norms and scales (cfg.router_input_norm, per_expert_scale,
+      expert_input_norm, expert_output_norm: all four together).
     """
 
     router: str
     experts: ExpertLayout
     bias: str | None = None
     shared: Shared | None = None
+    router_bias: str | None = None
+    tid2eid: str | None = None
+    proj_bias: ProjBiases | None = None
+    norms: BranchNorms | None = None
 
     def shapes(self, cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
         """Every tensor `cfg` needs, name -> the dense shape transformers gives it (bias: `[E]`)."""
@@ -185,6 +224,26 @@ class LayerTensors:
             out.update({self.shared.gate: (s, h), self.shared.up: (s, h), self.shared.down: (h, s)})
             if cfg.shared_expert_gate:
                 out[self.shared.gate_weight] = (1, h)
+        out.update(self._semantic_shapes(cfg))
+        return out
+
+    def _semantic_shapes(self, cfg: MoEConfig) -> dict[str, tuple[int, ...]]:
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        wanted = {"router_bias": (cfg.router_bias, lambda: {self.router_bias: (e,)}),
+                  "tid2eid": (cfg.hash_routed, lambda: {self.tid2eid: (cfg.hash_vocab_size, cfg.topk)}),
+                  "proj_bias": (cfg.expert_proj_bias,
+                                lambda: {self.proj_bias.gate_up: (e, 2 * i), self.proj_bias.down: (e, h)}),
+                  "norms": (cfg.router_input_norm or cfg.per_expert_scale or cfg.expert_input_norm
+                            or cfg.expert_output_norm,
+                            lambda: {self.norms.router_scale: (h,), self.norms.per_expert_scale: (e,),
+                                     self.norms.input_norm: (h,), self.norms.output_norm: (h,)})}
+        out = {}
+        for field, (needed, shapes) in wanted.items():
+            if not needed:
+                continue
+            if getattr(self, field) is None:
+                raise ValueError(f"the layer description asks for {field} tensors the family names none for")
+            out.update(shapes())
         return out
 
     def with_prefix(self, prefix: str) -> LayerTensors:
@@ -197,8 +256,7 @@ class LayerTensors:
                                                      if isinstance(getattr(value, f.name), str)})
             return value
 
-        return dataclasses.replace(self, router=add(self.router), experts=add(self.experts), bias=add(self.bias),
-                                   shared=add(self.shared))
+        return dataclasses.replace(self, **{f.name: add(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
 def per_expert(block: str, names=("gate_proj", "up_proj", "down_proj")) -> PerExpert:

@@ -30,29 +30,33 @@ def np_topk_mask(scores, k):
     return mask
 
 
-def np_group_mask(scores, topk, num_groups, group_topk):
+def np_group_mask(scores, topk, num_groups, group_topk, group_score_topk=None):
+    """Kept-group mask; a group's score is the sum of its top topk // group_topk (TE), or of its
+    top group_score_topk (Hugging Face's 2)."""
     t, e = scores.shape
     per_group = scores.reshape(t, num_groups, e // num_groups)
-    group_scores = np.sort(per_group, axis=-1)[..., -(topk // group_topk):].sum(-1)
+    group_scores = np.sort(per_group, axis=-1)[..., -(group_score_topk or topk // group_topk):].sum(-1)
     kept = np_topk_mask(group_scores, group_topk)
     return np.repeat(kept, e // num_groups, axis=-1), group_scores
 
 
 def np_selection_scores(x, score_function, use_pre_softmax, bias):
     if score_function == "softmax":
-        return np_softmax(x) if use_pre_softmax else x.copy()
+        if not use_pre_softmax:
+            return x.copy()
+        return np_softmax(x) if bias is None else np_softmax(x) + bias  # ERNIE 4.5: probs + bias
     s = np_activation(x, score_function)
     return s if bias is None else s + bias
 
 
 def np_router(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=0,
-              group_topk=0, scaling_factor=1.0, expert_bias=None):
+              group_topk=0, scaling_factor=1.0, expert_bias=None, group_score_topk=None):
     """float64 (probs [T, E], routing_map [T, E]) for `[T, E]` logits."""
     x = np.asarray(logits, np.float64)
     bias = None if expert_bias is None else np.asarray(expert_bias, np.float64)
     sel = np_selection_scores(x, score_function, use_pre_softmax, bias)
     if group_topk and group_topk > 0:
-        sel = np.where(np_group_mask(sel, topk, num_groups, group_topk)[0], sel, -np.inf)
+        sel = np.where(np_group_mask(sel, topk, num_groups, group_topk, group_score_topk)[0], sel, -np.inf)
     rmap = np_topk_mask(sel, topk)
     if score_function == "softmax":
         if use_pre_softmax:
@@ -108,12 +112,12 @@ def np_aux_loss(probs, tokens_per_expert, topk, coeff, num_experts=None, total_n
     return float((probs.sum(0) * np.asarray(tokens_per_expert, np.float64)).sum() * e * coeff / (topk * t * t))
 
 
-def _margins(x, topk, score_function, use_pre_softmax, num_groups, group_topk, bias):
+def _margins(x, topk, score_function, use_pre_softmax, num_groups, group_topk, bias, group_score_topk=None):
     """Per-row smallest gap (relative) at the expert and group selection boundaries."""
     sel = np_selection_scores(x, score_function, use_pre_softmax, bias)
     margin = np.full(x.shape[0], np.inf)
     if group_topk:
-        gmask, gscores = np_group_mask(sel, topk, num_groups, group_topk)
+        gmask, gscores = np_group_mask(sel, topk, num_groups, group_topk, group_score_topk)
         srt = -np.sort(-gscores, axis=-1)
         if group_topk < num_groups:
             margin = np.minimum(margin, (srt[:, group_topk - 1] - srt[:, group_topk]) / (np.abs(srt[:, 0]) + 1e-30))
@@ -121,7 +125,7 @@ def _margins(x, topk, score_function, use_pre_softmax, num_groups, group_topk, b
         # inside groups: the top-(topk/group_topk) boundary of every group decides the group score
         per_group = -np.sort(-np_selection_scores(x, score_function, use_pre_softmax, bias).reshape(
             x.shape[0], num_groups, -1), axis=-1)
-        kpg = topk // group_topk
+        kpg = group_score_topk or topk // group_topk
         if kpg < per_group.shape[-1]:
             gap = (per_group[..., kpg - 1] - per_group[..., kpg]).min(-1)
             margin = np.minimum(margin, gap / (np.abs(per_group[..., 0]).max(-1) + 1e-30))
@@ -133,7 +137,7 @@ def _margins(x, topk, score_function, use_pre_softmax, num_groups, group_topk, b
 
 def tie_free_logits(seed, t, e, topk, *, dtype=np.float32, score_function="softmax",
                     use_pre_softmax=False, num_groups=0, group_topk=0, expert_bias=None,
-                    scale=2.0, min_margin=1e-4):
+                    scale=2.0, min_margin=1e-4, group_score_topk=None):
     """Random `[T, E]` logits (as `dtype`, returned as float32 NumPy or ml_dtypes) whose selection
     boundaries (k-th vs (k+1)-th score, kept vs dropped group) are separated by min_margin
     (relative), so no backend may legitimately choose differently. Rows are redrawn until so."""
@@ -141,7 +145,8 @@ def tie_free_logits(seed, t, e, topk, *, dtype=np.float32, score_function="softm
     x = (rng.standard_normal((t, e)) * scale).astype(dtype)
     bias = None if expert_bias is None else np.asarray(expert_bias, np.float64)
     for _ in range(200):
-        m = _margins(x.astype(np.float64), topk, score_function, use_pre_softmax, num_groups, group_topk, bias)
+        m = _margins(x.astype(np.float64), topk, score_function, use_pre_softmax, num_groups, group_topk, bias,
+                     group_score_topk)
         bad = ~(m > min_margin)
         if not bad.any():
             return x

@@ -116,6 +116,33 @@ def test_unpermute_matches_reference_and_ignores_nan_rows(align, dtype):
     np.testing.assert_allclose(np.asarray(out), np.where(np.asarray(valid)[:, None], expected, 0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scale_rows_weights_each_copy_and_zeros_the_rest(dtype):
+    """scale_rows (Llama 4's weight on the expert input): routed row dest[t, j] = w[t, j] * x[t]
+    rounded once to the rows' dtype; pad rows, invalid tokens' rows and NaN garbage come back 0."""
+    t, k, e = 40, 2, 5
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=(t, H)), dtype)
+    ids = jnp.asarray(routing(t, k, e, skew=True))
+    valid = jnp.asarray(rng.random(t) < 0.8)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(t, k)), jnp.float32)
+
+    def run(x, ids, valid, weights):
+        rows, perm = dispatch.permute(x, ids, e, align_size=8, valid=valid)
+        routed = jnp.zeros(rows.shape[0], bool).at[perm.dest].set(True, mode="drop")
+        garbage = jnp.where(routed[:, None], rows, jnp.nan).astype(dtype)
+        return dispatch.scale_rows(garbage, perm, weights), perm.dest
+
+    scaled, dest = compile_fast(run, x, ids, valid, weights)(x, ids, valid, weights)
+    assert scaled.dtype == dtype
+    want = np.zeros(scaled.shape, np.float32)
+    x32, w, dest, ok = (np.asarray(a, np.float32) for a in (x, weights, dest, valid))
+    for tok, slot in itertools.product(range(t), range(k)):
+        if ok[tok]:
+            want[int(dest[tok, slot])] = np.asarray(jnp.asarray(x32[tok] * w[tok, slot]).astype(dtype), np.float32)
+    np.testing.assert_array_equal(np.asarray(scaled, np.float32), want)
+
+
 @pytest.mark.parametrize("align", ALIGNS)
 def test_round_trip_is_bitwise_for_fp32(align):
     t, e = 64, 8

@@ -1,6 +1,7 @@
 """grouped_ffn: every backend against a float64 per-expert numpy loop, over E x rows x dtype with
 empty experts whose unused rows hold NaN garbage, all rows on one expert, aligned layouts,
-capacity drops, activations, the Pallas kernel's Triton lowering, and argument errors."""
+capacity drops, activations (the families' clamped and gpt-oss variants, per-expert biases), the
+Pallas kernel's Triton lowering, and argument errors."""
 import functools
 
 import jax
@@ -11,31 +12,51 @@ from oracle import compile_all, compile_fast
 
 from expertd.kernels import dispatch, experts
 from expertd.kernels.cpu import policy as cpu
-from expertd.kernels.experts import BACKENDS, grouped_ffn
+from expertd.kernels.experts import BACKENDS, ExpertBiases, GatedActivation, grouped_ffn
 
 H, I = 16, 32
 DTYPES = (jnp.float32, jnp.bfloat16)
 TOL = {np.dtype(jnp.float32): 2e-5, np.dtype(jnp.bfloat16): 3e-2}
 
 
-def ffn_oracle(xs, group_sizes, wg, wu, wd, activation="silu"):
-    """float64 per-expert loop; rows past the groups are 0."""
+def ffn_oracle(xs, group_sizes, wg, wu, wd, activation="silu", biases=None):
+    """float64 per-expert loop; rows past the groups are 0. activation: a name or a GatedActivation
+    (its fields: name, limit, limit_mode, alpha); biases: (gate, up, down) or None."""
     f = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     xs, wg, wu, wd = f(xs), f(wg), f(wu), f(wd)
+    spec = experts.as_gated_activation(activation)
     out = np.zeros_like(xs)
     start = 0
     for e, n in enumerate(np.asarray(group_sizes)):
         x = xs[start:start + n]
-        g = x @ wg[e]
-        if activation == "silu":
-            a = g / (1 + np.exp(-g))
-        elif activation == "gelu":
-            a = np.asarray(jax.nn.gelu(jnp.asarray(g), approximate=False), np.float64)
-        else:
-            a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
-        out[start:start + n] = (a * (x @ wu[e])) @ wd[e]
+        g, u = x @ wg[e], x @ wu[e]
+        if biases is not None:
+            g, u = g + f(biases[0])[e], u + f(biases[1])[e]
+        y = _np_glu(g, u, spec) @ wd[e]
+        out[start:start + n] = y if biases is None else y + f(biases[2])[e]
         start += n
     return out
+
+
+def _np_act(g, name):
+    if name == "silu":
+        return g / (1 + np.exp(-g))
+    if name == "gelu":
+        return np.asarray(jax.nn.gelu(jnp.asarray(g), approximate=False), np.float64)
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+def _np_glu(g, u, spec):
+    lim = spec.limit
+    if spec.name == "swiglu_oai":
+        if lim is not None:
+            g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
+        return (u + 1) * g / (1 + np.exp(-spec.alpha * g))
+    if lim is None:
+        return _np_act(g, spec.name) * u
+    if spec.limit_mode == "before_activation":
+        return _np_act(np.minimum(g, lim), spec.name) * np.clip(u, -lim, lim)
+    return np.minimum(_np_act(g, spec.name), lim) * np.clip(u, -lim, lim)
 
 
 def make_inputs(num_experts, group_sizes, dtype, *, extra_rows=5, seed=0):
@@ -176,6 +197,34 @@ def test_activations(activation):
         check(out, ref, jnp.float32, f"{backend} {activation}")
 
 
+GATED = [GatedActivation("swiglu_oai", 0.7, alpha=1.702), GatedActivation("silu", 0.6),
+         GatedActivation("silu", 0.3, "after_activation"), GatedActivation("gelu_tanh", 0.5, "after_activation")]
+
+
+def test_gated_activations_and_biases_on_every_backend():
+    """The families' gated activations (limits small enough to cut) with and without per-expert
+    biases, at E = 4 with an empty expert and NaN garbage rows: every backend in one program."""
+    rng = np.random.default_rng(7)
+    sizes = np.array([5, 0, 17, 9])
+    inputs = {dt: make_inputs(4, sizes, dt, seed=3) for dt in DTYPES}
+    biases = {dt: ExpertBiases(*(jnp.asarray(rng.normal(size=shape) * 0.3, dt) for shape in ((4, I), (4, I), (4, H))))
+              for dt in DTYPES}
+    cases = [(dt, spec, b) for dt in DTYPES for spec in GATED for b in (None, biases[dt])
+             if b is None or spec.name == "swiglu_oai" or dt == jnp.float32]
+
+    def run(all_inputs, all_biases):
+        return [[grouped_ffn(*all_inputs[DTYPES.index(dt)], activation=spec, biases=b and all_biases[DTYPES.index(dt)],
+                             backend=backend) for backend in BACKENDS] for dt, spec, b in cases]
+
+    args = ([inputs[dt] for dt in DTYPES], [biases[dt] for dt in DTYPES])
+    for (dt, spec, b), outs in zip(cases, compile_fast(run, *args)(*args)):
+        ref = ffn_oracle(*inputs[dt], spec, b)
+        assert np.abs(ref).max() > 0.1
+        for backend, out in zip(BACKENDS, outs):
+            check(out, ref, dt, f"{backend} {spec} biases={b is not None} {dt}")
+            np.testing.assert_array_equal(np.asarray(out[int(sizes.sum()):], np.float32), 0.0)
+
+
 def test_pallas_kernel_lowers_to_triton_for_gpu():
     """No GPU here: lower the compiled (non-interpret) kernel for CUDA, which runs the
     Pallas-Triton lowering and so checks block shapes and ops. PTX compilation is unverified."""
@@ -186,6 +235,11 @@ def test_pallas_kernel_lowers_to_triton_for_gpu():
     fn = jax.jit(lambda *a: grouped_ffn_pallas(*a, interpret=False))
     text = fn.trace(xs, gs, wg, wu, wd).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2  # gate/up kernel and down kernel
+    # gpt-oss: its activation and per-expert biases inside the gate/up kernel
+    biases = ExpertBiases(jnp.zeros((5, I), jnp.bfloat16), jnp.zeros((5, I), jnp.bfloat16), jnp.zeros((5, H)))
+    fn = jax.jit(lambda *a: grouped_ffn_pallas(*a, activation=GATED[0], biases=biases, interpret=False))
+    text = fn.trace(xs, gs, wg, wu, wd).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
 
 
 def test_bad_arguments_are_named():
@@ -200,6 +254,10 @@ def test_bad_arguments_are_named():
         grouped_ffn(xs, gs, wg, wu, wd, backend="cuda")
     with pytest.raises(ValueError, match="activation"):
         grouped_ffn(xs, gs, wg, wu, wd, activation="relu")
+    with pytest.raises(ValueError, match="activation limit_mode must be one of"):
+        grouped_ffn(xs, gs, wg, wu, wd, activation=GatedActivation("silu", 1.0, "clamp"))
+    with pytest.raises(ValueError, match=r"biases.down must have shape \(2, 16\), got \(2, 32\)"):
+        grouped_ffn(xs, gs, wg, wu, wd, biases=ExpertBiases(jnp.zeros((2, I)), jnp.zeros((2, I)), jnp.zeros((2, I))))
     with pytest.raises(ValueError, match="multiples of 16"):
         grouped_ffn(xs[:, :8], gs, wg[:, :8], wu[:, :8], wd[:, :, :8], backend="pallas")
 

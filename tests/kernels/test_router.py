@@ -32,13 +32,20 @@ ORACLE_CASES = [
     (96, 128, 8, dict(score_function="softmax", num_groups=8, group_topk=4)),
     (96, 128, 8, dict(score_function="softmax", use_pre_softmax=True, num_groups=8, group_topk=2,
                       scaling_factor=1.2)),
+    # beyond TE (issue 25): ERNIE's selection bias on softmax probabilities, HF's top-2 group score
+    (64, 16, 4, dict(score_function="softmax", use_pre_softmax=True, expert_bias="probs")),
+    (96, 64, 3, dict(score_function="sigmoid", expert_bias="te", num_groups=8, group_topk=2,
+                     group_score_topk=2, scaling_factor=2.5)),
+    (96, 64, 8, dict(score_function="softmax", use_pre_softmax=True, num_groups=8, group_topk=4,
+                     group_score_topk=3, expert_bias="probs")),
 ]
 
 
 def _materialise(e, kwargs):
     kwargs = dict(kwargs)
-    if kwargs.get("expert_bias") == "te":
-        kwargs["expert_bias"] = te_bias(e)
+    bias = kwargs.get("expert_bias")
+    if isinstance(bias, str):  # "te": TE's test bias; "probs": scaled to softmax probabilities
+        kwargs["expert_bias"] = te_bias(e) / (e if bias == "probs" else 1)
     return kwargs
 
 
@@ -59,6 +66,24 @@ def test_matches_float64_oracle(backend, t, e, k, kwargs):
     assert probs.dtype == jnp.float32 and rmap.dtype == jnp.bool_
     np.testing.assert_array_equal(np.asarray(rmap), want_map)
     assert (np.asarray(rmap).sum(-1) == k).all()
+    np.testing.assert_allclose(np.asarray(probs), want_probs, **fp32_tol(e))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(score_function="softmax", use_pre_softmax=True, expert_bias="probs", num_groups=4, group_topk=2,
+         group_score_topk=2),
+    dict(score_function="sigmoid", expert_bias="te", num_groups=4, group_topk=2, group_score_topk=2,
+         scaling_factor=2.5),
+], ids=["softmax-pre-bias-groups", "sigmoid-bias-hf-groups"])
+def test_pallas_runs_the_family_extensions(kwargs):
+    """The Pallas kernel's softmax-pre selection bias and fixed group score (the grid covers TE's)."""
+    t, e, k = 64, 32, 3
+    kwargs = _materialise(e, kwargs)
+    logits = tie_free_logits(e + k, t, e, k, **{n: v for n, v in kwargs.items() if n != "scaling_factor"})
+    want_probs, want_map = np_router(logits, k, **kwargs)
+    bias = jnp.asarray(kwargs.pop("expert_bias"))
+    probs, rmap = fused_topk_with_score_function(jnp.asarray(logits), k, expert_bias=bias, backend="pallas", **kwargs)
+    np.testing.assert_array_equal(np.asarray(rmap), want_map)
     np.testing.assert_allclose(np.asarray(probs), want_probs, **fp32_tol(e))
 
 
@@ -234,7 +259,9 @@ X = jnp.zeros((4, 16), jnp.float32)
     (dict(num_groups=None, group_topk=2), r"group_topk=2 needs num_groups > 0, got num_groups=None"),
     (dict(num_groups=8, group_topk=1, topk=4), r"topk // group_topk must be <= experts per group \(2\)"),
     (dict(num_groups=2.0, group_topk=1), r"num_groups must be an int or None, got 2.0"),
-    (dict(expert_bias=jnp.zeros(16)), r"expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus', got 'softmax'"),
+    (dict(expert_bias=jnp.zeros(16)),
+     r"expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus', or 'softmax' with use_pre_softmax=True; got "
+     r"softmax post-top-k"),
     (dict(expert_bias=jnp.zeros(8), score_function="sigmoid"),
      r"expert_bias must have shape \[E\]=\(16,\), got \(8,\)"),
     (dict(expert_bias=jnp.zeros(16, jnp.int32), score_function="sigmoid"),

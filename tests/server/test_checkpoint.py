@@ -12,15 +12,9 @@ import pytest
 from hf_fixtures import FAMILIES, hf_reference, write_checkpoint
 
 from expertd.kernels.moe import MoEParams, moe_layer, param_shapes
-from expertd.server.checkpoint import (
-    CheckpointError,
-    CheckpointRefused,
-    copy_into,
-    host_empty,
-    load_checkpoint,
-    plan_checkpoint,
-    read_config,
-)
+from expertd.kernels.params import param_dtype
+from expertd.server.checkpoint import CheckpointError, CheckpointRefused, load_checkpoint, plan_checkpoint, read_config
+from expertd.server.checkpoint_layer import copy_into, host_empty
 from expertd.server.models.stored import StoredTensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -35,22 +29,24 @@ def assert_layers_equal(layers, expected, dtype=np.float32):
         assert set(layer.params) == set(want) == set(param_shapes(layer.cfg))
         for name, value in want.items():
             got = layer.params[name]
-            router = name in ("router_weight", "expert_bias")
-            assert got.dtype == (np.float32 if router else dtype), name
+            held = np.dtype(param_dtype(name, dtype))  # router tensors and norms fp32, hash table int32
+            assert got.dtype == held, name
             assert got.flags.c_contiguous, name
-            np.testing.assert_array_equal(got, value.astype(np.float32 if router else dtype), err_msg=name)
+            np.testing.assert_array_equal(got, value.astype(held), err_msg=name)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, x, valid, cfg):
-    return moe_layer(params, x, cfg, valid_tokens=valid)
+def _forward(params, x, valid, token_ids, cfg):
+    return moe_layer(params, x, cfg, valid_tokens=valid, token_ids=token_ids)
 
 
-def forward(layer, x: np.ndarray) -> np.ndarray:
+def forward(layer, x: np.ndarray, token_ids=None) -> np.ndarray:
+    """The layer's kernels on x; `token_ids [T]` for a hash-routed layer (DeepSeek-V4's hash_moe)."""
     padded = np.zeros((ROWS, x.shape[1]), np.float32)
     padded[:len(x)] = x
+    ids = None if token_ids is None else jnp.asarray(np.pad(token_ids, (0, ROWS - len(x))), jnp.int32)
     params = MoEParams.from_dict({k: jnp.asarray(v) for k, v in layer.params.items()})
-    return np.asarray(_forward(params, jnp.asarray(padded), len(x), layer.cfg))[:len(x)]
+    return np.asarray(_forward(params, jnp.asarray(padded), len(x), ids, layer.cfg))[:len(x)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -63,12 +59,14 @@ def test_every_family_loads_and_computes_its_transformers_block(tmp_path, family
     for layer in layers:
         for tokens in (3, 13):
             x = rng.standard_normal((tokens, layer.cfg.hidden_size)).astype(np.float32)
-            want = hf_reference(tmp_path, layer.index, x, expected[layer.index])
-            np.testing.assert_allclose(forward(layer, x), want, rtol=1e-4, atol=1e-5,
+            ids = rng.integers(0, layer.cfg.hash_vocab_size, tokens) if layer.cfg.hash_routed else None
+            want = hf_reference(tmp_path, layer.index, x, expected[layer.index], token_ids=ids)
+            np.testing.assert_allclose(forward(layer, x, ids), want, rtol=1e-4, atol=1e-5,
                                        err_msg=f"{family} layer {layer.index}, {tokens} tokens")
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "dbrx", "mistral4"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "dbrx", "mistral4", "gpt_oss", "deepseek_v4", "gemma4",
+                                    "step3p7"])
 def test_bfloat16_checkpoints_load_as_stored(tmp_path, family):
     expected = write_checkpoint(tmp_path, family, num_layers=3, sharded=True, dtype="bfloat16")
     assert_layers_equal(load_checkpoint(tmp_path), expected, BF16)  # --dtype auto keeps bfloat16
@@ -288,3 +286,23 @@ def test_one_worker_loads_what_many_do(tmp_path):
     expected = write_checkpoint(tmp_path, "mistral4", num_layers=3, quantize="fp8")
     for workers in (1, 3):
         assert_layers_equal(load_checkpoint(tmp_path, dtype="float32", workers=workers), expected)
+
+
+def test_hash_table_entries_and_shape_are_checked(tmp_path):
+    """DeepSeek-V4's tid2eid: int64 on disk, int32 served; an entry that is no expert id is named."""
+    name = "layers.0.ffn.gate.tid2eid"
+    expected = write_checkpoint(tmp_path / "good", "deepseek_v4", num_layers=2)
+    layer = load_checkpoint(tmp_path / "good", layers=[0])[0]
+    assert layer.cfg.hash_vocab_size == 32 and not layer.cfg.use_expert_bias and "expert_bias" not in layer.params
+    np.testing.assert_array_equal(layer.params["tid2eid"], expected[0]["tid2eid"])
+    bad = expected[0]["tid2eid"].astype(np.int64)
+    bad[5, 1] = 8
+    write_checkpoint(tmp_path / "bad", "deepseek_v4", num_layers=2, replace={name: bad})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}': entry \[5, 1\] = 8 is not an expert id in \[0, 8\)"):
+        load_checkpoint(tmp_path / "bad")
+    write_checkpoint(tmp_path / "shape", "deepseek_v4", num_layers=2, replace={name: np.zeros((32, 3), np.int64)})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \[32, 3\], expected \[32, 2\]"):
+        load_checkpoint(tmp_path / "shape")
+    write_checkpoint(tmp_path / "float", "deepseek_v4", num_layers=2, replace={name: np.zeros((32, 2), np.float32)})
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' must be an integer table \[32, 2\]"):
+        load_checkpoint(tmp_path / "float")

@@ -15,6 +15,7 @@ from expertd.kernels.cpu import build as cpu_build
 from expertd.kernels.cpu.policy import SMALL_ROWS_CPU_OPTIONS
 from expertd.server import console, host_allocator, host_memory, steps, weights
 from expertd.server.engine import CompileEvent
+from expertd.server.errors import InvalidRequest
 from expertd.server.model import LoadedLayer, load_preset
 from expertd.server.startup import build_engine
 from expertd.server.warmup import enable_compile_cache, warm_up
@@ -47,8 +48,8 @@ def route(engine, layer, hidden=None, logits=None, num_valid=None, aux_loss_coef
 
 
 def _device_params(layer, dtype):
-    return moe.MoEParams.from_dict({name: jnp.asarray(value) if name in ("router_weight", "expert_bias")
-                                    else jnp.asarray(value, dtype) for name, value in layer.params.items()})
+    return moe.MoEParams.from_dict({name: jnp.asarray(value, moe.param_dtype(name, dtype))
+                                    for name, value in layer.params.items()})
 
 
 @pytest.fixture(scope="module")
@@ -371,3 +372,81 @@ def test_expert_parallel_engine_equals_single_device(tiny, warm_engine):
     # The expert weights live split over the 4 devices: 2 experts each.
     w_gate = engine.layers[1].params.w_gate
     assert {shard.data.shape for shard in w_gate.addressable_shards} == {(2, 64, 128)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hash-routed layers (DeepSeek-V4's hash_moe): token ids as a step input
+
+
+@pytest.fixture(scope="module")
+def hashed():
+    """A DeepSeek-V4-style hash-routed layer (ids from tid2eid[token_id]) served beside tiny's layer 0."""
+    cfg = moe.MoEConfig(num_experts=8, topk=2, hidden_size=64, intermediate_size=128, score_function="sqrtsoftplus",
+                        norm_topk_prob=True, scaling_factor=1.5, hash_vocab_size=100, swiglu_limit=1.0,
+                        num_shared_experts=1, shared_intermediate_size=64, shared_swiglu_limit=1.0)
+    params = {name: np.asarray(value) for name, value in moe.init_params(cfg, jax.random.key(4)).items()}
+    layer = LoadedLayer(index=7, cfg=cfg, params=params, source="test")
+    return layer, build_engine([layer], buckets=(8, 32), dtype="float32", devices=1).engine
+
+
+def test_hash_routed_layer_takes_token_ids_as_a_step_input(hashed):
+    layer, engine = hashed
+    assert engine.layers[7].params.tid2eid.dtype == np.int32  # placed as int32, not the engine dtype
+    events = []
+    warm_up(engine, progress=events.append)  # lowers the token-ids input with the others
+    assert len(events) == 2 * 3
+    x = _tokens(5, seed=11)
+    ids = np.array([3, 99, 0, 42, 42], np.int32)
+    padded = steps.pad_rows([x], 8)
+    result = engine.forward(7, padded, 5, token_ids=ids)
+    expected, routing = moe_layer(_device_params(layer, jnp.float32), jnp.asarray(x), cfg=layer.cfg,
+                                  return_routing=True, token_ids=jnp.asarray(ids))
+    np.testing.assert_allclose(result.output, np.asarray(expected), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(result.topk_ids, np.asarray(routing["topk_ids"]))
+    table = layer.params["tid2eid"][ids]
+    np.testing.assert_array_equal(np.sort(result.topk_ids, 1), np.sort(table, 1))  # the table's experts
+    np.testing.assert_array_equal(result.topk_ids[3], result.topk_ids[4])  # same token id, same experts
+    routed = engine.route(7, padded, 5, token_ids=np.concatenate([ids, [1, 1, 1]]))  # ids past num_valid: ignored
+    np.testing.assert_array_equal(routed.topk_ids, result.topk_ids)
+    np.testing.assert_allclose(routed.topk_weights, result.topk_weights, rtol=1e-6)
+    logits = np.asarray(moe.router_logits(_device_params(layer, jnp.float32), jnp.asarray(x), layer.cfg))
+    from_logits = engine.route(7, steps.pad_rows([logits], 8), 5, from_logits=True, token_ids=ids)
+    np.testing.assert_array_equal(from_logits.topk_ids, result.topk_ids)
+    assert engine.compilations == 6  # all compiled at warm-up
+
+
+def test_hash_routed_layer_without_or_with_bad_token_ids_is_invalid_argument(hashed):
+    from expertd.server.errors import status_of
+
+    _, engine = hashed
+    padded = steps.pad_rows([_tokens(3)], 8)
+    with pytest.raises(InvalidRequest, match="token_ids: required: layer 7 is hash-routed") as missing:
+        engine.forward(7, padded, 3)
+    assert missing.value.field == "token_ids"
+    with pytest.raises(InvalidRequest, match=r"token_ids\[1\] = 100 is out of the vocabulary \[0, 100\)") as bad:
+        engine.route(7, padded, 3, token_ids=np.array([5, 100, 2]))
+    code, message, details = status_of(bad.value)
+    assert code.name == "INVALID_ARGUMENT" and "token_ids[1] = 100" in message
+    assert details[0].field_violations[0].field == "token_ids"
+    with pytest.raises(InvalidRequest, match=r"token_ids: must be \[n\] with 3 <= n <= 8"):
+        engine.forward(7, padded, 3, token_ids=np.array([1, 2]))
+    # the host check the request path calls when it decodes a request (kernels.moe.check_token_ids)
+    with pytest.raises(ValueError, match=r"token_ids\[0\] = -4") as host:
+        moe.check_token_ids(np.array([-4]), engine.layers[7].cfg)
+    assert status_of(host.value)[2][0].field_violations[0].field == "token_ids"
+
+
+def test_hash_routed_layer_over_the_expert_parallel_mesh(hashed):
+    """The token ids travel with their tokens over 4 devices: the same routing and output as one device."""
+    layer, single = hashed
+    engine = build_engine([layer], buckets=(8,), dtype="float32", devices=4).engine
+    assert engine.layers[7].params.b_gate is None and engine.layers[7].params.tid2eid.dtype == np.int32
+    padded = steps.pad_rows([_tokens(5, seed=12)], 8)
+    ids = np.array([7, 7, 0, 99, 13], np.int32)
+    sharded = engine.forward(7, padded, 5, token_ids=ids)
+    alone = single.forward(7, padded, 5, token_ids=ids)
+    np.testing.assert_allclose(sharded.output, alone.output, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(sharded.topk_ids, alone.topk_ids)
+    np.testing.assert_array_equal(sharded.tokens_per_expert, alone.tokens_per_expert)
+    with pytest.raises(InvalidRequest, match="token_ids: required"):
+        engine.forward(7, padded, 5)

@@ -38,7 +38,8 @@ def test_families():
     (dict(model_type="llama", hidden_size=8), "model_type"),
     (dict(model_type="mixtral", intermediate_size=8), "hidden_size"),
     (dict(model_type="mixtral", hidden_size=8, intermediate_size=8, hidden_act="relu"), "hidden_act"),
-    (dict(model_type="deepseek_v3", hidden_size=8, num_experts_per_tok=8, topk_group=2), "topk_group"),
+    (dict(model_type="deepseek_v3", hidden_size=8, n_routed_experts=16, num_experts_per_tok=8, topk_group=1),
+     "topk_group"),
     (dict(model_type="deepseek_v3", hidden_size=8, scoring_func="softmax"), "scoring_func"),
 ])
 def test_errors_name_the_key(config, match):

@@ -20,8 +20,8 @@ def test_servable_quantised_checkpoint(tmp_path, capsys):
     assert lines[1] == "family       deepseek_v3 (model_type deepseek_v3; DeepseekV3ForCausalLM)"
     assert lines[2] == "MoE layers   2-3 (2 of 4 decoder layers)"
     assert lines[3] == "layers 2-3: E=8 k=4 H=16 I=32, shared 32 ungated, silu"
-    assert lines[4] == ("  router     sigmoid, top-4 of score + bias, within the best 2 of 4 groups, renormalised, "
-                        "x 2.5")
+    assert lines[4] == ("  router     sigmoid, top-4 of score + bias, within the best 2 of 4 groups (group score: "
+                        "top 2), renormalised, x 2.5")
     assert "experts PerExpert (model.layers.2.mlp.experts.0.gate_proj.weight, ...)" in lines[5]
     assert lines[6] == ("quantised    fp8: float8 e4m3, 8x8 block scales (float); left unquantised: lm_head, "
                         "model.layers.*.mlp.gate")
@@ -52,16 +52,43 @@ def test_nested_family_with_its_prefix(tmp_path, capsys):
 
 
 def test_refused_family_is_described_and_refused(tmp_path, capsys):
-    write_checkpoint(tmp_path, "gpt_oss", num_layers=2, quantize="mxfp4")
+    """Phi-3.5-MoE (SparseMixer routing, not expertd's) has Mixtral's tensor layout."""
+    write_checkpoint(tmp_path, "mixtral", num_layers=2, config_overrides={"model_type": "phimoe",
+                                                                          "architectures": ["PhimoeForCausalLM"]})
     code, out = inspect(capsys, tmp_path)
     assert code == 2
-    assert "family       gpt_oss (model_type gpt_oss; GptOssForCausalLM)" in out
-    assert "layers 0-1: E=4 k=2 H=32 I=32" in out and "quantised    mxfp4: e2m1 with e8m0 scales per 32" in out
-    assert out.splitlines()[-1] == ("serve        refused: gpt_oss: the router bias (it moves the weights too), the "
-                                    "experts' biases and the gpt-oss SwiGLU ((up + 1) * g * sigmoid(1.702 g) with "
-                                    "swiglu_limit clamps) are not supported yet")
+    assert "family       phimoe (model_type phimoe; PhimoeForCausalLM)" in out
+    assert "layers 0-1: E=4 k=2 H=16 I=32, no shared expert, silu" in out
+    assert out.splitlines()[-1] == ("serve        refused: phimoe: SparseMixer top-2 routing (router_jitter_noise "
+                                    "relative threshold) is not supported yet")
     report = json.loads(inspect(capsys, tmp_path, "--json")[1])
-    assert not report["servable"] and report["family"] == "gpt_oss" and report["dtype"] is None
+    assert not report["servable"] and report["family"] == "phimoe" and report["dtype"] is None
+
+
+def test_new_family_semantics_are_described(tmp_path, capsys):
+    write_checkpoint(tmp_path / "gpt", "gpt_oss", num_layers=2, quantize="mxfp4")
+    code, out = inspect(capsys, tmp_path / "gpt")
+    assert code == 0, out
+    assert "layers 0-1: E=4 k=2 H=32 I=32, no shared expert, swiglu_oai, clamped at 1 before the activation, " \
+           "alpha 1.702, projection biases" in out
+    assert "  router     logits + router bias, softmax over the top-2, renormalised" in out
+    assert ("experts FusedColumns (model.layers.0.mlp.experts.gate_up_proj, ...); model.layers.0.mlp.router.bias; "
+            "model.layers.0.mlp.experts.gate_up_proj_bias; model.layers.0.mlp.experts.down_proj_bias") in out
+    assert "quantised    mxfp4: e2m1 with e8m0 scales per 32" in out
+    write_checkpoint(tmp_path / "v4", "deepseek_v4", num_layers=3)
+    code, out = inspect(capsys, tmp_path / "v4")
+    assert code == 0, out
+    assert ("layers 0: E=8 k=2 H=16 I=32, shared 32 ungated, silu, clamped at 1 before the activation, shared "
+            "clamped at 1") in out
+    assert ("  router     sqrtsoftplus, experts tid2eid[token id] (vocabulary 32; needs token ids), renormalised, "
+            "x 1.5") in out
+    assert "  router     sqrtsoftplus, top-2 of score + bias, renormalised, x 1.5" in out
+    write_checkpoint(tmp_path / "gemma", "gemma4", num_layers=1)
+    code, out = inspect(capsys, tmp_path / "gemma")
+    assert code == 0, out
+    assert "gelu_tanh, RMSNorm on the experts' input and output" in out
+    assert ("  router     RMS-normed input x scale, softmax over the top-2, renormalised, x per_expert_scale"
+            in out)
 
 
 def test_refusals_name_the_reason(tmp_path, capsys):
@@ -72,7 +99,8 @@ def test_refusals_name_the_reason(tmp_path, capsys):
 
     write_checkpoint(tmp_path / "groups", "deepseek_v3", num_layers=3, config_overrides={"topk_group": 1})
     code, out = inspect(capsys, tmp_path / "groups")
-    assert code == 2 and "group-limited routing with n_group=4, topk_group=1 and num_experts_per_tok=4" in out
+    assert code == 2 and ("group-limited routing with n_group=4, topk_group=1, 8 experts and num_experts_per_tok=4 "
+                          "is not servable") in out
 
     name = "model.layers.2.mlp.experts.3.up_proj.weight"
     write_checkpoint(tmp_path / "missing", "deepseek_v3", num_layers=3, omit=(name,))
@@ -99,12 +127,12 @@ def test_serve_states_the_dtype_and_refuses_unserved_checkpoints_before_loading(
         ("float32", "--dtype auto: config.json's dtype is float32")
     assert serving_dtype(ModelConfig(checkpoint=str(tmp_path / "fp32"), dtype="bfloat16"))[0] == "bfloat16"
     assert serving_dtype(ModelConfig()) == ("bfloat16", "--dtype auto: presets are served in bfloat16")
-    write_checkpoint(tmp_path / "gpt", "gpt_oss", num_layers=1)
-    assert main(["serve", "--checkpoint", str(tmp_path / "gpt"), "--port", "0", "--metrics-port", "0"]) == 2
+    write_checkpoint(tmp_path / "phi", "mixtral", num_layers=1, config_overrides={"model_type": "phimoe"})
+    assert main(["serve", "--checkpoint", str(tmp_path / "phi"), "--port", "0", "--metrics-port", "0"]) == 2
     assert "error: checkpoint" in capsys.readouterr().out
 
 
 def test_refused_family_with_an_incomplete_config_still_names_what_is_missing(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": 2}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "longcat_flash", "num_hidden_layers": 2}))
     code, out = inspect(capsys, tmp_path)
-    assert code == 2 and "refused: deepseek_v4: the clamped SwiGLU" in out
+    assert code == 2 and "refused: longcat_flash: zero-computation (identity) experts" in out

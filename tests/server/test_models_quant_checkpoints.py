@@ -1,6 +1,7 @@
 """Quantised checkpoints end to end at the loader: FP8 block (float and ue8m0 scales, fused experts),
-Mistral per-tensor FP8 (`qscale_weight`), DeepSeek-V4-style FP4 experts, Kimi INT4
-compressed-tensors, MXFP4 (fused and gpt-oss's interleaved, transposed layout). The fixtures
+Mistral per-tensor FP8 (`qscale_weight`), DeepSeek-V4-style FP4 experts (DeepSeek-V4 itself, its
+hash-routed layer included), Kimi INT4 compressed-tensors, MXFP4 (fused, and gpt-oss's interleaved,
+transposed layout with its biases), FP8 block on stacked `[E, I, H]` experts (Step-3.7). The fixtures
 quantise tiny random weights with simple quantisers (tests/hf_quantizers.py); the loader must give
 exactly their dequantised values, and each layer must compute the family's transformers block on
 them. Corrupt or mis-shaped scales and unknown methods are refused, naming the tensor / method."""
@@ -16,7 +17,7 @@ from hf_fixtures import hf_reference, write_checkpoint
 from hf_quantizers import save_safetensors
 
 from expertd.kernels.moe import MoEParams, moe_layer
-from expertd.server import models
+from expertd.kernels.params import param_dtype
 from expertd.server.checkpoint import CheckpointError, CheckpointRefused, load_checkpoint, plan_checkpoint
 from expertd.server.cli import main
 from expertd.server.models.stored import StoredTensors
@@ -25,17 +26,18 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 CASES = [("deepseek_v3", "fp8"), ("mistral_large3", "fp8_ue8m0"), ("minimax_m2", "fp8"), ("mistral4", "fp8"),
          ("qwen3_5_moe", "fp8"), ("deepseek_v3", "fp4"), ("kimi_k25", "int4"), ("mixtral_fused", "mxfp4"),
-         ("mistral_large4", "fp8_qscale")]
+         ("mistral_large4", "fp8_qscale"), ("gpt_oss", "mxfp4"), ("deepseek_v4", "fp4"), ("step3p7", "fp8")]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, x, cfg):
-    return moe_layer(params, x, cfg)
+def _forward(params, x, token_ids, cfg):
+    return moe_layer(params, x, cfg, token_ids=token_ids)
 
 
-def forward(layer, x):
+def forward(layer, x, token_ids=None):
+    ids = None if token_ids is None else jnp.asarray(token_ids, jnp.int32)
     return np.asarray(_forward(MoEParams.from_dict({k: jnp.asarray(v) for k, v in layer.params.items()}),
-                               jnp.asarray(x), layer.cfg))
+                               jnp.asarray(x), ids, layer.cfg))
 
 
 @pytest.mark.parametrize("family, quantize", CASES, ids=[f"{f}-{q}" for f, q in CASES])
@@ -48,30 +50,17 @@ def test_quantised_checkpoint_loads_its_dequantised_weights(tmp_path, family, qu
         assert [layer.index for layer in layers] == sorted(expected)
         for layer in layers:
             for name, want in expected[layer.index].items():
-                router = name in ("router_weight", "expert_bias")
+                held = np.dtype(param_dtype(name, dtype))
                 got = layer.params[name]
-                assert got.dtype == (np.float32 if router else dtype), name
-                np.testing.assert_array_equal(got, want.astype(np.float32 if router else dtype), err_msg=name)
+                assert got.dtype == held, name
+                np.testing.assert_array_equal(got, want.astype(held), err_msg=name)
     rng = np.random.default_rng(3)
     for layer in layers if dtype == np.float32 else load_checkpoint(tmp_path, dtype="float32"):
         for tokens in (2, 9):
             x = rng.standard_normal((tokens, layer.cfg.hidden_size)).astype(np.float32)
-            np.testing.assert_allclose(forward(layer, x), hf_reference(tmp_path, layer.index, x, expected[layer.index]),
-                                       rtol=1e-4, atol=1e-5)
-
-
-def test_gpt_oss_tensor_rules_mxfp4_interleaved_and_transposed(tmp_path, monkeypatch):
-    """gpt-oss is refused (its semantics are missing); its loader rules are ready: MXFP4 blocks
-    `[E, 2I, H/32, 16]` dequantised and transposed to transformers' `[E, H, 2I]`, gate / up on even /
-    odd columns, down `[E, I, H]`. Lifting the refusal shows the layout is read right."""
-    expected = write_checkpoint(tmp_path, "gpt_oss", num_layers=2, quantize="mxfp4")
-    with pytest.raises(CheckpointRefused, match="gpt_oss: the router bias"):
-        load_checkpoint(tmp_path)
-    monkeypatch.setattr(models, "refusal", lambda config: None)
-    layers = load_checkpoint(tmp_path, dtype="float32")
-    for layer in layers:
-        for name, want in expected[layer.index].items():
-            np.testing.assert_array_equal(layer.params[name], want, err_msg=name)
+            ids = rng.integers(0, layer.cfg.hash_vocab_size, tokens) if layer.cfg.hash_routed else None
+            want = hf_reference(tmp_path, layer.index, x, expected[layer.index], token_ids=ids)
+            np.testing.assert_allclose(forward(layer, x, ids), want, rtol=1e-4, atol=1e-5)
 
 
 def _rewrite(tmp_path, name, value):

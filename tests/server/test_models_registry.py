@@ -25,9 +25,9 @@ def test_every_family_module_declares_one_family_and_model_types_are_unique():
     served = {t for f in models.served_families() for t in f.model_types}
     assert {"mixtral", "granitemoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "olmoe", "deepseek_v3",
             "deepseek_v32", "kimi_k2", "kimi_k25", "glm4_moe", "glm_moe_dsa", "minimax_m2", "hunyuan_v1_moe", "dbrx",
-            "mistral4", "mistral_large4"} <= served
-    assert not served & {"gpt_oss", "deepseek_v4", "glm5_next", "step3p7", "ernie4_5_moe", "llama4", "gemma4",
-                         "longcat_flash", "phimoe"}
+            "mistral4", "mistral_large4", "gpt_oss", "deepseek_v4", "glm5_next", "step3p7", "ernie4_5_moe", "llama4",
+            "gemma4"} <= served
+    assert not served & {"longcat_flash", "phimoe"}
 
 
 @pytest.mark.parametrize("config, family", [
@@ -109,7 +109,7 @@ def test_family_layer_descriptions():
                                     "routed_scaling_factor": 2.0, "norm_topk_prob": True}, 1)
     assert mistral4 == MoEConfig(num_experts=16, topk=4, hidden_size=64, intermediate_size=2048,
                                  score_function="softmax", use_pre_softmax=True, num_groups=4, group_topk=2,
-                                 scaling_factor=2.0, norm_topk_prob=True, num_shared_experts=1,
+                                 group_score_topk=2, scaling_factor=2.0, norm_topk_prob=True, num_shared_experts=1,
                                  shared_intermediate_size=2048)
     large4 = models.layer_config({"model_type": "mistral3", "text_config": {
         **BASE, "model_type": "mistral_large4", "norm_topk_prob": False, "num_experts_per_tok": 2}}, 1)
@@ -124,14 +124,8 @@ def test_family_layer_descriptions():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"model_type": "gpt_oss"}, "gpt_oss: the router bias .*, the experts' biases and the gpt-oss SwiGLU"),
-    ({"model_type": "deepseek_v4"}, "deepseek_v4: the clamped SwiGLU .* and hash routing by token id"),
-    ({"model_type": "glm5_next"}, "glm5_next: the clamped SwiGLU"),
-    ({"model_type": "step3p7", "text_config": {"model_type": "step3p5"}}, "step3p7: the clamped SwiGLU .* per-layer"),
-    ({"model_type": "ernie4_5_moe"}, "ernie4_5_moe: selection bias on softmax probabilities"),
-    ({"model_type": "llama4"}, "llama4: the routing weight multiplies the expert input"),
-    ({"model_type": "gemma4"}, "gemma4: the MoE branch's own RMSNorms"),
-    ({"model_type": "longcat_flash"}, "longcat_flash: zero-computation .identity. experts"),
+    ({"model_type": "longcat_flash"}, "longcat_flash: zero-computation .identity. experts and the E "
+                                      r"\+ zero_expert_num router rows"),
     ({"model_type": "phimoe"}, "phimoe: SparseMixer"),
     ({"model_type": "dbrx", "ffn_config": {"moe_normalize_expert_weights": 2}},
      r"dbrx: ffn_config.moe_normalize_expert_weights = 2 .an L_p norm"),
@@ -142,17 +136,62 @@ def test_recognised_families_refuse_naming_what_is_missing(config, message):
     assert reason is not None and re.search(message, reason), reason
 
 
-def test_group_scoring_that_differs_from_transformers_is_refused():
+def test_grouped_routers_score_a_group_by_its_top_2_as_transformers_does():
     deepseek = {**BASE, "model_type": "deepseek_v3", "num_experts_per_tok": 6, "n_group": 8, "topk_group": 2}
-    with pytest.raises(ConfigError, match=r"deepseek_v3: group-limited routing with n_group=8, topk_group=2 and "
-                                          r"num_experts_per_tok=6 is not supported: transformers scores a group by "
-                                          r"the sum of its top 2 .* \(= 3\)"):
-        models.layer_config(deepseek, 3)
-    with pytest.raises(ConfigError, match="mistral4: group-limited routing"):
-        models.layer_config({**BASE, "model_type": "mistral4", "num_experts_per_tok": 3, "n_group": 4,
-                             "topk_group": 3}, 0)
+    cfg = models.layer_config(deepseek, 3)  # 6 // 2 = 3, but the group score is still transformers' top 2
+    assert (cfg.num_groups, cfg.group_topk, cfg.group_score_topk) == (8, 2, 2)
+    mistral = models.layer_config({**BASE, "model_type": "mistral4", "num_experts_per_tok": 3, "n_group": 4,
+                                   "topk_group": 3}, 0)
+    assert (mistral.num_groups, mistral.group_topk, mistral.group_score_topk) == (4, 3, 2)
+    with pytest.raises(ConfigError, match=r"deepseek_v3: group-limited routing with n_group=8, topk_group=1, 16 "
+                                          r"experts and num_experts_per_tok=4 is not servable"):
+        models.layer_config({**deepseek, "n_routed_experts": 16, "num_experts_per_tok": 4, "topk_group": 1}, 3)
+    with pytest.raises(ConfigError, match="mistral4: group-limited routing with n_group=3"):
+        models.layer_config({**BASE, "model_type": "mistral4", "n_group": 3, "topk_group": 1}, 0)  # 128 % 3
     # grouping that keeps every group changes nothing and is dropped
     assert models.layer_config({**deepseek, "topk_group": 8}, 3).num_groups is None
+
+
+def test_2026_family_layer_descriptions():
+    """The families whose semantics came with docs/semantics.md: config.json -> the MoEConfig switches."""
+    gpt = models.layer_config({**BASE, "model_type": "gpt_oss", "num_local_experts": 32, "num_experts_per_tok": 4,
+                               "intermediate_size": 2880, "swiglu_limit": 7.0}, 0)
+    assert (gpt.router_bias, gpt.activation, gpt.swiglu_limit, gpt.swiglu_alpha, gpt.expert_proj_bias,
+            gpt.use_pre_softmax) == (True, "swiglu_oai", 7.0, 1.702, True, False)
+    v4 = {**BASE, "model_type": "deepseek_v4", "n_routed_experts": 16, "num_experts_per_tok": 2, "vocab_size": 100,
+          "moe_intermediate_size": 32, "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"]}
+    hashed, routed = models.layer_config(v4, 1), models.layer_config(v4, 2)
+    assert (hashed.hash_vocab_size, hashed.use_expert_bias, hashed.score_function) == (100, False, "sqrtsoftplus")
+    assert (routed.hash_vocab_size, routed.use_expert_bias, routed.swiglu_limit, routed.shared_swiglu_limit,
+            routed.scaling_factor) == (0, True, 10.0, 10.0, 1.5)
+    legacy = {k: v for k, v in v4.items() if k != "mlp_layer_types"}
+    assert [models.layer_config({**legacy, "num_hash_layers": 3}, i).hash_routed for i in range(4)] == \
+        [True, True, True, False]
+    assert models.moe_layer_indices(v4) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match=r"config\['mlp_layer_types'\]\[0\] is 'dense'; expected 'hash_moe'"):
+        models.layer_config({**v4, "mlp_layer_types": ["dense", "moe", "moe", "moe"]}, 0)
+    glm = models.layer_config({"model_type": "glm5_next", "text_config": {
+        **BASE, "model_type": "glm5_next_text", "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "swiglu_limit": 8.0}}, 3)
+    assert (glm.swiglu_limit, glm.shared_swiglu_limit, glm.num_groups, glm.use_expert_bias) == (8.0, 8.0, None, True)
+    step = {"model_type": "step3p7", "text_config": {
+        **BASE, "model_type": "step3p5", "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "share_expert_dim": 16, "swiglu_limits": [0, 7.0, None, 5], "swiglu_limits_shared": [0, 0, 16.0, 4]}}
+    assert [(models.layer_config(step, i).swiglu_limit, models.layer_config(step, i).shared_swiglu_limit)
+            for i in range(4)] == [(None, None), (7.0, None), (None, 16.0), (5.0, 4.0)]
+    assert models.layer_config(step, 1).swiglu_limit_mode == "after_activation"
+    ernie = models.layer_config({**BASE, "model_type": "ernie4_5_moe", "moe_num_experts": 8, "moe_k": 2,
+                                 "moe_intermediate_size": 32, "moe_norm_min": 1e-12}, 0)
+    assert (ernie.use_pre_softmax, ernie.use_expert_bias, ernie.norm_topk_min) == (True, True, 1e-12)
+    llama = models.layer_config({"model_type": "llama4", "text_config": {
+        **BASE, "model_type": "llama4_text", "num_local_experts": 16, "intermediate_size": 32}}, 0)
+    assert (llama.router_weight_on_input, llama.norm_topk_prob, llama.score_function, llama.topk) == \
+        (True, False, "sigmoid", 1)
+    gemma = models.layer_config({"model_type": "gemma4", "text_config": {
+        **BASE, "model_type": "gemma4_text", "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32,
+        "rms_norm_eps": 1e-5}}, 0)
+    assert (gemma.router_input_norm, gemma.per_expert_scale, gemma.expert_input_norm, gemma.expert_output_norm,
+            gemma.norm_eps, gemma.activation) == (True, True, True, True, 1e-5, "gelu_tanh")
 
 
 @pytest.mark.parametrize("kwargs, expected", [

@@ -9,9 +9,9 @@ selection on s + e_score_correction_bias, limited to the `topk_group` best of `n
 weights are the unbiased s of the k chosen, divided by their sum (+1e-20) if `norm_topk_prob`,
 times `routed_scaling_factor`; out = sum_j w_j * SwiGLU_j(x) + SwiGLU_shared(x), the shared MLP
 ungated of size n_shared_experts x moe_intermediate_size.
-expertd's router scores a group by its top topk // topk_group: equal to transformers' top 2 for
-DeepSeek-V3 / V3.2 (8 // 4); GLM and Kimi use one group (no grouping). Other grouped configs are
-refused, naming the keys.
+expertd: group_score_topk=2 (transformers' top-2 group score); GLM and Kimi use one group (no
+grouping, the group fields left out). transformers masks dropped groups with 0, expertd with -inf:
+the same choice unless a kept expert's biased score is negative.
 
 MoE layers: `mlp_layer_types[i] == "sparse"` where config.json has it (V3.2, GLM-5), else
 i >= `first_k_dense_replace` (and, DeepSeek, i % `moe_layer_freq` == 0).
@@ -33,8 +33,9 @@ from expertd.server.models.family import Family, LayerTensors, fused_rows, per_e
 # transformers defaults: experts, top-k, expert I, shared experts, n_group, topk_group, scaling, first dense
 _DEEPSEEK = dict(e=256, k=8, i=2048, shared=1, n_group=8, topk_group=4, scaling=2.5, first=3)
 _GLM = dict(e=128, k=8, i=1408, shared=1, n_group=1, topk_group=1, scaling=1.0, first=1)
-_DEFAULTS = {"glm4_moe": _GLM, "glm_moe_dsa": {**_GLM, "first": 3}}
-_GLM_TYPES = ("glm4_moe", "glm_moe_dsa")
+_DEFAULTS = {"glm4_moe": _GLM, "glm_moe_dsa": {**_GLM, "first": 3}, "glm5_next": {**_GLM, "first": 3},
+             "glm5_next_text": {**_GLM, "first": 3}}
+_GLM_TYPES = ("glm4_moe", "glm_moe_dsa", "glm5_next", "glm5_next_text")
 
 
 def _defaults(c: HFConfig) -> tuple[str, dict]:
@@ -52,8 +53,9 @@ def layer_config(c: HFConfig, index: int) -> MoEConfig:
     k = c.integer("num_experts_per_tok", default=d["k"])
     inter = c.integer("moe_intermediate_size", default=d["i"])
     n_shared = c.integer("n_shared_experts", default=d["shared"], minimum=0)
-    groups = effective_groups(c, family, k, n_group_default=d["n_group"], topk_group_default=d["topk_group"])
-    return MoEConfig(num_experts=c.integer("n_routed_experts", "num_local_experts", default=d["e"]), topk=k,
+    e = c.integer("n_routed_experts", "num_local_experts", default=d["e"])
+    groups = effective_groups(c, family, e, k, n_group_default=d["n_group"], topk_group_default=d["topk_group"])
+    return MoEConfig(num_experts=e, topk=k,
                      hidden_size=c.integer("hidden_size"), intermediate_size=inter, score_function="sigmoid",
                      use_expert_bias=True, norm_topk_prob=c.flag("norm_topk_prob", default=True),
                      scaling_factor=c.number("routed_scaling_factor", default=d["scaling"]),

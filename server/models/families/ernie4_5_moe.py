@@ -1,11 +1,12 @@
-"""ERNIE 4.5 MoE (`ernie4_5_moe`): recognised, refused at start.
+"""ERNIE 4.5 MoE (`ernie4_5_moe`, Ernie4_5_MoeForCausalLM).
 
-Ernie4_5_MoeSparseMoeBlock: p = softmax(x @ Wr^T) in fp32; top-k of p + e_score_correction_bias
-(selection only); weights = p of the k chosen / max(sum, `moe_norm_min`); out = sum_j w_j *
-SwiGLU_j(x) + SwiGLU_shared(x) (`moe_num_shared_experts` x moe_intermediate_size, ungated).
-MoE layers: (i + 1) % `moe_layer_interval` == 0 and `moe_layer_start_index` <= i <=
-`moe_layer_end_index` (-1: the last layer). Missing: the selection bias on softmax probabilities
-and the renormalisation floor.
+Ernie4_5_MoeSparseMoeBlock (modeling_ernie4_5_moe.py): p = softmax(x @ Wr^T) in fp32; top-k of
+p + e_score_correction_bias (selection only); weights = p of the k chosen / max(sum,
+`moe_norm_min` (1e-12)); out = sum_j w_j * SwiGLU_j(x) + SwiGLU_shared(x)
+(`moe_num_shared_experts` x moe_intermediate_size, ungated). MoE layers: (i + 1) %
+`moe_layer_interval` == 0 and `moe_layer_start_index` <= i <= `moe_layer_end_index` (-1: the last).
+expertd: softmax with use_pre_softmax, use_expert_bias (selection on probabilities + bias),
+norm_topk_prob, norm_topk_min = moe_norm_min.
 
 Tensors (under `model.layers.N.`): `mlp.gate.weight`, `mlp.moe_statics.e_score_correction_bias
 [1, E]`, `mlp.experts.j.{gate,up,down}_proj.weight`, `mlp.shared_experts.*_proj.weight`. BF16.
@@ -22,7 +23,8 @@ def layer_config(c: HFConfig, index: int) -> MoEConfig:
     shared = c.integer("moe_num_shared_experts", default=0, minimum=0)
     return MoEConfig(num_experts=c.integer("moe_num_experts"), topk=c.integer("moe_k"),
                      hidden_size=c.integer("hidden_size"), intermediate_size=inter, score_function="softmax",
-                     use_pre_softmax=True, norm_topk_prob=True, num_shared_experts=shared,
+                     use_pre_softmax=True, use_expert_bias=True, norm_topk_prob=True,
+                     norm_topk_min=c.number("moe_norm_min", default=1e-12), num_shared_experts=shared,
                      shared_intermediate_size=inter * shared, activation=c.activation())
 
 
@@ -40,13 +42,8 @@ def tensors(c: HFConfig, index: int) -> tuple[LayerTensors, ...]:
                          shared=shared_mlp("mlp.shared_experts")),)
 
 
-def missing(c: HFConfig) -> str:
-    return ("ernie4_5_moe: selection bias on softmax probabilities (e_score_correction_bias with softmax) and the "
-            "moe_norm_min floor of the renormalisation are not supported yet")
-
-
 FAMILY = Family(
     name="ernie4_5_moe", model_types=("ernie4_5_moe",), architectures=("Ernie4_5_MoeForCausalLM",),
-    layer_config=layer_config, moe_layers=moe_layers, tensors=tensors, missing=missing, served=False,
+    layer_config=layer_config, moe_layers=moe_layers, tensors=tensors,
     router="softmax; top-k of probability + bias; / max(sum, moe_norm_min)",
     shared="moe_num_shared_experts x moe_intermediate_size, ungated")

@@ -1,10 +1,11 @@
-"""Llama 4 (`llama4`, decoder keys under `text_config`, model_type `llama4_text`): recognised, refused.
+"""Llama 4 (`llama4`, decoder keys under `text_config`, model_type `llama4_text`).
 
-Llama4TextMoe: logits = x @ Wr^T; top-k logits, s = sigmoid of those k (no renormalisation); the
-weight multiplies the expert input: out = sum_j SwiGLU_j(s_j * x) (combined unweighted) +
-SwiGLU_shared(x) (one shared expert of intermediate_size, ungated). MoE layers: `moe_layers`
-(default range(step - 1, L, step), step = `interleave_moe_layer_step`). Missing: the weight on the
-expert input.
+Llama4TextMoe / Llama4Router (modeling_llama4.py): logits = x @ Wr^T; top-k logits, s = sigmoid of
+those k (no renormalisation); the weight multiplies the expert input: out = sum_j SwiGLU_j(s_j * x)
+(combined unweighted) + SwiGLU_shared(x) (one shared expert of intermediate_size, ungated). MoE
+layers: `moe_layers` (default range(step - 1, L, step), step = `interleave_moe_layer_step`).
+expertd: sigmoid, norm_topk_prob=False (top-k of sigmoid = top-k of the logits),
+router_weight_on_input.
 
 Tensors (under `language_model.model.layers.N.`): `feed_forward.router.weight [E, H]`, fused
 `feed_forward.experts.gate_up_proj [E, H, 2I]` (gate columns first), `experts.down_proj [E, I, H]`,
@@ -22,7 +23,8 @@ def layer_config(c: HFConfig, index: int) -> MoEConfig:
     inter = c.integer("intermediate_size")
     return MoEConfig(num_experts=c.integer("num_local_experts"), topk=c.integer("num_experts_per_tok", default=1),
                      hidden_size=c.integer("hidden_size"), intermediate_size=inter, score_function="sigmoid",
-                     norm_topk_prob=False, num_shared_experts=1, shared_intermediate_size=inter)
+                     norm_topk_prob=False, router_weight_on_input=True, num_shared_experts=1,
+                     shared_intermediate_size=inter)
 
 
 def moe_layers(c: HFConfig) -> list[int]:
@@ -41,13 +43,8 @@ def tensors(c: HFConfig, index: int) -> tuple[LayerTensors, ...]:
                          shared=shared_mlp("feed_forward.shared_expert")),)
 
 
-def missing(c: HFConfig) -> str:
-    return ("llama4: the routing weight multiplies the expert input (experts(w * x), summed unweighted) with "
-            "sigmoid of the top-k logits; not supported yet")
-
-
 FAMILY = Family(
     name="llama4", model_types=("llama4", "llama4_text"), architectures=("Llama4ForConditionalGeneration",),
-    layer_config=layer_config, moe_layers=moe_layers, tensors=tensors, missing=missing, served=False,
+    layer_config=layer_config, moe_layers=moe_layers, tensors=tensors,
     router="top-k logits, sigmoid of the k, weight on the expert input", shared="1 x intermediate_size, ungated",
     formats="BF16, fbgemm FP8 per-channel")

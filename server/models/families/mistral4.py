@@ -5,9 +5,8 @@ scored on the probabilities (sum of each group's top 2), the `topk_group` best k
 masked; top-k of p; weights = those p, divided by their sum (+1e-20) if `norm_topk_prob`
 (Mistral Large 4: always), times `routed_scaling_factor`; out = sum_j w_j * SwiGLU_j(x) +
 SwiGLU_shared(x), the shared MLP ungated of size n_shared_experts x moe_intermediate_size.
-expertd: score_function softmax with use_pre_softmax (groups on the probabilities), norm_topk_prob
-and scaling_factor; its group score is the sum of the top topk // topk_group, so a grouped config
-(n_group > 1 and topk_group < n_group) must have topk // topk_group == 2, else it is refused.
+expertd: score_function softmax with use_pre_softmax (groups on the probabilities), norm_topk_prob,
+scaling_factor, and group_score_topk=2 (transformers' top-2 group score) for a grouped config.
 
 MoE layers: `mlp_layer_types[i] == "sparse"` where given, else i >= `first_k_dense_replace`.
 config.json: `n_routed_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
@@ -36,13 +35,14 @@ def layer_config(c: HFConfig, index: int) -> MoEConfig:
     inter = c.integer("moe_intermediate_size", default=2048)
     n_shared = c.integer("n_shared_experts", default=1, minimum=0)
     renorm = True if _large(c) else c.flag("norm_topk_prob", default=True)
-    return MoEConfig(num_experts=c.integer("n_routed_experts", "num_local_experts", default=128), topk=k,
+    e = c.integer("n_routed_experts", "num_local_experts", default=128)
+    return MoEConfig(num_experts=e, topk=k,
                      hidden_size=c.integer("hidden_size"), intermediate_size=inter, score_function="softmax",
                      use_pre_softmax=True, norm_topk_prob=renorm,
                      scaling_factor=c.number("routed_scaling_factor", default=1.0),
                      num_shared_experts=n_shared, shared_intermediate_size=inter * n_shared,
                      activation=c.activation(),
-                     **effective_groups(c, family, k, n_group_default=1, topk_group_default=1))
+                     **effective_groups(c, family, e, k, n_group_default=1, topk_group_default=1))
 
 
 def moe_layers(c: HFConfig) -> list[int]:
