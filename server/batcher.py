@@ -368,16 +368,18 @@ class Batcher:
             self.queues.end(request)
             request.future.set_result([piece for _, piece in sorted(request.pieces, key=lambda p: p[0])])
 
-    def _step(self, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int):
-        """Device-worker thread: the parts padded to ``bucket`` rows, run as one engine step;
+    def _step(self, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int, token_ids=None):
+        """Device-worker thread: the parts padded to ``bucket`` rows, run as one engine step
+        (``token_ids`` int32 [rows] for hash-routed layers, else None);
         (result, its seconds on the device thread, per-row flags of non-finite results or None)."""
         started = time.perf_counter()
         tokens = steps.pad_rows(parts, bucket)
         if kind == steps.FORWARD:
-            result = self.engine.forward(layer, tokens, rows)
+            result = self.engine.forward(layer, tokens, rows, token_ids=token_ids)
             checked = (result.output, result.topk_weights)
         else:
-            result = self.engine.route(layer, tokens, rows, from_logits=kind == steps.ROUTE_LOGITS)
+            result = self.engine.route(layer, tokens, rows, from_logits=kind == steps.ROUTE_LOGITS,
+                                       token_ids=token_ids)
             checked = (result.topk_weights, result.aux_scores)
         seconds = time.perf_counter() - started
         if all(np.isfinite(array).all() for array in checked):
@@ -396,8 +398,9 @@ class Batcher:
                 width, dtype = (cfg.num_experts, np.float32) if logits else (cfg.hidden_size, self.model.dtype)
                 for bucket in (b for b in self.model.buckets if b <= largest):
                     tokens = requests.cast(rng.standard_normal((bucket, width), np.float32), dtype)
-                    self._step(layer, kind, [tokens], bucket, bucket)
-                    self.times.seed((cfg, kind), bucket, self._step(layer, kind, [tokens], bucket, bucket)[1])
+                    ids = np.zeros(bucket, np.int32) if cfg.hash_routed else None  # any id is in the vocabulary
+                    self._step(layer, kind, [tokens], bucket, bucket, ids)
+                    self.times.seed((cfg, kind), bucket, self._step(layer, kind, [tokens], bucket, bucket, ids)[1])
 
     def _record(self, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float, result) -> None:
         metric_kind = "forward" if kind == steps.FORWARD else "route"
