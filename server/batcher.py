@@ -20,12 +20,14 @@ nothing here checks them again:
    once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
    which the engine runs as one step on the single device-worker thread (``run_in_executor``):
    the loop never blocks on device work, with one exception, the idle fast path: a request that
-   finds nothing else admitted and the device thread free, whose step fits one step and is
-   expected to take at most ``--inline-step-max-ms``, runs its step on the loop at once (no
-   scheduler wake-up, no hand-over to the device thread and back: the two thread switches that
-   cost a lone small request more than its step). The loop blocks for at most that long, and only
-   while no other request is waiting. Its seconds on that thread feed the step-time estimates
-   (the device's time alone: a busy event loop must not make the device look slower).
+   finds nothing else admitted, the device thread free and the device idle for at least its own
+   expected step time (sparse traffic: under concurrent load the next request arrives sooner, and
+   is queued so that the requests arriving behind it can merge), whose rows fit one step expected
+   to take at most ``--inline-step-max-ms``, runs its step on the loop at once (no scheduler
+   wake-up, no hand-over to the device thread and back: the two thread switches that cost a lone
+   small request more than its step). The loop blocks for at most that long. A step's seconds on
+   the thread that ran it feed the step-time estimates (the device's time alone: a busy event loop
+   must not make the device look slower).
    Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
    with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
    re-run one by one, so one bad request never fails the others in its batch.
@@ -105,6 +107,7 @@ class Batcher:
         self._pending = 0
         self._in_flight: dict[int, tuple] = {}  # steps handed to the device thread: (step key, bucket, since)
         self._device_jobs = 0  # jobs handed to the device thread and not finished (steps, warm-up, swaps)
+        self._last_step_end = 0.0  # monotonic end of the latest step
         self._steps = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -310,12 +313,14 @@ class Batcher:
     # -- execution ------------------------------------------------------------------------------
     def _runs_inline(self, queue: LayerQueue, rows: int) -> bool:
         """The idle fast path (module docstring, step 4): this request is the only one admitted, the
-        device thread has nothing to do, and its one step is expected within --inline-step-max-ms."""
+        device thread has nothing to do, the device has been idle for at least this step's expected
+        time, and that time is within --inline-step-max-ms."""
         limit_s = self.config.inline_step_max_ms / 1e3
         if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and queue.queued == rows
                 and rows <= self.max_part_tokens):
             return False
-        return self.times.estimate(queue.step_key, self.model.bucket_for(rows)) <= limit_s
+        expected = self.times.estimate(queue.step_key, self.model.bucket_for(rows))
+        return expected <= limit_s and time.monotonic() - self._last_step_end >= expected
 
     async def _execute(self, queue: LayerQueue, batch: Batch, inline: bool = False) -> None:
         rows = sum(stop - start for _, start, stop in batch)
@@ -336,7 +341,8 @@ class Batcher:
             return
         finally:
             self._in_flight.pop(step, None)
-        ended = time.monotonic()
+            self._last_step_end = time.monotonic()
+        ended = self._last_step_end
         self.times.observe(queue.step_key, bucket, seconds)
         self._record(queue.layer, queue.kind, rows, bucket, len(batch), seconds, result)
         offset = 0

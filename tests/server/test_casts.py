@@ -37,7 +37,7 @@ class Recording:
     def __init__(self, engine):
         self.engine, self.tokens = engine, []
 
-    def forward(self, layer, tokens, num_valid):
+    def forward(self, layer, tokens, num_valid, token_ids=None):
         self.tokens.append(tokens)
         return self.engine.forward(layer, tokens, num_valid)
 

@@ -73,11 +73,11 @@ def test_leader_engine_sends_every_step_and_the_follower_runs_it():
         def __init__(self):
             self.calls = []
 
-        def forward(self, layer, tokens, num_valid):
+        def forward(self, layer, tokens, num_valid, token_ids=None):
             self.calls.append(("forward", layer, tokens.copy(), num_valid))
             return engine.forward(layer, tokens, num_valid)
 
-        def route(self, layer, tokens, num_valid, *, from_logits=False, aux_loss_coeff=1.0):
+        def route(self, layer, tokens, num_valid, *, from_logits=False, aux_loss_coeff=1.0, token_ids=None):
             self.calls.append(("route", layer, tokens.copy(), num_valid, from_logits, aux_loss_coeff))
             return engine.route(layer, tokens, num_valid, from_logits=from_logits, aux_loss_coeff=aux_loss_coeff)
 

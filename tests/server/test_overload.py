@@ -44,7 +44,7 @@ class FixedTimeEngine:
     def __init__(self):
         self.steps: list[list[float]] = []
 
-    def forward(self, layer, tokens, num_valid):
+    def forward(self, layer, tokens, num_valid, token_ids=None):
         time.sleep(STEP_S)
         x = tokens[:num_valid]
         self.steps.append([float(v) for v in x[:, 0]])
@@ -52,7 +52,7 @@ class FixedTimeEngine:
         ids = np.zeros((num_valid, 1), np.int32)
         return ForwardOutput(out, ids, np.ones_like(ids, np.float32), np.bincount(ids[:, 0], minlength=4))
 
-    def route(self, layer, tokens, num_valid, from_logits):
+    def route(self, layer, tokens, num_valid, from_logits, token_ids=None):
         time.sleep(STEP_S)
         ids = np.zeros((num_valid, 1), np.int32)
         return RouteOutput(ids, np.ones_like(ids, np.float32), np.bincount(ids[:, 0], minlength=4), 0.0,

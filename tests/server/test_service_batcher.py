@@ -2,6 +2,8 @@
 engine whose arithmetic is trivial, so every merged or split step can be checked exactly (the real
 engine is exercised by the end-to-end tests)."""
 import asyncio
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -50,7 +52,7 @@ class DoublingEngine:
     def __init__(self):
         self.steps = []
 
-    def forward(self, layer, tokens, num_valid):
+    def forward(self, layer, tokens, num_valid, token_ids=None):
         self.steps.append((num_valid, len(tokens)))
         assert tokens.dtype == MODEL.dtype and len(tokens) in MODEL.buckets, "padded to a bucket by the batcher"
         x = tokens[:num_valid]
@@ -63,6 +65,8 @@ class DoublingEngine:
 def run(coroutine_fn, **batching):
     async def main():
         engine = DoublingEngine()
+        # the idle fast path off unless a test asks for it: these tests schedule concurrent requests
+        batching.setdefault("inline_step_max_ms", 0.0)
         batcher = Batcher(engine, MODEL, BatchingConfig(bucket_sizes=(2, 4), **batching),
                           Metrics(CollectorRegistry(), token_buckets=(2, 4)))
         batcher.start()
@@ -154,3 +158,50 @@ def test_each_step_is_padded_once_to_its_bucket_and_answered_in_the_callers_dtyp
     assert as_fp16.output.dtype == np.float16 and as_fp32.output.dtype == np.float32
     np.testing.assert_array_equal(as_fp16.output, (2 * rows(0, 1)).astype(np.float16))
     np.testing.assert_array_equal(as_fp32.output, 2 * rows(1, 2))
+
+
+def test_a_lone_request_runs_inline_and_concurrent_ones_still_merge():
+    """The idle fast path: a request that finds nothing else admitted and the device idle runs its
+    step on the event loop at once (no queue delay, no hand-over to the device thread); requests
+    arriving right behind a step (concurrent load) are queued and merged as before."""
+    threads = []
+
+    async def work(batcher):
+        engine_forward = batcher.engine.forward
+
+        def recording(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            time.sleep(0.003)  # a step of 3 ms: the gap between requests below is far shorter
+            return engine_forward(*args, **kwargs)
+
+        batcher.engine.forward = recording
+        alone = await forward(batcher, rows(0, 1))  # nothing else admitted, the device idle: inline
+        together = await asyncio.gather(*(forward(batcher, rows(10 * i, 1)) for i in range(1, 4)))
+        return [alone, *together]
+
+    results, steps = run(work, max_queue_delay_ms=50, inline_step_max_ms=50.0)
+    for i, result in enumerate(results):
+        np.testing.assert_array_equal(result.output, 2 * rows(10 * i, 1))
+    assert threads[0] == threading.main_thread().name  # asyncio.run's loop runs on this thread
+    assert steps[0] == 1 and sum(steps) == 4
+    # the next arrived right after that step: queued, so the ones behind it could merge
+    assert max(steps[1:]) >= 2 and all(name.startswith("expertd-device") for name in threads[1:])
+
+
+def test_the_fast_path_is_off_with_zero():
+    threads = []
+
+    async def work(batcher):
+        engine_forward = batcher.engine.forward
+
+        def recording(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return engine_forward(*args, **kwargs)
+
+        batcher.engine.forward = recording
+        await forward(batcher, rows(0, 1))
+        await asyncio.sleep(0.01)
+        await forward(batcher, rows(0, 1))
+
+    run(work, inline_step_max_ms=0.0)
+    assert len(threads) == 2 and all(name.startswith("expertd-device") for name in threads)
