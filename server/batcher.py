@@ -14,6 +14,8 @@ and in the engine dtype (``expertd.server.requests``), and nothing here checks t
 3. The step's bucket is chosen once, and the parts are copied once into one buffer of that many
    rows (``steps.pad_rows``; no copy when one part fills it), which the engine runs as one step on
    the single device-worker thread (``run_in_executor``): the loop never blocks on device work.
+   Token ids travel with their rows: a step gets ``token_ids [bucket]`` int32 (zeros past the valid
+   rows) when every part in it has ids, else None.
 4. Results are cut back per part (views); each request's output is cast once to its caller's dtype
    (``requests.cast``) and answered as the client's own result types (``ForwardResult``,
    ``RouteResult`` of ``expertd.client.messages``) with its ``Timing``. If a merged step fails,
@@ -73,6 +75,7 @@ class _Part:
     request: _Request
     tokens: np.ndarray          # [n, H] (engine dtype) or [n, E] fp32 logits
     future: asyncio.Future
+    token_ids: np.ndarray | None = None  # [n] int32, the rows' vocabulary ids
 
 
 class Batcher:
@@ -111,7 +114,8 @@ class Batcher:
     # -- public API (called from servicers on the event loop) -----------------------------------
     async def forward(self, request: ForwardRequest) -> tuple[ForwardResult, Timing]:
         """The layer output for ``request.tokens [T, H]`` (any T >= 1) in the caller's dtype, with the routing."""
-        parts, timing = await self._submit(request.layer, steps.FORWARD, request.tokens, request.deadline)
+        parts, timing = await self._submit(request.layer, steps.FORWARD, request.tokens, request.deadline,
+                                           request.token_ids)
         output, ids, weights = parts[0] if len(parts) == 1 else (np.concatenate(p) for p in zip(*parts))
         counts = _counts(ids, self.model.layers[request.layer].num_experts)
         return ForwardResult(requests.cast(output, request.out_dtype), Routing(ids, weights, counts)), timing
@@ -119,7 +123,7 @@ class Batcher:
     async def route(self, request: RouteRequest) -> tuple[RouteResult, Timing]:
         """Top-k routing of hidden states ``[T, H]`` or logits ``[T, E]``; aux loss times the request's coefficient."""
         kind = steps.ROUTE_LOGITS if request.from_logits else steps.ROUTE_HIDDEN
-        parts, timing = await self._submit(request.layer, kind, request.tokens, request.deadline)
+        parts, timing = await self._submit(request.layer, kind, request.tokens, request.deadline, request.token_ids)
         ids = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
         weights = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
         cfg = self.model.layers[request.layer]
@@ -153,8 +157,9 @@ class Batcher:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # -- queueing -------------------------------------------------------------------------------
-    async def _submit(self, layer: int, kind: str, tokens: np.ndarray, deadline: float | None) -> tuple[list, Timing]:
-        """Queue ``tokens`` in parts; (each part's result in order, the request's Timing)."""
+    async def _submit(self, layer: int, kind: str, tokens: np.ndarray, deadline: float | None,
+                      token_ids: np.ndarray | None = None) -> tuple[list, Timing]:
+        """Queue ``tokens`` (and their ``token_ids``) in parts; (each part's result in order, the request's Timing)."""
         if not self.accepting:
             raise NotReady("draining: not accepting new requests" if self.draining else "warming up: the model is "
                            "still compiling; retry when health reports SERVING")
@@ -173,7 +178,8 @@ class Batcher:
         futures = []
         for start in range(0, len(tokens), self.max_part_tokens):
             future = loop.create_future()
-            queue.append(_Part(request, tokens[start:start + self.max_part_tokens], future))
+            rows = slice(start, start + self.max_part_tokens)
+            queue.append(_Part(request, tokens[rows], future, None if token_ids is None else token_ids[rows]))
             futures.append(future)
         self._wakeups[key].set()
         self._pending += 1
@@ -256,7 +262,8 @@ class Batcher:
         bucket = self.model.bucket_for(rows)
         started = time.monotonic()
         try:
-            result = await self.run_on_device(self._step, layer, kind, [p.tokens for p in batch], bucket, rows)
+            ids = None if any(p.token_ids is None for p in batch) else [p.token_ids for p in batch]
+            result = await self.run_on_device(self._step, layer, kind, [p.tokens for p in batch], bucket, rows, ids)
         except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
             if len(batch) > 1:
                 for part in batch:  # isolate the failing request; the others still get answers
@@ -281,12 +288,15 @@ class Batcher:
                 part.future.set_result(((result.topk_ids[span], result.topk_weights[span],
                                          result.aux_scores[span].sum(axis=0, dtype=np.float64)), seconds, ended))
 
-    def _step(self, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int):
-        """Device-worker thread: the parts padded to ``bucket`` rows, run as one engine step."""
+    def _step(self, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int,
+              token_ids: list[np.ndarray] | None = None):
+        """Device-worker thread: the parts (and their token ids, when every part has them) padded to
+        ``bucket`` rows, run as one engine step."""
         tokens = steps.pad_rows(parts, bucket)
+        ids = None if token_ids is None else steps.pad_rows(token_ids, bucket)
         if kind == steps.FORWARD:
-            return self.engine.forward(layer, tokens, rows)
-        return self.engine.route(layer, tokens, rows, from_logits=kind == steps.ROUTE_LOGITS)
+            return self.engine.forward(layer, tokens, rows, token_ids=ids)
+        return self.engine.route(layer, tokens, rows, from_logits=kind == steps.ROUTE_LOGITS, token_ids=ids)
 
     def _record(self, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float, result) -> None:
         metric_kind = "forward" if kind == steps.FORWARD else "route"

@@ -110,15 +110,16 @@ class Engine:
 
     # ------------------------------------------------------------------ running steps
 
-    def forward(self, layer: int, tokens: np.ndarray, num_valid: int) -> ForwardOutput:
-        """The MoE layer's output for the first ``num_valid`` rows of ``tokens [B, H]`` (engine dtype)."""
+    def forward(self, layer: int, tokens: np.ndarray, num_valid: int, token_ids=None) -> ForwardOutput:
+        """The MoE layer's output for the first ``num_valid`` rows of ``tokens [B, H]`` (engine dtype);
+        ``token_ids [B]`` int32 (the rows' vocabulary ids, padding rows 0) are accepted and not used yet."""
         out, ids, weights, counts = self._run(layer, steps.FORWARD, tokens, num_valid)
         return ForwardOutput(out[:num_valid], ids[:num_valid], weights[:num_valid], counts)
 
     def route(self, layer: int, tokens: np.ndarray, num_valid: int, *, from_logits: bool = False,
-              aux_loss_coeff: float = 1.0) -> RouteOutput:
+              aux_loss_coeff: float = 1.0, token_ids=None) -> RouteOutput:
         """Top-k routing of the first ``num_valid`` rows of hidden states ``[B, H]`` (engine dtype) or,
-        ``from_logits``, router logits ``[B, E]`` (fp32)."""
+        ``from_logits``, router logits ``[B, E]`` (fp32); ``token_ids`` as in ``forward``."""
         kind = steps.ROUTE_LOGITS if from_logits else steps.ROUTE_HIDDEN
         ids, weights, counts, aux, scores = self._run(layer, kind, tokens, num_valid, aux_loss_coeff)
         return RouteOutput(ids[:num_valid], weights[:num_valid], counts, float(aux), scores[:num_valid])

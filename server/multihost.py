@@ -70,17 +70,19 @@ class LeaderEngine:
         self._engine, self._channel = engine, channel
         self._lock = threading.Lock()
 
-    def forward(self, layer: int, tokens, num_valid: int):
-        return self._step("forward", {"layer": int(layer), "num_valid": int(num_valid)}, tokens)
+    def forward(self, layer: int, tokens, num_valid: int, token_ids=None):
+        return self._step("forward", {"layer": int(layer), "num_valid": int(num_valid)}, tokens, token_ids)
 
-    def route(self, layer: int, tokens, num_valid: int, *, from_logits: bool = False, aux_loss_coeff: float = 1.0):
+    def route(self, layer: int, tokens, num_valid: int, *, from_logits: bool = False, aux_loss_coeff: float = 1.0,
+              token_ids=None):
         return self._step("route", {"layer": int(layer), "num_valid": int(num_valid), "from_logits": bool(from_logits),
-                                    "aux_loss_coeff": float(aux_loss_coeff)}, tokens)
+                                    "aux_loss_coeff": float(aux_loss_coeff)}, tokens, token_ids)
 
-    def _step(self, op: str, args: dict, tokens):
+    def _step(self, op: str, args: dict, tokens, token_ids):
+        arrays = {"tokens": tokens} if token_ids is None else {"tokens": tokens, "token_ids": token_ids}
         with self._lock:  # send and run as one: the followers see the steps in the leader's order
-            self._channel.broadcast(op, args, {"tokens": tokens})
-            return getattr(self._engine, op)(tokens=tokens, **args)
+            self._channel.broadcast(op, args, arrays)
+            return getattr(self._engine, op)(**arrays, **args)
 
 
 def follow(engine, channel: FollowerChannel, metrics=None) -> None:

@@ -295,6 +295,9 @@ class ServerConfig:
                                            "JAX persistent compilation cache ('' disables it)", parse=optional_str,
                                            metavar="DIR")
     reflection: bool = option(True, "serve gRPC server reflection (grpcurl, ghz)")
+    shared_memory_regions: int = option(64, "POSIX shared-memory regions callers on this host may register at once "
+                                        "(KServe system_shared_memory, expertd.v1 RegisterSharedMemory; "
+                                        "docs/shared-memory.md); 0 turns shared memory off", parse=int)
     retain_freed_memory: bool = option(False, "on CPU, keep freed host buffers for reuse (glibc malloc: one arena, "
                                        "no mmap'd blocks): large buckets stop page-faulting their buffers every "
                                        "step, small requests pay for the shared arena and resident memory stays "
@@ -315,6 +318,8 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be between 0 and 65535, got {value}")
         if self.port == self.metrics_port != 0:
             raise ValueError(f"--port and --metrics-port must differ, both are {self.port}")
+        if self.shared_memory_regions < 0:
+            raise ValueError(f"--shared-memory-regions must be >= 0, got {self.shared_memory_regions}")
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
         if self.drain_linger_s < 0:
