@@ -19,6 +19,7 @@ utilities work the same). Only for a server on this host.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from multiprocessing import shared_memory
 
@@ -73,7 +74,11 @@ class SharedMemoryRegion:
     def close(self) -> None:
         """Unmap the object (views of it must be gone) and unlink it when this process created it."""
         try:
-            self._shm.close()
+            try:
+                self._shm.close()
+            except BufferError:  # views left in reference cycles (exception tracebacks) go first
+                gc.collect()
+                self._shm.close()
         except BufferError:
             pass  # arrays still view it: the mapping goes with the last of them
         finally:
