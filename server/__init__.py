@@ -7,7 +7,8 @@ One job per module:
 - startup: layers -> placement -> weights -> host_memory -> Engine, and the ModelDescription.
 - placement, weights, host_memory, host_allocator, warmup: the start-up steps, each applied once.
 - engine, steps: compile and run the steps (trusted inputs).
-- description, requests: what the front ends see; requests decoded, validated and cast once.
+- description, requests, kserve_requests: what the front ends see; requests (expertd.v1; KServe v2)
+  decoded, validated and cast once. shared_memory: the registered shared-memory regions both use.
 - batcher, expert_load: requests merged into engine steps; per-expert load.
 - servicer (expertd.v1), kserve (KServe v2): the front ends, over the batcher and the description.
 - errors: every failure and its gRPC status. metrics, statistics, interceptors: one observation per event.
