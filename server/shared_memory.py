@@ -63,11 +63,17 @@ class Region:
     """
 
     def __init__(self, info: RegionInfo, fd: int):
-        self.info = info
-        self._fd = fd
+        """Maps the region of ``fd`` (InvalidRequest naming ``key`` when it cannot be mapped); owns
+        ``fd`` once mapped (the caller closes it if this raises)."""
         start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
-        self._map = mmap.mmap(fd, info.offset + info.byte_size - start, offset=start)
-        self._view = memoryview(self._map)[info.offset - start:info.offset - start + info.byte_size]
+        try:
+            mapping = mmap.mmap(fd, info.offset + info.byte_size - start, offset=start)
+        except (OSError, ValueError) as exc:
+            raise InvalidRequest("key", f"cannot map shared-memory object {info.key!r}: {exc}") from None
+        self.info = info
+        self._map = mapping
+        self._view = memoryview(mapping)[info.offset - start:info.offset - start + info.byte_size]
+        self._fd = fd
 
     def span(self, offset: int, byte_size: int, field: str) -> memoryview:
         """Bytes ``[offset, offset + byte_size)`` of the region (InvalidRequest naming ``field`` when
@@ -82,14 +88,14 @@ class Region:
         return self._view[offset:offset + byte_size]
 
     def __del__(self):
+        if not hasattr(self, "_fd"):
+            return  # never mapped: the registering caller closed the descriptor
         try:
             self._view.release()
             self._map.close()
-        except (BufferError, AttributeError):
+        except BufferError:
             pass  # arrays still view the mapping: it closes when the last one goes
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            os.close(fd)
+        os.close(self._fd)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ a step (``Gate``) so that "while in use" is a fact, not a race.
 """
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -141,6 +142,9 @@ def test_unregistering_keeps_the_mapping_of_requests_in_flight(region_file):
     slot.write(np.arange(4, dtype=np.float32))
     np.testing.assert_array_equal(tshm.get_contents_as_numpy(region_file, np.float32, [4], offset=16),
                                   np.arange(4, dtype=np.float32))
+    del slot, registry  # the region object goes; the array's view keeps the pages mapped
+    gc.collect()
+    np.testing.assert_array_equal(array, np.full(4, 3.0, np.float32))
 
 
 # ---------------------------------------------------------------------- a real server
