@@ -13,7 +13,7 @@ Registration rules (``InvalidRequest`` naming the field otherwise; INVALID_ARGUM
   of 1..255 characters, not ``.`` or ``..``; it must exist (under ``/dev/shm``) as a regular file.
 - ``offset`` + ``byte_size`` within the object's size; ``byte_size`` >= 1.
 - At most ``max_regions`` regions and ``max_total_bytes`` bytes registered at once
-  (``Overloaded``-free: INVALID_ARGUMENT naming ``byte_size`` or ``name`` with the limit).
+  (INVALID_ARGUMENT naming ``name`` or ``byte_size``, with the limit).
 
 Use: a tensor names ``(region, offset, byte_size)`` inside a registered region. ``input_array``
 checks the region exists, the span lies inside it, the byte size equals the tensor's, and that the
