@@ -71,7 +71,7 @@ def decode_model_infer(request, model: ModelDescription, layer: int, call_deadli
     deadline = _deadline(request, call_deadline)
     cfg = model.layer(layer)
     wire, token_ids = _inputs(request, cfg.hidden_size, model.max_request_tokens, shared_memory)
-    forward = ForwardRequest(layer, requests.cast(wire, model.dtype), wire.dtype, deadline, token_ids)
+    forward = ForwardRequest(layer, requests.cast(wire, model.dtype), wire.dtype, deadline, token_ids=token_ids)
     wanted, slots = _requested_outputs(request, shared_memory)
     needed = {OUTPUT: wire.nbytes, TOPK_IDS: len(wire) * cfg.topk * 4, TOPK_WEIGHTS: len(wire) * cfg.topk * 4}
     return forward, wanted, {name: _output_slot(parameters, needed[name], field, shared_memory)

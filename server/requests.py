@@ -105,7 +105,7 @@ def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, 
     tensor = message.hidden_states if message.HasField("hidden_states") else None
     wire = _tensor(tensor, "hidden_states", cfg.hidden_size, "H", model.max_request_tokens, shared_memory)
     return ForwardRequest(message.layer, cast(wire, model.dtype), wire.dtype, deadline,
-                          _token_ids(message, len(wire)))
+                          token_ids=_token_ids(message, len(wire)))
 
 
 def decode_route(message: expert_pb2.RouteRequest, model: ModelDescription, default_aux_loss_coeff: float,
@@ -122,7 +122,8 @@ def decode_route(message: expert_pb2.RouteRequest, model: ModelDescription, defa
     if not np.isfinite(coeff):
         raise InvalidRequest("aux_loss_coeff", f"must be finite, got {coeff}")
     tokens = cast(wire, np.float32 if from_logits else model.dtype)
-    return RouteRequest(message.layer, tokens, from_logits, float(coeff), deadline, _token_ids(message, len(wire)))
+    return RouteRequest(message.layer, tokens, from_logits, float(coeff), deadline,
+                        token_ids=_token_ids(message, len(wire)))
 
 
 def _shared_tensor(tensor: expert_pb2.Tensor, field: str, shared_memory: SharedMemoryRegistry | None) -> np.ndarray:

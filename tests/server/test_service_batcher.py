@@ -82,7 +82,8 @@ def rows(start, n):
 def forward(batcher, x, *, deadline=None, out_dtype=np.float32, token_ids=None):
     """The batcher's result for x [T, 3] (already in the engine dtype, as decoded)."""
     async def call():
-        result, _ = await batcher.forward(ForwardRequest(0, x, np.dtype(out_dtype), deadline, token_ids))
+        result, _ = await batcher.forward(ForwardRequest(0, x, np.dtype(out_dtype), deadline,
+                                                          token_ids=token_ids))
         return result
     return call()
 
@@ -205,7 +206,7 @@ def test_route_passes_token_ids_to_the_engine():
         batcher.start()
         try:
             x = rows(0, 2)
-            await batcher.route(RouteRequest(0, x, False, 1.0, None, ids_of(x)))
+            await batcher.route(RouteRequest(0, x, False, 1.0, None, token_ids=ids_of(x)))
         finally:
             await batcher.close()
 
