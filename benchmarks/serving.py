@@ -16,7 +16,10 @@ tokens per request T in {1, 16, 256} and concurrent clients C in {1, 64}:
   against the same server, with the same CPU accounting: what grpc.aio itself costs per call.
 
 Reported: rpc / in-process throughput, and the speed-up of 64 single-token clients over one
-(goals: >= 0.9 at saturation, i.e. C=64 with T=256; >= 10x for C=64, T=1). Both sides share the
+(goals: >= 0.9 at saturation, i.e. C=64 with T=256; >= 10x for C=64, T=1). The thin hop
+(``hop_summary``): single-token Forward p50 minus the in-process step p50 against the Check p50
+(goal <= 1.3x), 64 single-token clients' requests/s against 64 Check callers' (goal >= 0.85), and
+ForwardStream's per-message cost (lock-step round trip; pipelined, 64 in flight on one stream). Both sides share the
 box, so the client's own CPU time counts against the server: on a 2-core machine that is a real
 handicap for the RPC side.
 
@@ -94,6 +97,8 @@ async def main(target, concurrency, warmup, duration):
         start = time.perf_counter()
         window = {}
 
+        latencies = []
+
         async def caller():
             while (now := time.perf_counter()) < start + warmup + duration:
                 await stub.Check(request)
@@ -101,13 +106,64 @@ async def main(target, concurrency, warmup, duration):
                     if not window:
                         window.update(n=0, wall=time.time(), cpu=time.process_time(), t=now)
                     window["n"] += 1
+                    latencies.append(time.perf_counter() - now)
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         elapsed = time.perf_counter() - window["t"]
+        latencies.sort()
         return {"ok": window["n"], "requests_per_s": window["n"] / elapsed,
+                "p50_ms": latencies[len(latencies) // 2] * 1e3,
                 "window_unix_s": [window["wall"], time.time()],
                 "client_cpu_ms_per_request": (time.process_time() - window["cpu"]) * 1e3 / window["n"]}
 
 print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])))))
+"""
+
+
+# ForwardStream with single-token messages on one stream: lock-step (send one, read its answer:
+# the per-message round trip) and pipelined (up to 64 messages in flight: the per-message cost).
+STREAM_SCRIPT = """
+import asyncio, json, sys, time
+import grpc
+import numpy as np
+from expertd.client import codec
+from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+
+async def main(target, hidden, duration):
+    message = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(np.ones((1, hidden), np.float32)))
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        call = stub.ForwardStream()
+        for _ in range(20):  # warm-up
+            await call.write(message)
+            await call.read()
+        latencies, start = [], time.perf_counter()
+        while time.perf_counter() - start < duration:
+            t0 = time.perf_counter()
+            await call.write(message)
+            await call.read()
+            latencies.append(time.perf_counter() - t0)
+        window = asyncio.Semaphore(64)
+        answered = 0
+        stop = time.perf_counter() + duration
+
+        async def write():
+            while time.perf_counter() < stop:
+                await window.acquire()
+                await call.write(message)
+            await call.done_writing()
+
+        writer = asyncio.ensure_future(write())
+        start = time.perf_counter()
+        while (response := await call.read()) is not grpc.aio.EOF:
+            answered += 1
+            window.release()
+        elapsed = time.perf_counter() - start
+        await writer
+        latencies.sort()
+        return {"lockstep_p50_ms": latencies[len(latencies) // 2] * 1e3, "lockstep_messages": len(latencies),
+                "pipelined_messages_per_s": answered / elapsed, "pipelined_us_per_message": elapsed / answered * 1e6}
+
+print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))))
 """
 
 
@@ -160,6 +216,39 @@ def grpc_floor(port: int, concurrency: int, duration: float) -> dict:
     return with_server_cpu(report, sampler)
 
 
+def stream_cost(port: int, hidden: int, duration: float) -> dict:
+    """ForwardStream's per-message cost with single-token messages, in its own process."""
+    out = subprocess.run([sys.executable, "-c", STREAM_SCRIPT, f"127.0.0.1:{port}", str(hidden), f"{duration:.1f}"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def hop_summary(model: str, rows: list[dict], floor: list[dict], stream: dict) -> dict:
+    """The thin-hop ratios (issue 26 item 3): single-token Forward p50 minus the in-process step p50
+    over the health Check p50 (goal <= 1.3); 64-client single-token Forward requests/s over 64-client
+    Check requests/s (goal >= 0.85); ForwardStream's per-message cost beside unary."""
+    one = next(r for r in rows if r["model"] == model and r["tokens_per_request"] == 1 and r["clients"] == 1)
+    many = next(r for r in rows if r["model"] == model and r["tokens_per_request"] == 1 and r["clients"] == 64)
+    check = {f["clients"]: f for f in floor if f["model"] == model}
+    hop_ms = one["rpc"]["p50_ms"] - one["in_process"]["p50_ms"]
+    return {"model": model, "forward_p50_ms": one["rpc"]["p50_ms"], "step_p50_ms": one["in_process"]["p50_ms"],
+            "check_p50_ms": check[1]["p50_ms"], "hop_over_check": hop_ms / check[1]["p50_ms"],
+            "forward_64_requests_per_s": many["rpc"]["requests_per_s"],
+            "check_64_requests_per_s": check[64]["requests_per_s"],
+            "throughput_over_check": many["rpc"]["requests_per_s"] / check[64]["requests_per_s"], "stream": stream}
+
+
+def print_hop(summary: dict) -> None:
+    stream = summary["stream"]
+    print(f"{summary['model']}: hop = Forward p50 {summary['forward_p50_ms']:.3f} - step p50 "
+          f"{summary['step_p50_ms']:.3f} = {summary['forward_p50_ms'] - summary['step_p50_ms']:.3f} ms vs Check p50 "
+          f"{summary['check_p50_ms']:.3f} ms: {summary['hop_over_check']:.2f}x (goal <= 1.3); 64 clients "
+          f"{summary['forward_64_requests_per_s']:.0f} vs Check {summary['check_64_requests_per_s']:.0f} req/s: "
+          f"{summary['throughput_over_check']:.2f} (goal >= 0.85); ForwardStream lock-step p50 "
+          f"{stream['lockstep_p50_ms']:.3f} ms, pipelined {stream['pipelined_us_per_message']:.0f} us/message",
+          flush=True)
+
+
 def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: float) -> dict:
     """``expertd loadtest`` in its own process (its CPU time is not the server's GIL)."""
     command = [sys.executable, "-c", "import sys; from expertd.client.cli import main; sys.exit(main(sys.argv[1:]))",
@@ -178,8 +267,8 @@ def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: 
         "client_cpu_ms_per_request": step.get("client_cpu_ms_per_request")}, sampler)
 
 
-def run_model(model: str, duration: float, queue_delay_ms: float) -> tuple[list[dict], list[dict]]:
-    """(rows, gRPC-floor rows) for one model."""
+def run_model(model: str, duration: float, queue_delay_ms: float) -> tuple[list[dict], list[dict], dict]:
+    """(rows, gRPC-floor rows, the thin-hop summary) for one model."""
     from prometheus_client import CollectorRegistry
 
     from expertd.server.app import create_server
@@ -193,6 +282,7 @@ def run_model(model: str, duration: float, queue_delay_ms: float) -> tuple[list[
     cfg = server.engine.layers[0].cfg
     rows, floor = [], []
     try:
+        stream = stream_cost(server.port, cfg.hidden_size, duration)
         for concurrency in CONCURRENCY:
             floor.append({"model": model, "clients": concurrency, **grpc_floor(server.port, concurrency, duration)})
             print_floor(floor[-1])
@@ -208,9 +298,11 @@ def run_model(model: str, duration: float, queue_delay_ms: float) -> tuple[list[
                              "tokens_per_request": tokens, "clients": concurrency, "in_process": local, "rpc": remote,
                              "rpc_over_in_process": remote["tokens_per_s"] / local["tokens_per_s"]})
                 print_row(rows[-1])
+        hop = hop_summary(model, rows, floor, stream)
+        print_hop(hop)
     finally:
         server.stop(grace=5)
-    return rows, floor
+    return rows, floor, hop
 
 
 def print_row(row: dict) -> None:
@@ -244,11 +336,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print("model    T   C |  in-proc tok/s  p50 ms  p99 ms |  rpc tok/s   p50 ms   p99 ms | rpc/in "
           "| CPU ms/req srv cli")
-    rows, floor = [], []
+    rows, floor, hops = [], [], []
     for model in args.models.split(","):
-        model_rows, model_floor = run_model(model, args.duration, args.max_queue_delay_ms)
+        model_rows, model_floor, hop = run_model(model, args.duration, args.max_queue_delay_ms)
         rows += model_rows
         floor += model_floor
+        hops.append(hop)
     speedups = {}
     for model in args.models.split(","):
         single = {r["clients"]: r["rpc"]["tokens_per_s"] for r in rows
@@ -267,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "buckets": list(BUCKETS), "max_queue_delay_ms": args.max_queue_delay_ms, "duration_s": args.duration,
         "rows": rows,
         "grpc_floor": floor,
+        "thin_hop": hops,
         "single_token_speedup_64_over_1": speedups,
     }, indent=2) + "\n")
     print(f"wrote {RESULTS}")

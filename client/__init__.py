@@ -1,4 +1,5 @@
-"""expertd.client: what a remote caller installs (stubs, tensor codec, client, CLI, load test).
+"""expertd.client: what a remote caller installs (stubs, tensor codec, client, CLI, load test;
+shared_memory: same-host regions whose tensors the server reads and writes in place).
 
 Depends on grpcio (+ health checking), protobuf, numpy and ml_dtypes only: never on JAX.
 

@@ -54,10 +54,11 @@ class AsyncExpertClient(ClientBase):
             backoff=backoff,
         )
 
-    async def forward(self, x: np.ndarray, *, layer: int, return_routing: bool = False, timeout: float | None = None):
+    async def forward(self, x: np.ndarray, *, layer: int, return_routing: bool = False, timeout: float | None = None,
+                      token_ids=None, out=None):
         """``y [T, H]`` for ``x [T, H]``, or a ForwardResult (output + routing) with ``return_routing``."""
-        request = messages.forward_request(x, layer, return_routing)
-        result = messages.forward_result(await self._unary(self._stub.Forward, request, timeout))
+        request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
+        result = messages.forward_result(await self._unary(self._stub.Forward, request, timeout), out)
         return result if return_routing else result.output
 
     async def route(
@@ -68,9 +69,10 @@ class AsyncExpertClient(ClientBase):
         logits: np.ndarray | None = None,
         aux_loss_coeff: float | None = None,
         timeout: float | None = None,
+        token_ids=None,
     ) -> messages.RouteResult:
         """The router's decisions for ``hidden_states [T, H]`` or for router ``logits= [T, E]``."""
-        request = messages.route_request(hidden_states, logits, layer, aux_loss_coeff)
+        request = messages.route_request(hidden_states, logits, layer, aux_loss_coeff, token_ids)
         return messages.route_result(await self._unary(self._stub.Route, request, timeout))
 
     async def forward_stream(
@@ -115,6 +117,18 @@ class AsyncExpertClient(ClientBase):
         """A raw ForwardStream call with this client's metadata, for callers that send messages for several
         layers on one stream and pair answers by ``request_id`` themselves (:mod:`expertd.client.pipeline`)."""
         return self._stub.ForwardStream(metadata=self._metadata, timeout=timeout)
+
+    async def register_shared_memory(self, region, *, timeout: float | None = None) -> None:
+        """See ExpertClient.register_shared_memory."""
+        await self._unary(self._stub.RegisterSharedMemory, messages.register_request(region), timeout)
+
+    async def unregister_shared_memory(self, name: str = "", *, timeout: float | None = None) -> None:
+        request = expert_pb2.UnregisterSharedMemoryRequest(name=name)
+        await self._unary(self._stub.UnregisterSharedMemory, request, timeout)
+
+    async def shared_memory_status(self, name: str = "", *, timeout: float | None = None) -> list:
+        request = expert_pb2.GetSharedMemoryStatusRequest(name=name)
+        return list((await self._unary(self._stub.GetSharedMemoryStatus, request, timeout)).regions)
 
     async def model_info(self, *, timeout: float | None = None) -> expert_pb2.GetModelInfoResponse:
         return await self._unary(self._stub.GetModelInfo, expert_pb2.GetModelInfoRequest(), timeout)

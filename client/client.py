@@ -73,14 +73,18 @@ class ExpertClient(ClientBase):
             backoff=backoff,
         )
 
-    def forward(self, x: np.ndarray, *, layer: int, return_routing: bool = False, timeout: float | None = None):
+    def forward(self, x: np.ndarray, *, layer: int, return_routing: bool = False, timeout: float | None = None,
+                token_ids=None, out=None):
         """The MoE layer's output for ``x [T, H]`` (float32, bfloat16 or float16).
 
         Returns ``y [T, H]`` in x's dtype, or a :class:`ForwardResult` (output + routing) when
-        ``return_routing`` is set.
+        ``return_routing`` is set. ``token_ids``: the tokens' vocabulary ids ``[T]`` (int32 range;
+        hash-routed layers need them, other layers ignore them). Same host: ``x`` may be a
+        :class:`~expertd.client.shared_memory.SharedTensor` of a registered region, and ``out=`` one
+        the server writes the output into (then returned: ``out.array``); docs/shared-memory.md.
         """
-        request = messages.forward_request(x, layer, return_routing)
-        result = messages.forward_result(self._unary(self._stub.Forward, request, timeout))
+        request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
+        result = messages.forward_result(self._unary(self._stub.Forward, request, timeout), out)
         return result if return_routing else result.output
 
     def route(
@@ -91,9 +95,11 @@ class ExpertClient(ClientBase):
         logits: np.ndarray | None = None,
         aux_loss_coeff: float | None = None,
         timeout: float | None = None,
+        token_ids=None,
     ) -> messages.RouteResult:
-        """The router's decisions for ``hidden_states [T, H]`` or for router ``logits= [T, E]``."""
-        request = messages.route_request(hidden_states, logits, layer, aux_loss_coeff)
+        """The router's decisions for ``hidden_states [T, H]`` or for router ``logits= [T, E]``
+        (``token_ids [T]`` as in ``forward``)."""
+        request = messages.route_request(hidden_states, logits, layer, aux_loss_coeff, token_ids)
         return messages.route_result(self._unary(self._stub.Route, request, timeout))
 
     def forward_stream(
@@ -106,9 +112,10 @@ class ExpertClient(ClientBase):
     ) -> Iterator[messages.StreamResult]:
         """Send many ``[T, H]`` micro-batches on one call; yields a StreamResult per item, in order.
 
-        Items are arrays (request ids "0", "1", ... are assigned) or ``(request_id, array)``
-        pairs. A failed item yields a StreamResult with ``error`` set; a failure of the whole call
-        raises. ``timeout`` bounds the whole stream (default: none). Not retried.
+        Items are arrays (request ids "0", "1", ... are assigned), ``(request_id, array)`` pairs or
+        ``(request_id, array, token_ids)`` triples. A failed item yields a StreamResult with
+        ``error`` set; a failure of the whole call raises. ``timeout`` bounds the whole stream
+        (default: none). Not retried.
         """
         encode_failures: list[Exception] = []
 
@@ -129,6 +136,20 @@ class ExpertClient(ClientBase):
             call.cancel()
         if encode_failures:
             raise encode_failures[0]
+
+    def register_shared_memory(self, region, *, timeout: float | None = None) -> None:
+        """Register a :class:`~expertd.client.shared_memory.SharedMemoryRegion` (or a
+        ``RegisterSharedMemoryRequest``: name, key, offset, byte_size) with the server."""
+        self._unary(self._stub.RegisterSharedMemory, messages.register_request(region), timeout)
+
+    def unregister_shared_memory(self, name: str = "", *, timeout: float | None = None) -> None:
+        """Unregister region ``name`` (every region when empty)."""
+        self._unary(self._stub.UnregisterSharedMemory, expert_pb2.UnregisterSharedMemoryRequest(name=name), timeout)
+
+    def shared_memory_status(self, name: str = "", *, timeout: float | None = None) -> list:
+        """The registered regions (RegisterSharedMemoryRequest messages), or region ``name``."""
+        request = expert_pb2.GetSharedMemoryStatusRequest(name=name)
+        return list(self._unary(self._stub.GetSharedMemoryStatus, request, timeout).regions)
 
     def model_info(self, *, timeout: float | None = None) -> expert_pb2.GetModelInfoResponse:
         """The layers served (shapes, router settings), dtype, token buckets and mesh."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from expertd.client import codec, errors
 from expertd.client.pb.v1 import expert_pb2
+from expertd.client.shared_memory import SharedTensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,28 +65,68 @@ class ExpertLoad:
     window_seconds: float
 
 
-def forward_request(x: np.ndarray, layer: int, return_routing: bool, request_id: str = "") -> expert_pb2.ForwardRequest:
-    return expert_pb2.ForwardRequest(
-        layer=_layer(layer),
-        hidden_states=codec.encode(_tokens_by_hidden(x, "x")),
-        return_routing=return_routing,
-        request_id=request_id,
-    )
+def forward_request(x: np.ndarray | SharedTensor, layer: int, return_routing: bool, request_id: str = "",
+                    token_ids=None, out: SharedTensor | None = None) -> expert_pb2.ForwardRequest:
+    """A ForwardRequest; ``x`` (and ``out``, where the server writes the output) may be in shared memory."""
+    request = expert_pb2.ForwardRequest(layer=_layer(layer), return_routing=return_routing, request_id=request_id)
+    request.hidden_states.CopyFrom(tensor_message(x, "x"))
+    x = _tokens_by_hidden(x.array if isinstance(x, SharedTensor) else x, "x")
+    if out is not None:
+        if out.array.shape != x.shape or out.array.dtype != x.dtype:
+            raise ValueError(f"out must be a {x.dtype} {list(x.shape)} SharedTensor like x, got {out.array.dtype} "
+                             f"{list(out.array.shape)}")
+        request.output_shared_memory.CopyFrom(out.ref())
+    if token_ids is not None:
+        request.token_ids.CopyFrom(codec.encode(token_ids_array(token_ids, len(x))))
+    return request
+
+
+def tensor_message(x: np.ndarray | SharedTensor, name: str) -> expert_pb2.Tensor:
+    """``x [T, W]`` as a Tensor: its bytes, or (a SharedTensor) a reference to them."""
+    if not isinstance(x, SharedTensor):
+        return codec.encode(_tokens_by_hidden(x, name))
+    array = _tokens_by_hidden(x.array, name)
+    return expert_pb2.Tensor(dtype=codec.dtype_enum(array.dtype), shape=array.shape, shared_memory=x.ref())
+
+
+def token_ids_array(token_ids, num_tokens: int) -> np.ndarray:
+    """``token_ids`` (any integer sequence or array) as ``[T]`` int32 for ``num_tokens`` tokens
+    (ValueError naming ``token_ids`` when it is not 1-D integers of length T in [0, 2**31 - 1])."""
+    array = np.asarray(token_ids)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"token_ids must be integers, got dtype {array.dtype}")
+    if array.shape != (num_tokens,):
+        raise ValueError(f"token_ids must have shape [T={num_tokens}] (one id per token), got {list(array.shape)}")
+    if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"token_ids must be in [0, 2**31 - 1], got min {array.min()} max {array.max()}")
+    return array.astype(np.int32)
 
 
 def route_request(
-    hidden_states: np.ndarray | None, logits: np.ndarray | None, layer: int, aux_loss_coeff: float | None
+    hidden_states: np.ndarray | None, logits: np.ndarray | None, layer: int, aux_loss_coeff: float | None,
+    token_ids=None,
 ) -> expert_pb2.RouteRequest:
     if (hidden_states is None) == (logits is None):
         raise ValueError("route() needs exactly one of hidden_states [T, H] or logits= [T, E]")
     request = expert_pb2.RouteRequest(layer=_layer(layer))
     if hidden_states is not None:
-        request.hidden_states.CopyFrom(codec.encode(_tokens_by_hidden(hidden_states, "hidden_states")))
+        request.hidden_states.CopyFrom(tensor_message(hidden_states, "hidden_states"))
     else:
-        request.logits.CopyFrom(codec.encode(_tokens_by_hidden(logits, "logits")))
+        request.logits.CopyFrom(tensor_message(logits, "logits"))
     if aux_loss_coeff is not None:
         request.aux_loss_coeff = float(aux_loss_coeff)
+    if token_ids is not None:
+        num_tokens = request.hidden_states.shape[0] if hidden_states is not None else request.logits.shape[0]
+        request.token_ids.CopyFrom(codec.encode(token_ids_array(token_ids, num_tokens)))
     return request
+
+
+def register_request(region) -> expert_pb2.RegisterSharedMemoryRequest:
+    """A RegisterSharedMemoryRequest for a SharedMemoryRegion (the whole object), or the message itself."""
+    if isinstance(region, expert_pb2.RegisterSharedMemoryRequest):
+        return region
+    return expert_pb2.RegisterSharedMemoryRequest(name=region.name, key=region.key, offset=0,
+                                                  byte_size=region.byte_size)
 
 
 def routing(message: expert_pb2.Routing) -> Routing:
@@ -118,9 +159,11 @@ def route_response(result: RouteResult, request_id: str = "") -> expert_pb2.Rout
         aux_loss=result.aux_loss, request_id=request_id)
 
 
-def forward_result(response: expert_pb2.ForwardResponse) -> ForwardResult:
+def forward_result(response: expert_pb2.ForwardResponse,
+                   out: SharedTensor | None = None) -> ForwardResult:
+    """The response as a ForwardResult; with ``out``, the output is ``out.array`` (the server wrote it there)."""
     return ForwardResult(
-        output=codec.decode(response.output, field="output"),
+        output=codec.decode(response.output, field="output") if out is None else out.array,
         routing=routing(response.routing) if response.HasField("routing") else None,
     )
 
@@ -156,14 +199,20 @@ def expert_loads(response: expert_pb2.GetExpertLoadResponse) -> dict[int, Expert
 
 
 def stream_requests(items, layer: int, return_routing: bool):
-    """Pair each stream item (an array, or ``(request_id, array)``) with a request message."""
+    """Pair each stream item (an array, ``(request_id, array)`` or ``(request_id, array, token_ids)``)
+    with a request message."""
     for index, item in enumerate(items):
         yield stream_request(index, item, layer, return_routing)
 
 
 def stream_request(index: int, item, layer: int, return_routing: bool) -> expert_pb2.ForwardRequest:
-    request_id, x = item if isinstance(item, tuple) else (str(index), item)
-    return forward_request(x, layer, return_routing, request_id=str(request_id))
+    if not isinstance(item, tuple):
+        item = (str(index), item)
+    if len(item) not in (2, 3):
+        raise ValueError(f"stream item {index}: expected an array, (request_id, array) or "
+                         f"(request_id, array, token_ids), got a tuple of {len(item)}")
+    request_id, x, token_ids = item if len(item) == 3 else (*item, None)
+    return forward_request(x, layer, return_routing, request_id=str(request_id), token_ids=token_ids)
 
 
 def _layer(layer: int) -> int:

@@ -57,6 +57,7 @@ from expertd.server.metrics import Metrics
 from expertd.server.metrics_http import MetricsEndpoint
 from expertd.server.reflection import enable_reflection
 from expertd.server.servicer import ExpertServicer
+from expertd.server.shared_memory import SharedMemoryRegistry
 from expertd.server.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -208,12 +209,14 @@ class ServerHandle:
                                    [streams.wrap])
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
         batcher = Batcher(self._step_runner, model, config.batching, self.metrics, executor)
+        shm = SharedMemoryRegistry(max_regions=config.shared_memory_regions) if config.shared_memory_regions else None
         servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION,
-                                  placements=self.rebalancer)
+                                  placements=self.rebalancer, shared_memory=shm)
         expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, registrar)
         services = [EXPERT_SERVICE, *kserve.add_to_server(registrar, model=model, batcher=batcher,
                                                           statistics=self.metrics.statistics,
-                                                          batching=config.batching, version=VERSION)]
+                                                          batching=config.batching, version=VERSION,
+                                                          shared_memory=shm)]
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, registrar)
         for name in ("", *services, "readiness"):

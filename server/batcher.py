@@ -20,12 +20,13 @@ nothing here checks them again:
    once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
    which the engine runs as one step on the single device-worker thread (``run_in_executor``):
    the loop never blocks on device work, with one exception, the idle fast path: a request that
-   finds nothing else admitted, the device thread free and the device idle for at least its own
-   expected step time (sparse traffic: under concurrent load the next request arrives sooner, and
-   is queued so that the requests arriving behind it can merge), whose rows fit one step expected
-   to take at most ``--inline-step-max-ms``, runs its step on the loop at once (no scheduler
-   wake-up, no hand-over to the device thread and back: the two thread switches that cost a lone
-   small request more than its step). The loop blocks for at most that long. A step's seconds on
+   finds nothing else admitted and the device thread free, whose rows fit one step expected to
+   take at most ``--inline-step-max-ms``, runs its step on the loop at once (no scheduler wake-up,
+   no hand-over to the device thread and back: the two thread switches that cost a lone small
+   request more than its step) when traffic is sparse: no step ran within the last step time (a
+   denser stream of requests is queued, so that the ones arriving behind it, which the blocked
+   loop could not admit, merge), nor, for rows that would be padded, within the last queue delay
+   (they wait for company as step 3 says). The loop blocks for at most the step's expected time. A step's seconds on
    the thread that ran it feed the step-time estimates (the device's time alone: a busy event loop
    must not make the device look slower).
    Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
@@ -139,7 +140,7 @@ class Batcher:
         """The layer output for ``request.tokens [T, H]`` in the caller's dtype, with the routing.
         Without a ``ticket`` the request is admitted here (``admit``)."""
         parts, timing = await self._submit(request.layer, steps.FORWARD, request.tokens, request.deadline,
-                                           request.field, ticket)
+                                           request.field, ticket, request.token_ids)
         output, ids, weights = parts[0] if len(parts) == 1 else (np.concatenate(p) for p in zip(*parts))
         counts = _counts(ids, self.model.layers[request.layer].num_experts)
         return ForwardResult(requests.cast(output, request.out_dtype), Routing(ids, weights, counts)), timing
@@ -148,7 +149,7 @@ class Batcher:
         """Top-k routing of hidden states ``[T, H]`` or logits ``[T, E]``; aux loss times the request's coefficient."""
         kind = steps.ROUTE_LOGITS if request.from_logits else steps.ROUTE_HIDDEN
         parts, timing = await self._submit(request.layer, kind, request.tokens, request.deadline, request.field,
-                                           ticket)
+                                           ticket, request.token_ids)
         ids = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
         weights = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
         cfg = self.model.layers[request.layer]
@@ -214,7 +215,7 @@ class Batcher:
         return queue
 
     async def _submit(self, layer: int, kind: str, tokens: np.ndarray, deadline: float | None, field: str,
-                      ticket: Ticket | None) -> tuple[list, Timing]:
+                      ticket: Ticket | None, token_ids: np.ndarray | None = None) -> tuple[list, Timing]:
         """Queue ``tokens``; (each step's result for its rows, in row order; the request's Timing)."""
         if ticket is None:
             ticket = self.admit(Header(layer, kind, len(tokens)), deadline)
@@ -224,7 +225,8 @@ class Batcher:
             raise ValueError("the ticket was admitted for another request")
         ticket.open = False
         loop = asyncio.get_running_loop()
-        request = QueuedRequest(queue, tokens, field, deadline, time.monotonic(), loop.create_future(), ticket.small)
+        request = QueuedRequest(queue, tokens, field, deadline, time.monotonic(), loop.create_future(), ticket.small,
+                                token_ids=token_ids)
         self.queues.enqueue(request)
         inline = self._runs_inline(queue, len(tokens))
         if deadline is not None and not inline:  # an inline step ends before this call returns
@@ -313,14 +315,18 @@ class Batcher:
     # -- execution ------------------------------------------------------------------------------
     def _runs_inline(self, queue: LayerQueue, rows: int) -> bool:
         """The idle fast path (module docstring, step 4): this request is the only one admitted, the
-        device thread has nothing to do, the device has been idle for at least this step's expected
-        time, and that time is within --inline-step-max-ms."""
+        device thread has nothing to do, its step is expected within --inline-step-max-ms, and no
+        step ran within that time (or, for a padded batch, within the queue delay)."""
         limit_s = self.config.inline_step_max_ms / 1e3
         if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and queue.queued == rows
                 and rows <= self.max_part_tokens):
             return False
-        expected = self.times.estimate(queue.step_key, self.model.bucket_for(rows))
-        return expected <= limit_s and time.monotonic() - self._last_step_end >= expected
+        bucket = self.model.bucket_for(rows)
+        expected = self.times.estimate(queue.step_key, bucket)
+        if expected > limit_s:
+            return False
+        quiet = expected if rows == bucket else max(expected, self.config.max_queue_delay_ms / 1e3)
+        return time.monotonic() - self._last_step_end >= quiet
 
     async def _execute(self, queue: LayerQueue, batch: Batch, inline: bool = False) -> None:
         rows = sum(stop - start for _, start, stop in batch)
@@ -329,7 +335,10 @@ class Batcher:
         step = self._steps
         self._in_flight[step] = (queue.step_key, bucket, time.monotonic())
         try:
-            args = (queue.layer, queue.kind, [r.tokens[start:stop] for r, start, stop in batch], bucket, rows)
+            # token ids ride with their rows, padded to the bucket; None unless every request has them
+            ids = None if any(r.token_ids is None for r, _, _ in batch) else \
+                steps.pad_rows([r.token_ids[start:stop] for r, start, stop in batch], bucket)
+            args = (queue.layer, queue.kind, [r.tokens[start:stop] for r, start, stop in batch], bucket, rows, ids)
             result, seconds, bad_rows = self._step(*args) if inline else await self.run_on_device(self._step, *args)
         except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
             self._in_flight.pop(step, None)

@@ -4,30 +4,37 @@ Registered by ``expertd.server.app`` on the same grpc.aio server (and port) as `
 front of the same Batcher and ModelDescription: KServe and expertd.v1 requests for one layer share
 batches, metrics (the ``grpc_server_*`` families) and the error mapping of
 ``expertd.server.errors``. ModelInferRequests are decoded and validated once, by
-``expertd.server.requests.decode_model_infer``; ModelStatistics reads ``expertd.server.statistics``.
+``expertd.server.kserve_requests.decode_model_infer``; ModelStatistics reads ``expertd.server.statistics``.
 
 Models: one per served layer, ``moe-layer-<index>``, version ``1``, platform ``jax``:
 
 | tensor | datatype | shape |
 |---|---|---|
 | input ``hidden_states`` | BF16, FP16 or FP32 (metadata shows the server's compute dtype) | [-1, H] |
+| input ``token_ids`` (optional; not in metadata) | INT32: the tokens' vocabulary ids | [-1] |
 | output ``output`` | the input's datatype | [-1, H] |
 | output ``router_topk_ids`` | INT32 | [-1, k] |
 | output ``router_topk_weights`` | FP32 | [-1, k] |
 
 The token dimension is Triton's batch dimension: ModelConfig has ``max_batch_size`` = the server's
 ``--max-request-tokens`` and dims without it. Inputs come in ``raw_input_contents`` (any of the
-three datatypes) or typed ``contents.fp32_contents`` (FP32 only: the protocol has no typed field
-for BF16 / FP16), never both in one request. No requested outputs means all three outputs;
-outputs always go back in ``raw_output_contents``. The request ``id`` is echoed.
+three datatypes), typed contents (``fp32_contents``, ``int_contents``: the protocol has no typed
+field for BF16 / FP16) or a registered system shared-memory region (see below). No requested
+outputs means all three outputs; outputs go back in ``raw_output_contents``, or into the
+shared-memory region an output names. The request ``id`` is echoed.
 
 Request parameters: ``timeout`` (int64, microseconds; Triton's server-side queue timeout, ends
 the request like a gRPC deadline) and ``priority`` (uint64/int64 >= 0, accepted and ignored: one
 priority level). Everything else is INVALID_ARGUMENT naming the parameter: Triton's sequence
-parameters (the layer is stateless), shared-memory tensor parameters, classification outputs.
+parameters (the layer is stateless), classification outputs.
 
-ServerMetadata extensions: ``model_configuration``, ``statistics``, ``parameters``. RPCs not in
-proto/inference (ModelStreamInfer, repository, shared memory, trace, logging) are UNIMPLEMENTED.
+System shared memory (Triton's ``system_shared_memory`` extension): ``SystemSharedMemoryRegister`` /
+``Status`` / ``Unregister`` over ``expertd.server.shared_memory`` (the registry expertd.v1 shares);
+tensors name ``shared_memory_region`` / ``_offset`` / ``_byte_size`` in their parameters.
+
+ServerMetadata extensions: ``model_configuration``, ``statistics``, ``parameters``,
+``system_shared_memory``. RPCs not in proto/inference (ModelStreamInfer, repository, CUDA shared
+memory, trace, logging) are UNIMPLEMENTED.
 """
 from __future__ import annotations
 
@@ -36,12 +43,12 @@ import time
 import numpy as np
 
 from expertd.client.kserve_protos import SERVICE_NAME, model_config_pb2, service_grpc, service_pb2
-from expertd.server import requests
+from expertd.server import kserve_requests
 from expertd.server.batcher import Batcher
 from expertd.server.config import BatchingConfig
 from expertd.server.description import ModelDescription
-from expertd.server.errors import run_unary
-from expertd.server.requests import (
+from expertd.server.errors import InvalidRequest, run_unary
+from expertd.server.kserve_requests import (
     INPUT,
     MODEL_VERSION,
     OUTPUT,
@@ -51,10 +58,11 @@ from expertd.server.requests import (
     little_endian,
     model_name,
 )
+from expertd.server.shared_memory import SharedMemoryRegistry
 from expertd.server.statistics import InferenceTimes, Statistics
 
-EXTENSIONS = ("model_configuration", "statistics", "parameters")
-_DATATYPE_OF = {dtype: name for name, dtype in requests.DATATYPES.items()}
+EXTENSIONS = ("model_configuration", "statistics", "parameters", "system_shared_memory")
+_DATATYPE_OF = {dtype: name for name, dtype in kserve_requests.DATATYPES.items()}
 _CONFIG_TYPES = {"BF16": model_config_pb2.TYPE_BF16, "FP16": model_config_pb2.TYPE_FP16,
                  "FP32": model_config_pb2.TYPE_FP32, "INT32": model_config_pb2.TYPE_INT32}
 
@@ -63,8 +71,9 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
     """The OIP core RPCs plus Triton's ModelConfig and ModelStatistics over one Batcher."""
 
     def __init__(self, model: ModelDescription, batcher: Batcher, statistics: Statistics, *,
-                 batching: BatchingConfig, version: str):
+                 batching: BatchingConfig, version: str, shared_memory: SharedMemoryRegistry | None = None):
         self.model = model
+        self.shared_memory = shared_memory
         self.batcher = batcher
         self.statistics = statistics
         self.batching = batching
@@ -88,7 +97,8 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelReadyResponse(ready=self.ready)
 
     async def ServerMetadata(self, request, context):
-        return service_pb2.ServerMetadataResponse(name="expertd", version=self.version, extensions=EXTENSIONS)
+        extensions = EXTENSIONS if self.shared_memory is not None else EXTENSIONS[:-1]
+        return service_pb2.ServerMetadataResponse(name="expertd", version=self.version, extensions=extensions)
 
     async def ModelMetadata(self, request, context):
         return await run_unary(context, self._metadata(request))
@@ -150,6 +160,35 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
                 getattr(infer, name).CopyFrom(service_pb2.StatisticDuration(count=duration.count, ns=duration.ns))
         return response
 
+    async def SystemSharedMemoryRegister(self, request, context):
+        return await run_unary(context, self._shm_register(request))
+
+    async def _shm_register(self, request) -> service_pb2.SystemSharedMemoryRegisterResponse:
+        self._registry().register(request.name, request.key, request.offset, request.byte_size)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        return await run_unary(context, self._shm_unregister(request))
+
+    async def _shm_unregister(self, request) -> service_pb2.SystemSharedMemoryUnregisterResponse:
+        self._registry().unregister(request.name)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        return await run_unary(context, self._shm_status(request))
+
+    async def _shm_status(self, request) -> service_pb2.SystemSharedMemoryStatusResponse:
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        for info in self._registry().status(request.name):
+            response.regions[info.name].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=info.name, key=info.key, offset=info.offset, byte_size=info.byte_size))
+        return response
+
+    def _registry(self) -> SharedMemoryRegistry:
+        if self.shared_memory is None:
+            raise InvalidRequest("name", "shared memory is off on this server (--shared-memory-regions 0)")
+        return self.shared_memory
+
     async def ModelInfer(self, request, context):
         return await run_unary(context, self._infer(request, context))
 
@@ -159,9 +198,10 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
         try:
             remaining = context.time_remaining()
             call_deadline = None if remaining is None else time.monotonic() + remaining
-            header = requests.model_infer_header(request, self.model, index)
-            with self.batcher.admit(header, requests.infer_deadline(request, call_deadline)) as ticket:
-                forward, wanted = requests.decode_model_infer(request, self.model, index, call_deadline)
+            header = kserve_requests.model_infer_header(request, self.model, index)
+            with self.batcher.admit(header, kserve_requests.infer_deadline(request, call_deadline)) as ticket:
+                forward, wanted, slots = kserve_requests.decode_model_infer(request, self.model, index, call_deadline,
+                                                                            self.shared_memory)
                 decoded = time.perf_counter()
                 result, timing = await self.batcher.forward(forward, ticket)
             in_batcher = time.perf_counter()
@@ -169,10 +209,19 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
                                                       id=request.id)
             arrays = {OUTPUT: result.output, TOPK_IDS: result.routing.topk_ids,
                       TOPK_WEIGHTS: result.routing.topk_weights}
+            input_datatype = next(t.datatype for t in request.inputs if t.name == INPUT)
             for name in wanted:
-                datatype = request.inputs[0].datatype if name == OUTPUT else ("INT32" if name == TOPK_IDS else "FP32")
-                response.outputs.add(name=name, datatype=datatype, shape=arrays[name].shape)
-                response.raw_output_contents.append(little_endian(np.ascontiguousarray(arrays[name])).tobytes())
+                datatype = input_datatype if name == OUTPUT else ("INT32" if name == TOPK_IDS else "FP32")
+                tensor = response.outputs.add(name=name, datatype=datatype, shape=arrays[name].shape)
+                array = little_endian(np.ascontiguousarray(arrays[name]))
+                slot = slots.get(name)
+                if slot is None:
+                    response.raw_output_contents.append(array.tobytes())
+                else:  # written to its region; its parameters say where, its raw entry stays empty
+                    slot.write(array)
+                    for key, value in request.outputs[wanted.index(name)].parameters.items():
+                        tensor.parameters[key].CopyFrom(value)
+                    response.raw_output_contents.append(b"")
         except BaseException:  # counted as Triton's "fail", then mapped to a status by run_unary
             self.statistics.add_failure(index, time.perf_counter() - started)
             raise
@@ -184,9 +233,11 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
 
 
 def add_to_server(server, *, model: ModelDescription, batcher: Batcher, statistics: Statistics,
-                  batching: BatchingConfig, version: str) -> list[str]:
+                  batching: BatchingConfig, version: str, shared_memory: SharedMemoryRegistry | None = None
+                  ) -> list[str]:
     """Register ``inference.GRPCInferenceService`` on ``server`` (a grpc.aio server or the wrapping
     stand-in in front of one); returns its name (for health and reflection)."""
-    servicer = KServeServicer(model, batcher, statistics, batching=batching, version=version)
+    servicer = KServeServicer(model, batcher, statistics, batching=batching, version=version,
+                              shared_memory=shared_memory)
     service_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     return [SERVICE_NAME]

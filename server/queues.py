@@ -45,7 +45,8 @@ class LayerQueue:
 
 @dataclasses.dataclass(eq=False)
 class QueuedRequest:
-    """One queued call: its tokens [T, W], how many rows steps took and computed, its results so far."""
+    """One queued call: its tokens [T, W] (and their vocabulary ids [T] int32, or None), how many
+    rows steps took and computed, its results so far."""
 
     queue: LayerQueue
     tokens: np.ndarray
@@ -61,6 +62,7 @@ class QueuedRequest:
     last_end: float = 0.0
     ended: bool = False
     timer: asyncio.TimerHandle | None = None
+    token_ids: np.ndarray | None = None
 
     @property
     def remaining(self) -> int:

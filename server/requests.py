@@ -5,7 +5,7 @@ wire format, and cast once to the engine's dtype.
 |---|---|---|
 | expertd.v1 ForwardRequest (Forward, each ForwardStream message) | ``decode_forward`` | ForwardRequest |
 | expertd.v1 RouteRequest | ``decode_route`` | RouteRequest |
-| KServe v2 ModelInferRequest | ``decode_model_infer`` | ForwardRequest (+ the outputs asked for) |
+| KServe v2 ModelInferRequest | ``kserve_requests.decode_model_infer`` | ForwardRequest (+ the outputs asked for) |
 
 Every decoder checks against the read-only ``ModelDescription``: the layer is served
 (``UnknownLayerError``: NOT_FOUND), then, naming the field (``InvalidRequest``: INVALID_ARGUMENT),
@@ -26,17 +26,15 @@ batcher, from the engine's dtype to the caller's. Shapes: T tokens, H hidden, E 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 
-import ml_dtypes
 import numpy as np
 
 from expertd.client import codec
 from expertd.client.pb.v1 import expert_pb2
 from expertd.server import steps
 from expertd.server.description import ModelDescription
-from expertd.server.errors import InvalidRequest, UnknownLayerError, shown, shown_shape
+from expertd.server.errors import InvalidRequest, shown_shape
+from expertd.server.shared_memory import SharedMemoryRegistry, Slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,19 +51,22 @@ class Header:
 class ForwardRequest:
     """One MoE-layer forward: ``tokens [T, H]`` in the engine dtype, the dtype the caller sent
     (``out_dtype``: its output comes back in it), its deadline (monotonic seconds, or None) and
-    the name of its input field (what an error about its tokens names)."""
+    the name of its input field (what an error about its tokens names); its tokens' vocabulary ids
+    ``token_ids [T]`` int32 (None when the caller sent none)."""
 
     layer: int
     tokens: np.ndarray
     out_dtype: np.dtype
     deadline: float | None = None
     field: str = "hidden_states"
+    token_ids: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RouteRequest:
     """Top-k routing of ``tokens``: hidden states ``[T, H]`` in the engine dtype, or router logits
-    ``[T, E]`` float32 (``from_logits``); the aux loss is scaled by ``aux_loss_coeff`` (>= 0)."""
+    ``[T, E]`` float32 (``from_logits``); the aux loss is scaled by ``aux_loss_coeff`` (>= 0);
+    ``token_ids [T]`` int32 or None as in ForwardRequest."""
 
     layer: int
     tokens: np.ndarray
@@ -73,6 +74,7 @@ class RouteRequest:
     aux_loss_coeff: float
     deadline: float | None = None
     field: str = "hidden_states"
+    token_ids: np.ndarray | None = None
 
 
 def cast(array: np.ndarray, dtype) -> np.ndarray:
@@ -83,11 +85,25 @@ def cast(array: np.ndarray, dtype) -> np.ndarray:
 
 def check_tokens(array: np.ndarray, field: str, width: int, width_name: str, max_tokens: int) -> None:
     """Shape ``[T, width]`` with 1 <= T <= max_tokens and no NaN / Inf (InvalidRequest otherwise)."""
-    _check_shape(*array.shape, field, width, width_name, max_tokens)
+    check_shape(*array.shape, field, width, width_name, max_tokens)
     finite = np.isfinite(array)
     if not finite.all():
         row = int(np.argwhere(~finite)[0][0])
         raise InvalidRequest(field, f"contains NaN or Inf (first at token {row})")
+
+
+def check_token_ids(array: np.ndarray, num_tokens: int, field: str = "token_ids") -> np.ndarray:
+    """``array`` as ``token_ids [T]`` int32 for ``num_tokens`` tokens: int32, rank 1, length T,
+    every id >= 0 (InvalidRequest naming ``field`` otherwise)."""
+    if array.dtype != np.int32:
+        raise InvalidRequest(f"{field}.dtype", f"expected int32 token ids, got {array.dtype}")
+    if array.ndim != 1 or len(array) != num_tokens:
+        raise InvalidRequest(f"{field}.shape", f"expected [T={num_tokens}] (one id per token), "
+                                               f"got {list(array.shape)}")
+    if array.size and int(array.min()) < 0:
+        bad = int(np.argmax(array < 0))
+        raise InvalidRequest(field, f"expected ids >= 0, got {int(array[bad])} at token {bad}")
+    return array
 
 
 # ---------------------------------------------------------------------- expertd.v1
@@ -100,13 +116,15 @@ def forward_header(message: expert_pb2.ForwardRequest, model: ModelDescription) 
     return Header(message.layer, steps.FORWARD, tokens)
 
 
-def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription,
-                   deadline: float | None) -> ForwardRequest:
-    """A Forward (or ForwardStream) message as a ForwardRequest."""
+def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, deadline: float | None,
+                   shared_memory: SharedMemoryRegistry | None = None) -> ForwardRequest:
+    """A Forward (or ForwardStream) message as a ForwardRequest (its hidden states may be in a
+    region of ``shared_memory``)."""
     cfg = model.layer(message.layer)
     tensor = message.hidden_states if message.HasField("hidden_states") else None
-    wire = _tensor(tensor, "hidden_states", cfg.hidden_size, "H", model.max_request_tokens)
-    return ForwardRequest(message.layer, cast(wire, model.dtype), wire.dtype, deadline)
+    wire = _tensor(tensor, "hidden_states", cfg.hidden_size, "H", model.max_request_tokens, shared_memory)
+    return ForwardRequest(message.layer, cast(wire, model.dtype), wire.dtype, deadline,
+                          token_ids=_token_ids(message, len(wire)))
 
 
 def route_header(message: expert_pb2.RouteRequest, model: ModelDescription) -> Header:
@@ -118,17 +136,18 @@ def route_header(message: expert_pb2.RouteRequest, model: ModelDescription) -> H
 
 
 def decode_route(message: expert_pb2.RouteRequest, model: ModelDescription, default_aux_loss_coeff: float,
-                 deadline: float | None) -> RouteRequest:
+                 deadline: float | None, shared_memory: SharedMemoryRegistry | None = None) -> RouteRequest:
     """A Route message as a RouteRequest (the aux-loss coefficient defaults to ``default_aux_loss_coeff``)."""
     cfg = model.layer(message.layer)
     which, width, name = _route_input(message, cfg)
-    wire = _tensor(getattr(message, which), which, width, name, model.max_request_tokens)
+    wire = _tensor(getattr(message, which), which, width, name, model.max_request_tokens, shared_memory)
     coeff = message.aux_loss_coeff if message.HasField("aux_loss_coeff") else default_aux_loss_coeff
     if not (np.isfinite(coeff) and coeff >= 0):
         raise InvalidRequest("aux_loss_coeff", f"must be finite and >= 0, got {coeff}")
     from_logits = which == "logits"
     tokens = cast(wire, np.float32 if from_logits else model.dtype)
-    return RouteRequest(message.layer, tokens, from_logits, float(coeff), deadline, which)
+    return RouteRequest(message.layer, tokens, from_logits, float(coeff), deadline, which,
+                        token_ids=_token_ids(message, len(wire)))
 
 
 def _route_input(message: expert_pb2.RouteRequest, cfg) -> tuple[str, int, str]:
@@ -154,11 +173,11 @@ def _shape_header(shape, field: str, width: int, width_name: str, max_tokens: in
         raise InvalidRequest(f"{field}.shape", f"expected 2 dimensions [T, {width_name}={width}], got {len(shape)}: "
                                                f"{shown_shape(shape)}")
     tokens, columns = int(shape[0]), int(shape[1])
-    _check_shape(tokens, columns, field, width, width_name, max_tokens)
+    check_shape(tokens, columns, field, width, width_name, max_tokens)
     return tokens
 
 
-def _check_shape(tokens: int, columns: int, field: str, width: int, width_name: str, max_tokens: int) -> None:
+def check_shape(tokens: int, columns: int, field: str, width: int, width_name: str, max_tokens: int) -> None:
     if columns != width:
         raise InvalidRequest(f"{field}.shape", f"expected [T, {width_name}={width}], got [{tokens}, {columns}]")
     if not 1 <= tokens <= max_tokens:
@@ -166,161 +185,60 @@ def _check_shape(tokens: int, columns: int, field: str, width: int, width_name: 
                                                f"got T={tokens}")
 
 
-def _tensor(tensor, field: str, width: int, width_name: str, max_tokens: int) -> np.ndarray:
-    """``tensor`` decoded as ``[T, width]`` float32 / bfloat16 / float16 (the wire dtype), checked."""
+def _shared_tensor(tensor: expert_pb2.Tensor, field: str, shared_memory: SharedMemoryRegistry | None) -> np.ndarray:
+    """A float ``[T, W]`` tensor whose bytes are in a registered region (read-only view)."""
+    if shared_memory is None:
+        raise InvalidRequest(f"{field}.shared_memory", "shared memory is off on this server "
+                                                       "(--shared-memory-regions 0)")
+    if tensor.data:
+        raise InvalidRequest(f"{field}.data", "must be empty when shared_memory names the bytes")
+    if tensor.dtype not in codec.FLOAT_DTYPES:
+        expected = ", ".join(codec.dtype_name(d) for d in codec.FLOAT_DTYPES)
+        raise InvalidRequest(f"{field}.dtype", f"expected one of {expected}, got {codec.dtype_name(tensor.dtype)}")
+    shape = tuple(int(d) for d in tensor.shape)
+    if len(shape) != 2 or min(shape) < 0:
+        raise InvalidRequest(f"{field}.shape", f"expected 2 dimensions >= 0, got {list(shape)}")
+    ref = tensor.shared_memory
+    return shared_memory.input_array(ref.region, ref.offset, ref.byte_size, codec.numpy_dtype(tensor.dtype), shape,
+                                     f"{field}.shared_memory")
+
+
+def _token_ids(message, num_tokens: int) -> np.ndarray | None:
+    """The message's ``token_ids [T]`` int32, checked; None when it has none."""
+    if not message.HasField("token_ids"):
+        return None
+    try:
+        array = codec.decode(message.token_ids, field="token_ids", dtypes=(expert_pb2.DTYPE_INT32,))
+    except codec.TensorError as exc:
+        raise InvalidRequest(exc.field, exc.description) from None
+    return check_token_ids(array, num_tokens)
+
+
+def output_slot(message: expert_pb2.ForwardRequest, request: ForwardRequest,
+                shared_memory: SharedMemoryRegistry | None) -> Slot | None:
+    """Where ``output_shared_memory`` asks the output ``[T, H]`` (the caller's dtype) to be written,
+    checked before compute; None when the output goes back in the response."""
+    if not message.HasField("output_shared_memory"):
+        return None
+    field = "output_shared_memory"
+    if shared_memory is None:
+        raise InvalidRequest(field, "shared memory is off on this server (--shared-memory-regions 0)")
+    ref = message.output_shared_memory
+    needed = request.tokens.shape[0] * request.tokens.shape[1] * request.out_dtype.itemsize
+    return shared_memory.output_slot(ref.region, ref.offset, ref.byte_size, needed, field)
+
+
+def _tensor(tensor, field: str, width: int, width_name: str, max_tokens: int,
+            shared_memory: SharedMemoryRegistry | None = None) -> np.ndarray:
+    """``tensor`` decoded as ``[T, width]`` float32 / bfloat16 / float16 (the wire dtype), checked;
+    its bytes are in the message or, with ``shared_memory`` set, in a region (a view, no copy)."""
     _tensor_header(tensor, field, width, width_name, max_tokens)
     try:
-        array = codec.decode(tensor, field=field, dtypes=codec.FLOAT_DTYPES, ndim=2)
+        if tensor.HasField("shared_memory"):
+            array = _shared_tensor(tensor, field, shared_memory)
+        else:
+            array = codec.decode(tensor, field=field, dtypes=codec.FLOAT_DTYPES, ndim=2)
     except codec.TensorError as exc:
         raise InvalidRequest(exc.field, exc.description) from None
     check_tokens(array, field, width, width_name, max_tokens)
     return array
-
-
-# ---------------------------------------------------------------------- KServe v2
-
-MODEL_PREFIX = "moe-layer-"
-MODEL_VERSION = "1"
-INPUT = "hidden_states"
-OUTPUT, TOPK_IDS, TOPK_WEIGHTS = "output", "router_topk_ids", "router_topk_weights"
-OUTPUTS = (OUTPUT, TOPK_IDS, TOPK_WEIGHTS)
-DATATYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32)}
-
-
-def model_name(layer: int) -> str:
-    return f"{MODEL_PREFIX}{layer}"
-
-
-def layer_of_model(model: ModelDescription, name: str, version: str) -> int:
-    """The layer index behind KServe model ``name`` (UnknownLayerError, NOT_FOUND, for unknown models or versions).
-
-    Only the canonical name is a model: ``moe-layer-1``, not ``moe-layer-01`` nor other digits.
-    """
-    index = name[len(MODEL_PREFIX):] if name.startswith(MODEL_PREFIX) else ""
-    if not (index.isascii() and index.isdigit() and model_name(int(index)) == name and int(index) in model.layers):
-        models = ", ".join(model_name(i) for i in model.layers)
-        raise UnknownLayerError(f"unknown model {shown(name)}; models: {models}")
-    if version not in ("", MODEL_VERSION):
-        raise UnknownLayerError(f"model {shown(name)} has only version {MODEL_VERSION}, not {shown(version)}")
-    return int(index)
-
-
-def model_infer_header(request, model: ModelDescription, layer: int) -> Header:
-    """A ModelInferRequest's Header (for ``layer``, ``layer_of_model`` of its model name), its tensor body untouched."""
-    tensor, _ = _infer_tensor(request, model.layer(layer).hidden_size, model.max_request_tokens)
-    return Header(layer, steps.FORWARD, int(tensor.shape[0]))
-
-
-def decode_model_infer(request, model: ModelDescription, layer: int,
-                       call_deadline: float | None) -> tuple[ForwardRequest, list[str]]:
-    """A ModelInferRequest for ``layer`` (``layer_of_model`` of its model name) as a ForwardRequest,
-    and the names of the outputs it asks for.
-
-    Its deadline is the earlier of the call's (``call_deadline``) and the ``timeout`` parameter.
-    """
-    deadline = infer_deadline(request, call_deadline)
-    wire = _infer_input(request, model.layer(layer).hidden_size, model.max_request_tokens)
-    forward = ForwardRequest(layer, cast(wire, model.dtype), wire.dtype, deadline, f"inputs[{INPUT!r}]")
-    return forward, _requested_outputs(request)
-
-
-def little_endian(array: np.ndarray) -> np.ndarray:
-    """The array with little-endian element bytes (the wire order), whatever the host's order."""
-    return array.byteswap() if sys.byteorder == "big" else array
-
-
-def _check_parameters(parameters, field: str, allowed: tuple[str, ...]) -> None:
-    for key in parameters:  # stops at the first unknown key: at most len(allowed) + 1 keys are read
-        if key not in allowed:
-            accepted = ", ".join(allowed) if allowed else "none"
-            hint = " (sequence batching: the MoE layer is stateless)" if key.startswith("sequence_") else \
-                " (shared memory is not supported; send tensors in raw contents)" \
-                if key.startswith("shared_memory") else ""
-            raise InvalidRequest(f"{field}[{shown(key)}]", f"unknown parameter{hint}; accepted: {accepted}")
-
-
-def _non_negative_int(parameters, key: str) -> int:
-    """The integer value of request parameter ``key`` (int64 or uint64, >= 0), 0 when absent."""
-    if key not in parameters:
-        return 0
-    choice = parameters[key].WhichOneof("parameter_choice")
-    value = getattr(parameters[key], choice) if choice in ("int64_param", "uint64_param") else -1
-    if value < 0:
-        raise InvalidRequest(f"parameters[{key!r}]", f"expected a non-negative integer, got {choice}")
-    return value
-
-
-def infer_deadline(request, call_deadline: float | None) -> float | None:
-    """The earlier of the call's deadline and the ``timeout`` parameter (microseconds), monotonic."""
-    _check_parameters(request.parameters, "parameters", ("timeout", "priority"))
-    _non_negative_int(request.parameters, "priority")  # validated, then ignored: one priority level
-    timeout_us = _non_negative_int(request.parameters, "timeout")
-    deadlines = [d for d in (call_deadline, time.monotonic() + timeout_us / 1e6 if timeout_us else None)
-                 if d is not None]
-    return min(deadlines) if deadlines else None
-
-
-def _infer_tensor(request, hidden_size: int, max_tokens: int):
-    """The ``hidden_states`` input of a ModelInferRequest and its datatype, checked from the header
-    fields alone: one input of that name, a known datatype, shape [T, H], 1 <= T <= max_tokens."""
-    if len(request.inputs) != 1 or request.inputs[0].name != INPUT:
-        names = [shown(tensor.name) for tensor in request.inputs[:4]] + (["..."] if len(request.inputs) > 4 else [])
-        raise InvalidRequest("inputs", f"expected exactly one input {INPUT!r} [T, H={hidden_size}], got "
-                                       f"{len(request.inputs)}: [{', '.join(names)}]")
-    tensor = request.inputs[0]
-    field = f"inputs[{INPUT!r}]"
-    _check_parameters(tensor.parameters, f"{field}.parameters", ())
-    dtype = DATATYPES.get(tensor.datatype)
-    if dtype is None:
-        raise InvalidRequest(f"{field}.datatype",
-                             f"expected one of {', '.join(DATATYPES)}, got {shown(tensor.datatype)}")
-    if len(tensor.shape) != 2:
-        raise InvalidRequest(f"{field}.shape", f"expected [T, H={hidden_size}] with T >= 1, got "
-                                               f"{shown_shape(tensor.shape)}")
-    _check_shape(int(tensor.shape[0]), int(tensor.shape[1]), field, hidden_size, "H", max_tokens)
-    return tensor, dtype
-
-
-def _infer_input(request, hidden_size: int, max_tokens: int) -> np.ndarray:
-    """``hidden_states [T, H]`` of a ModelInferRequest in its wire dtype, checked."""
-    tensor, dtype = _infer_tensor(request, hidden_size, max_tokens)
-    field = f"inputs[{INPUT!r}]"
-    shape = [int(d) for d in tensor.shape]
-    count = shape[0] * shape[1]
-    if request.raw_input_contents:
-        if tensor.HasField("contents"):
-            raise InvalidRequest(f"{field}.contents", "set either raw_input_contents or contents, not both")
-        if len(request.raw_input_contents) != 1:
-            raise InvalidRequest("raw_input_contents",
-                                 f"expected 1 entry (one per input), got {len(request.raw_input_contents)}")
-        raw = request.raw_input_contents[0]
-        if len(raw) != count * dtype.itemsize:
-            raise InvalidRequest("raw_input_contents[0]", f"expected {count * dtype.itemsize} bytes for "
-                                                          f"{tensor.datatype} {shape}, got {len(raw)}")
-        array = little_endian(np.frombuffer(raw, dtype=dtype).reshape(shape))
-    else:
-        if tensor.datatype != "FP32":
-            raise InvalidRequest(f"{field}.contents",
-                                 f"{tensor.datatype} has no typed contents field: send it in raw_input_contents")
-        values = tensor.contents.fp32_contents
-        if len(values) != count:
-            raise InvalidRequest(f"{field}.contents.fp32_contents",
-                                 f"expected {count} values for shape {shape}, got {len(values)}")
-        array = np.asarray(values, dtype=np.float32).reshape(shape)
-    check_tokens(array, field, hidden_size, "H", max_tokens)
-    return array
-
-
-def _requested_outputs(request) -> list[str]:
-    if not request.outputs:
-        return list(OUTPUTS)
-    names = []
-    for index, output in enumerate(request.outputs):  # stops at the first bad one: at most 4 are read
-        if output.name not in OUTPUTS:
-            raise InvalidRequest(f"outputs[{index}].name",
-                                 f"expected one of {', '.join(OUTPUTS)}, got {shown(output.name)}")
-        if output.name in names:
-            raise InvalidRequest(f"outputs[{index}].name", f"{output.name!r} requested twice")
-        _check_parameters(output.parameters, f"outputs[{output.name!r}].parameters", ())
-        names.append(output.name)
-    return names

@@ -10,10 +10,16 @@ tensor body is decoded and validated (byte length, NaN/Inf) -> the batcher compu
 trace goes to the server log only). Calls are
 counted by the ``grpc_server_*`` wrapper; ForwardStream's messages, whose failures travel in-band,
 also in ``expertd_stream_messages_total{code}``.
+
+Shared memory (``expertd.server.shared_memory``, the registry the KServe service shares):
+Register / Unregister / GetSharedMemoryStatus; a Forward's hidden states may name a region
+(``Tensor.shared_memory``) and its output may go into one (``output_shared_memory``: the response's
+``output`` then has dtype, shape and that reference, no data); Route's inputs may name one too.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -26,6 +32,7 @@ from expertd.server.description import ModelDescription
 from expertd.server.eplb import Rebalancer
 from expertd.server.errors import InvalidRequest, run_unary, status_of
 from expertd.server.metrics import Metrics
+from expertd.server.shared_memory import SharedMemoryRegistry
 
 # ForwardStream: messages read ahead of the oldest unanswered one (bounds memory per stream).
 STREAM_WINDOW = 64
@@ -35,8 +42,10 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     """Forward, Route, ForwardStream, GetModelInfo and GetExpertLoad over one Batcher."""
 
     def __init__(self, model: ModelDescription, batcher: Batcher, metrics: Metrics, *, aux_loss_coeff: float,
-                 version: str, placements: Rebalancer | None = None):
+                 version: str, placements: Rebalancer | None = None,
+                 shared_memory: SharedMemoryRegistry | None = None):
         self.model = model
+        self.shared_memory = shared_memory
         self.batcher = batcher
         self.metrics = metrics
         self.aux_loss_coeff = aux_loss_coeff
@@ -49,8 +58,17 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     async def _forward(self, message, deadline: float | None) -> expert_pb2.ForwardResponse:
         with self.batcher.admit(requests.forward_header(message, self.model), deadline) as ticket:
-            result, _ = await self.batcher.forward(requests.decode_forward(message, self.model, deadline), ticket)
-        return messages.forward_response(result, message.request_id, message.return_routing)
+            request = requests.decode_forward(message, self.model, deadline, self.shared_memory)
+            slot = requests.output_slot(message, request, self.shared_memory)
+            result, _ = await self.batcher.forward(request, ticket)
+        if slot is None:
+            return messages.forward_response(result, message.request_id, message.return_routing)
+        slot.write(result.output)
+        response = messages.forward_response(dataclasses.replace(result, output=result.output[:0]), message.request_id,
+                                             message.return_routing)
+        response.output.shape[:] = result.output.shape
+        response.output.shared_memory.CopyFrom(message.output_shared_memory)
+        return response
 
     # -- Route -----------------------------------------------------------------------------------
     async def Route(self, request, context):
@@ -58,7 +76,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     async def _route(self, message, deadline: float | None) -> expert_pb2.RouteResponse:
         with self.batcher.admit(requests.route_header(message, self.model), deadline) as ticket:
-            request = requests.decode_route(message, self.model, self.aux_loss_coeff, deadline)
+            request = requests.decode_route(message, self.model, self.aux_loss_coeff, deadline, self.shared_memory)
             result, _ = await self.batcher.route(request, ticket)
         return messages.route_response(result, message.request_id)
 
@@ -104,6 +122,34 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                                               error=expert_pb2.Error(code=code.value[0], message=message))
         finally:
             self.metrics.observe_stream_message(code.name)
+
+    # -- shared memory ---------------------------------------------------------------------------
+    async def RegisterSharedMemory(self, request, context):
+        return await run_unary(context, self._register(request))
+
+    async def _register(self, request) -> expert_pb2.RegisterSharedMemoryResponse:
+        self._registry().register(request.name, request.key, request.offset, request.byte_size)
+        return expert_pb2.RegisterSharedMemoryResponse()
+
+    async def UnregisterSharedMemory(self, request, context):
+        return await run_unary(context, self._unregister(request))
+
+    async def _unregister(self, request) -> expert_pb2.UnregisterSharedMemoryResponse:
+        self._registry().unregister(request.name)
+        return expert_pb2.UnregisterSharedMemoryResponse()
+
+    async def GetSharedMemoryStatus(self, request, context):
+        return await run_unary(context, self._shm_status(request))
+
+    async def _shm_status(self, request) -> expert_pb2.GetSharedMemoryStatusResponse:
+        return expert_pb2.GetSharedMemoryStatusResponse(regions=[
+            expert_pb2.RegisterSharedMemoryRequest(name=i.name, key=i.key, offset=i.offset, byte_size=i.byte_size)
+            for i in self._registry().status(request.name)])
+
+    def _registry(self) -> SharedMemoryRegistry:
+        if self.shared_memory is None:
+            raise InvalidRequest("name", "shared memory is off on this server (--shared-memory-regions 0)")
+        return self.shared_memory
 
     # -- info ------------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):

@@ -26,12 +26,13 @@ STEP_KINDS = (ROUTE_HIDDEN, ROUTE_LOGITS, FORWARD)
 
 
 def pad_rows(rows: Sequence[np.ndarray], bucket: int) -> np.ndarray:
-    """Arrays [n_i, W] of one dtype, sum(n_i) <= bucket, stacked into [bucket, W] with zero rows
-    after them: one copy, and none when a single array fills the bucket. Never changes a dtype."""
+    """Arrays [n_i, W] (or [n_i], e.g. token ids) of one dtype, sum(n_i) <= bucket, stacked into
+    [bucket, W] ([bucket]) with zero rows after them: one copy, and none when a single array fills
+    the bucket. Never changes a dtype."""
     if len(rows) == 1 and len(rows[0]) == bucket:
         return rows[0]
     first = rows[0]
-    padded = np.zeros((bucket, first.shape[1]), first.dtype)
+    padded = np.zeros((bucket, *first.shape[1:]), first.dtype)
     offset = 0
     for part in rows:
         if part.dtype != first.dtype:

@@ -130,9 +130,10 @@ class BatchingConfig:
                                       "at most; a request expected to wait longer, or to finish after its "
                                       "deadline, gets RESOURCE_EXHAUSTED at once", parse=float, metavar="MS")
     inline_step_max_ms: float = option(1.0, "a request that finds the server idle (nothing else admitted, the "
-                                       "device thread free) runs its step on the event loop, without the hand-over "
-                                       "to the device thread and back, when its step is expected to take at most "
-                                       "this long; 0: always hand over", parse=float, metavar="MS")
+                                       "device thread free) and could not be merged by waiting runs its step on "
+                                       "the event loop, without the hand-over to the device thread and back, when "
+                                       "its step is expected to take at most this long; 0: always hand over",
+                                       parse=float, metavar="MS")
     max_request_tokens: int = option(8192, "tokens one request may carry (larger requests are split into batches "
                                      "of at most the largest bucket); sizes the gRPC message limit", parse=int,
                                      metavar="N")
@@ -328,6 +329,9 @@ class ServerConfig:
                                            "JAX persistent compilation cache ('' disables it)", parse=optional_str,
                                            metavar="DIR")
     reflection: bool = option(True, "serve gRPC server reflection (grpcurl, ghz)")
+    shared_memory_regions: int = option(64, "POSIX shared-memory regions callers on this host may register at once "
+                                        "(KServe system_shared_memory, expertd.v1 RegisterSharedMemory; "
+                                        "docs/shared-memory.md); 0 turns shared memory off", parse=int)
     retain_freed_memory: bool = option(False, "on CPU, keep freed host buffers for reuse (glibc malloc: one arena, "
                                        "no mmap'd blocks): large buckets stop page-faulting their buffers every "
                                        "step, small requests pay for the shared arena and resident memory stays "
@@ -350,6 +354,8 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be between 0 and 65535, got {value}")
         if self.port == self.metrics_port != 0:
             raise ValueError(f"--port and --metrics-port must differ, both are {self.port}")
+        if self.shared_memory_regions < 0:
+            raise ValueError(f"--shared-memory-regions must be >= 0, got {self.shared_memory_regions}")
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
         if self.drain_linger_s < 0:

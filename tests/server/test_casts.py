@@ -28,7 +28,8 @@ from expertd.server.model import load_preset
 
 H, E = 64, 8
 BF16, FP16, FP32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
-SERVING_MODULES = ("requests", "batcher", "servicer", "kserve", "engine", "description", "errors")
+SERVING_MODULES = ("requests", "kserve_requests", "shared_memory", "batcher", "servicer", "kserve", "engine",
+                   "description", "errors")
 
 
 class Recording:
@@ -37,9 +38,9 @@ class Recording:
     def __init__(self, engine):
         self.engine, self.tokens = engine, []
 
-    def forward(self, layer, tokens, num_valid, token_ids=None):
+    def forward(self, layer, tokens, num_valid, **options):
         self.tokens.append(tokens)
-        return self.engine.forward(layer, tokens, num_valid)
+        return self.engine.forward(layer, tokens, num_valid, **options)
 
     def route(self, layer, tokens, num_valid, **options):
         self.tokens.append(tokens)

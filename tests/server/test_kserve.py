@@ -22,8 +22,10 @@ MODEL = "moe-layer-0"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # A small queue and a queue delay that keeps accepted requests waiting: overload is certain.
-    handle = create_server(server_config(tmp_path_factory, max_queue_delay_ms=20.0, max_queue_size=4))
+    # A small queue and a queue delay that keeps accepted requests waiting: overload is certain. The
+    # idle fast path is off, so a lone request waits the queue delay too (the statistics test reads it).
+    handle = create_server(server_config(tmp_path_factory, max_queue_delay_ms=20.0, max_queue_size=4,
+                                         inline_step_max_ms=0.0))
     handle.wait_ready(timeout=300)
     yield handle
     handle.stop(grace=5)
@@ -158,7 +160,7 @@ def test_unknown_models_and_versions_are_not_found(triton_client, model, version
 
 
 @pytest.mark.parametrize("build, text", [
-    (lambda: [triton.InferInput("x", [1, H], "FP32")], "expected exactly one input 'hidden_states'"),
+    (lambda: [triton.InferInput("x", [1, H], "FP32")], "expected 'hidden_states' [T, H=64] and optionally 'token_ids'"),
     (lambda: [triton.InferInput("hidden_states", [1, H], "INT32")], "datatype"),
     (lambda: [triton.InferInput("hidden_states", [1, H + 1], "FP32")], f"expected [T, H={H}]"),
     (lambda: [triton.InferInput("hidden_states", [H], "FP32")], "shape"),
@@ -222,7 +224,7 @@ def test_rpcs_outside_the_subset_are_unimplemented(triton_client):
         triton_client.get_model_repository_index()
     assert status_of(excinfo) == "StatusCode.UNIMPLEMENTED"
     with pytest.raises(InferenceServerException) as excinfo:
-        triton_client.get_system_shared_memory_status()
+        triton_client.get_cuda_shared_memory_status()
     assert status_of(excinfo) == "StatusCode.UNIMPLEMENTED"
 
 

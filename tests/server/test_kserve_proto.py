@@ -17,6 +17,7 @@ from expertd.client.kserve_protos import model_config_pb2, service_pb2
 REQUIRED_RPCS = {
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
     "ModelConfig", "ModelStatistics",
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
 }
 
 

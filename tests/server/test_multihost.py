@@ -71,11 +71,12 @@ def test_leader_engine_sends_every_step_and_the_follower_runs_it():
 
     class Recording:  # the follower's engine: the real one, recording what it is asked to run
         def __init__(self):
-            self.calls = []
+            self.calls, self.token_ids = [], []
 
         def forward(self, layer, tokens, num_valid, token_ids=None):
             self.calls.append(("forward", layer, tokens.copy(), num_valid))
-            return engine.forward(layer, tokens, num_valid)
+            self.token_ids.append(token_ids)
+            return engine.forward(layer, tokens, num_valid, token_ids=token_ids)
 
         def route(self, layer, tokens, num_valid, *, from_logits=False, aux_loss_coeff=1.0, token_ids=None):
             self.calls.append(("route", layer, tokens.copy(), num_valid, from_logits, aux_loss_coeff))
@@ -91,7 +92,7 @@ def test_leader_engine_sends_every_step_and_the_follower_runs_it():
     routed = leader.route(0, logits, 3, from_logits=True, aux_loss_coeff=np.float32(0.5))
     with pytest.raises(LookupError):
         leader.forward(7, x, 5)  # unknown layer: refused on both sides, the follower goes on
-    leader.forward(0, x, 5)
+    leader.forward(0, x, 5, token_ids=np.arange(8, dtype=np.int32))
     leader_channel.close()
     follow.join(30)
     assert not follow.is_alive() and not lost
@@ -99,4 +100,6 @@ def test_leader_engine_sends_every_step_and_the_follower_runs_it():
     np.testing.assert_array_equal(follower.calls[0][2], x)
     assert follower.calls[0][3] == 4 and follower.calls[1][3:] == (3, True, 0.5)
     np.testing.assert_array_equal(follower.calls[1][2], logits)
+    assert follower.token_ids[0] is None  # and a step's token ids travel to the followers with its tokens
+    np.testing.assert_array_equal(follower.token_ids[-1], np.arange(8, dtype=np.int32))
     assert out.output.shape == (4, 64) and routed.topk_ids.shape == (3, engine.layers[0].cfg.topk)

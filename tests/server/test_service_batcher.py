@@ -14,11 +14,11 @@ from expertd.kernels.moe import MoEConfig
 from expertd.server.batcher import Batcher
 from expertd.server.config import BatchingConfig
 from expertd.server.description import MeshDescription, ModelDescription
-from expertd.server.engine import ForwardOutput
+from expertd.server.engine import ForwardOutput, RouteOutput
 from expertd.server.errors import Overloaded, status_of
 from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.metrics import Metrics
-from expertd.server.requests import ForwardRequest
+from expertd.server.requests import ForwardRequest, RouteRequest
 
 
 def test_recent_window_forgets_old_steps_and_total_keeps_everything():
@@ -51,9 +51,11 @@ class DoublingEngine:
 
     def __init__(self):
         self.steps = []
+        self.token_ids = []  # each step's token_ids argument
 
     def forward(self, layer, tokens, num_valid, token_ids=None):
         self.steps.append((num_valid, len(tokens)))
+        self.token_ids.append(token_ids)
         assert tokens.dtype == MODEL.dtype and len(tokens) in MODEL.buckets, "padded to a bucket by the batcher"
         x = tokens[:num_valid]
         if (x == POISON).any():
@@ -81,10 +83,11 @@ def rows(start, n):
     return np.arange(start, start + n, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
 
 
-def forward(batcher, x, *, deadline=None, out_dtype=np.float32):
+def forward(batcher, x, *, deadline=None, out_dtype=np.float32, token_ids=None):
     """The batcher's result for x [T, 3] (already in the engine dtype, as decoded)."""
     async def call():
-        result, _ = await batcher.forward(ForwardRequest(0, x, np.dtype(out_dtype), deadline))
+        result, _ = await batcher.forward(ForwardRequest(0, x, np.dtype(out_dtype), deadline,
+                                                          token_ids=token_ids))
         return result
     return call()
 
@@ -205,3 +208,58 @@ def test_the_fast_path_is_off_with_zero():
 
     run(work, inline_step_max_ms=0.0)
     assert len(threads) == 2 and all(name.startswith("expertd-device") for name in threads)
+
+
+def ids_of(x):
+    """Token ids that name their rows: 100 + the row's first value."""
+    return (100 + x[:, 0]).astype(np.int32)
+
+
+def test_token_ids_travel_with_their_rows_and_are_padded_to_the_bucket():
+    async def work(batcher):
+        xs = [rows(10 * i, n) for i, n in enumerate((1, 2, 7))]
+        await asyncio.gather(*(forward(batcher, x, token_ids=ids_of(x)) for x in xs))
+        return batcher.engine.steps, batcher.engine.token_ids, xs
+
+    (steps, token_ids, xs), _ = run(work, max_queue_delay_ms=50)
+    assert sum(valid for valid, _ in steps) == 10 and all(ids is not None for ids in token_ids)
+    seen = []
+    for (valid, bucket), ids in zip(steps, token_ids):
+        assert ids.dtype == np.int32 and ids.shape == (bucket,)  # one id per row of the padded step
+        assert (ids[valid:] == 0).all()
+        seen.extend(ids[:valid].tolist())
+    assert sorted(seen) == sorted(np.concatenate([ids_of(x) for x in xs]).tolist())
+
+
+def test_a_step_mixing_requests_with_and_without_token_ids_gets_none():
+    async def work(batcher):
+        with_ids, without = rows(0, 1), rows(10, 2)
+        await asyncio.gather(forward(batcher, with_ids, token_ids=ids_of(with_ids)), forward(batcher, without))
+        return batcher.engine.steps, batcher.engine.token_ids
+
+    (steps, token_ids), _ = run(work, max_queue_delay_ms=50)
+    assert steps == [(3, 4)] and token_ids == [None]
+
+
+def test_route_passes_token_ids_to_the_engine():
+    seen = []
+
+    class RoutingEngine(DoublingEngine):
+        def route(self, layer, tokens, num_valid, *, from_logits=False, token_ids=None):
+            seen.append(token_ids)
+            ids = (tokens[:, :1].astype(np.int32) % 4)
+            return RouteOutput(ids, np.ones_like(ids, np.float32), np.bincount(ids[:num_valid, 0], minlength=4), 0.0,
+                               np.full((len(tokens), 4), 0.25, np.float32))
+
+    async def main():
+        batcher = Batcher(RoutingEngine(), MODEL, BatchingConfig(bucket_sizes=(2, 4)),
+                          Metrics(CollectorRegistry(), token_buckets=(2, 4)))
+        batcher.start()
+        try:
+            x = rows(0, 2)
+            await batcher.route(RouteRequest(0, x, False, 1.0, None, token_ids=ids_of(x)))
+        finally:
+            await batcher.close()
+
+    asyncio.run(main())
+    np.testing.assert_array_equal(seen[0], ids_of(rows(0, 2)))

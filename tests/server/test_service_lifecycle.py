@@ -46,8 +46,9 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory):
+    # every request waits the long queue delay, the first one included (the idle fast path is off)
     config = server_config(tmp_path_factory, model=ONE_LAYER, bucket_sizes=SLOW_BUCKETS,
-                           max_queue_delay_ms=QUEUE_DELAY_MS, max_queue_size=4)
+                           max_queue_delay_ms=QUEUE_DELAY_MS, max_queue_size=4, inline_step_max_ms=0.0)
     handle = create_server(config)
     handle.wait_ready(timeout=300)
     yield handle
@@ -205,7 +206,7 @@ def test_cancelled_request_is_dropped_before_compute(slow_server):
 def test_health_transitions_from_warm_up_through_drain(tmp_path_factory):
     release = threading.Event()
     config = server_config(tmp_path_factory, model=ONE_LAYER, bucket_sizes=SLOW_BUCKETS,
-                           max_queue_delay_ms=QUEUE_DELAY_MS)
+                           max_queue_delay_ms=QUEUE_DELAY_MS, inline_step_max_ms=0.0)  # requests wait
     handle = create_server(config, progress=lambda event: release.wait(60))  # warm-up waits for the test
     client = ExpertClient(f"127.0.0.1:{handle.port}", retries=0, timeout=10)
     try:
@@ -248,7 +249,7 @@ def test_health_transitions_from_warm_up_through_drain(tmp_path_factory):
 def test_drain_ends_idle_streams_and_watches_and_answers_late_calls_unavailable(tmp_path_factory):
     grace = 30.0
     config = server_config(tmp_path_factory, model=ONE_LAYER, bucket_sizes=SLOW_BUCKETS,
-                           max_queue_delay_ms=QUEUE_DELAY_MS)
+                           max_queue_delay_ms=QUEUE_DELAY_MS, inline_step_max_ms=0.0)  # requests wait
     handle = create_server(config)
     handle.wait_ready(timeout=300)
     idle = IdleCalls(handle.port)
@@ -288,7 +289,8 @@ def test_sigterm_drains_accepted_requests_and_exits_zero(tmp_path_factory):
     command = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", "--preset", "tiny", "--num-layers", "1", "--dtype", "float32",
                "--num-devices", "1", "--bucket-sizes", ",".join(map(str, SLOW_BUCKETS)),
-               "--max-queue-delay-ms", "1500", "--drain-grace-s", "20", "--retain-freed-memory",
+               "--max-queue-delay-ms", "1500", "--inline-step-max-ms", "0", "--drain-grace-s", "20",
+               "--retain-freed-memory",
                "--compile-cache-dir", str(cache_dir(tmp_path_factory))]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -22,14 +22,26 @@ DTYPE_FLOAT16: DType
 DTYPE_INT32: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "shared_memory")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared_memory: SharedMemoryRef
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shared_memory: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("region", "offset", "byte_size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    byte_size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("topk_ids", "topk_weights", "tokens_per_expert")
@@ -50,16 +62,20 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("layer", "hidden_states", "return_routing", "request_id")
+    __slots__ = ("layer", "hidden_states", "return_routing", "request_id", "token_ids", "output_shared_memory")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     layer: int
     hidden_states: Tensor
     return_routing: bool
     request_id: str
-    def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., return_routing: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    token_ids: Tensor
+    output_shared_memory: SharedMemoryRef
+    def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., return_routing: _Optional[bool] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_shared_memory: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("output", "routing", "request_id", "error")
@@ -74,18 +90,20 @@ class ForwardResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., request_id: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("layer", "hidden_states", "logits", "aux_loss_coeff", "request_id")
+    __slots__ = ("layer", "hidden_states", "logits", "aux_loss_coeff", "request_id", "token_ids")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     AUX_LOSS_COEFF_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     hidden_states: Tensor
     logits: Tensor
     aux_loss_coeff: float
     request_id: str
-    def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., aux_loss_coeff: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    token_ids: Tensor
+    def __init__(self, layer: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., aux_loss_coeff: _Optional[float] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("routing", "aux_loss", "request_id")
@@ -224,3 +242,41 @@ class GetExpertLoadResponse(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
     def __init__(self, layers: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+
+class RegisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("name", "key", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterSharedMemoryResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnregisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterSharedMemoryResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetSharedMemoryStatusRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetSharedMemoryStatusResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[RegisterSharedMemoryRequest]
+    def __init__(self, regions: _Optional[_Iterable[_Union[RegisterSharedMemoryRequest, _Mapping]]] = ...) -> None: ...

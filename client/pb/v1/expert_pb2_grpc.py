@@ -61,6 +61,21 @@ class ExpertServiceStub:
                 request_serializer=expertd_dot_v1_dot_expert__pb2.GetExpertLoadRequest.SerializeToString,
                 response_deserializer=expertd_dot_v1_dot_expert__pb2.GetExpertLoadResponse.FromString,
                 _registered_method=True)
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/expertd.v1.ExpertService/RegisterSharedMemory',
+                request_serializer=expertd_dot_v1_dot_expert__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_expert__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/expertd.v1.ExpertService/UnregisterSharedMemory',
+                request_serializer=expertd_dot_v1_dot_expert__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_expert__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.GetSharedMemoryStatus = channel.unary_unary(
+                '/expertd.v1.ExpertService/GetSharedMemoryStatus',
+                request_serializer=expertd_dot_v1_dot_expert__pb2.GetSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=expertd_dot_v1_dot_expert__pb2.GetSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -104,6 +119,26 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSharedMemory(self, request, context):
+        """Same-host zero copy: POSIX shared-memory regions that tensors name instead of carrying bytes
+        (the registry is shared with the KServe v2 system shared-memory extension on the same port).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSharedMemoryStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +166,21 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.GetExpertLoad,
                     request_deserializer=expertd_dot_v1_dot_expert__pb2.GetExpertLoadRequest.FromString,
                     response_serializer=expertd_dot_v1_dot_expert__pb2.GetExpertLoadResponse.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=expertd_dot_v1_dot_expert__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_expert__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=expertd_dot_v1_dot_expert__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_expert__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'GetSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSharedMemoryStatus,
+                    request_deserializer=expertd_dot_v1_dot_expert__pb2.GetSharedMemoryStatusRequest.FromString,
+                    response_serializer=expertd_dot_v1_dot_expert__pb2.GetSharedMemoryStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +319,87 @@ class ExpertService:
             '/expertd.v1.ExpertService/GetExpertLoad',
             expertd_dot_v1_dot_expert__pb2.GetExpertLoadRequest.SerializeToString,
             expertd_dot_v1_dot_expert__pb2.GetExpertLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertd.v1.ExpertService/RegisterSharedMemory',
+            expertd_dot_v1_dot_expert__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            expertd_dot_v1_dot_expert__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertd.v1.ExpertService/UnregisterSharedMemory',
+            expertd_dot_v1_dot_expert__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            expertd_dot_v1_dot_expert__pb2.UnregisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertd.v1.ExpertService/GetSharedMemoryStatus',
+            expertd_dot_v1_dot_expert__pb2.GetSharedMemoryStatusRequest.SerializeToString,
+            expertd_dot_v1_dot_expert__pb2.GetSharedMemoryStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
