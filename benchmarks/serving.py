@@ -267,7 +267,8 @@ def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: 
         "client_cpu_ms_per_request": step.get("client_cpu_ms_per_request")}, sampler)
 
 
-def run_model(model: str, duration: float, queue_delay_ms: float) -> tuple[list[dict], list[dict], dict]:
+def run_model(model: str, duration: float, queue_delay_ms: float,
+              inline_step_max_ms: float = BatchingConfig.inline_step_max_ms) -> tuple[list[dict], list[dict], dict]:
     """(rows, gRPC-floor rows, the thin-hop summary) for one model."""
     from prometheus_client import CollectorRegistry
 
@@ -276,7 +277,8 @@ def run_model(model: str, duration: float, queue_delay_ms: float) -> tuple[list[
 
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0,
                           model=ModelConfig(dtype="float32", num_devices=1),
-                          batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=queue_delay_ms))
+                          batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=queue_delay_ms,
+                                                  inline_step_max_ms=inline_step_max_ms))
     server = create_server(config, registry=CollectorRegistry(), layers=build_layers(model))
     server.wait_ready(timeout=900)
     cfg = server.engine.layers[0].cfg
@@ -328,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per cell (default 3)")
     parser.add_argument("--models", default="tiny,mid", help="comma-separated: tiny, mid")
+    parser.add_argument("--inline-step-max-ms", type=float, default=BatchingConfig.inline_step_max_ms,
+                        help="the server's idle fast path (default: expertd serve's default; 0: off)")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="results JSON (default: %(default)s)")
     parser.add_argument("--max-queue-delay-ms", type=float, default=BatchingConfig.max_queue_delay_ms,
                         help="the server's batching delay (default: expertd serve's default)")
     args = parser.parse_args(argv)
@@ -338,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
           "| CPU ms/req srv cli")
     rows, floor, hops = [], [], []
     for model in args.models.split(","):
-        model_rows, model_floor, hop = run_model(model, args.duration, args.max_queue_delay_ms)
+        model_rows, model_floor, hop = run_model(model, args.duration, args.max_queue_delay_ms,
+                                                 args.inline_step_max_ms)
         rows += model_rows
         floor += model_floor
         hops.append(hop)
@@ -351,19 +357,20 @@ def main(argv: list[str] | None = None) -> int:
                          if r["model"] == model and r["tokens_per_request"] == 256 and r["clients"] == 64)
         print(f"{model}: 64 single-token clients = {speedups[model]:.1f}x one client (goal >= 10x); "
               f"at saturation rpc/in-process = {saturated['rpc_over_in_process']:.2f} (goal >= 0.9)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
         "benchmark": "serving", "date": datetime.date.today().isoformat(),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
                     "device": str(jax.devices()[0]), "note": "shared development box; compare ratios only"},
         "buckets": list(BUCKETS), "max_queue_delay_ms": args.max_queue_delay_ms, "duration_s": args.duration,
+        "inline_step_max_ms": args.inline_step_max_ms,
         "rows": rows,
         "grpc_floor": floor,
         "thin_hop": hops,
         "single_token_speedup_64_over_1": speedups,
     }, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
     return 0
 
 

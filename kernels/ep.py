@@ -221,11 +221,12 @@ def relayout(params: MoEParams, old: Placement, new: Placement, mesh, axis: str 
             parts.append(jax.device_put(rows, shard.device))
         return jax.make_array_from_single_device_arrays(value.shape, sharding, parts)
 
-    for name in EXPERT_KEYS:
+    present = [name for name in EXPERT_KEYS if getattr(params, name) is not None]  # biases are optional
+    for name in present:
         if logical_shape(getattr(params, name))[0] != new.num_physical:
             raise ValueError(f"params.{name} holds {logical_shape(getattr(params, name))[0]} slots, the placement "
                              f"{new.num_physical}")
-    return params.replace(**{name: move(getattr(params, name)) for name in EXPERT_KEYS})
+    return params.replace(**{name: move(getattr(params, name)) for name in present})
 
 
 def resolve_dispatch(dispatch: str, mesh, *, capacity_factor=None, ragged_all_to_all=None) -> str:
@@ -275,7 +276,8 @@ def _tables_of(placement, cfg: moe.MoEConfig, num_ranks: int, params: MoEParams)
     """(PlacementTables, P) for ep_moe_layer's `placement` argument."""
     if placement is None or isinstance(placement, Placement):
         placement = _as_placement(placement, cfg, num_ranks)
-        if not placement.is_identity and any(isinstance(getattr(params, n), np.ndarray) for n in EXPERT_KEYS):
+        if not placement.is_identity and any(isinstance(getattr(params, n), np.ndarray) for n in EXPERT_KEYS
+                                             if getattr(params, n) is not None):
             raise ValueError("with a placement, params must be laid out for it: ep.shard_params(params, cfg, mesh, "
                              "placement=placement) (host expert weights can only be logical)")
         return placement.tables(), placement.num_physical
