@@ -53,19 +53,22 @@ def region_file():
     tshm.destroy_shared_memory_region(handle)
 
 
+# "@name" stands for key(name), resolved in the test: parameter ids must not hold this process's
+# pid, or the test workers (pytest-xdist) would collect different tests
 @pytest.mark.parametrize("name, shm_key, offset, byte_size, field", [
-    ("", key("unit"), 0, 16, "name"),
-    ("x" * 129, key("unit"), 0, 16, "name"),
+    ("", "@unit", 0, 16, "name"),
+    ("x" * 129, "@unit", 0, 16, "name"),
     ("r", "/a/b", 0, 16, "key"),
     ("r", "/..", 0, 16, "key"),
     ("r", "", 0, 16, "key"),
-    ("r", key("absent"), 0, 16, "key"),
-    ("r", key("unit"), 0, 0, "byte_size"),
-    ("r", key("unit"), 4000, 200, "byte_size"),   # past the object's end
-    ("r", key("unit"), 0, 4097, "byte_size"),
+    ("r", "@absent", 0, 16, "key"),
+    ("r", "@unit", 0, 0, "byte_size"),
+    ("r", "@unit", 4000, 200, "byte_size"),   # past the object's end
+    ("r", "@unit", 0, 4097, "byte_size"),
 ])
 def test_bad_registrations_name_the_field(region_file, name, shm_key, offset, byte_size, field):
     registry = SharedMemoryRegistry()
+    shm_key = key(shm_key[1:]) if shm_key.startswith("@") else shm_key
     with pytest.raises(InvalidRequest) as excinfo:
         registry.register(name, shm_key, offset, byte_size)
     assert excinfo.value.field == field
