@@ -56,7 +56,7 @@ def forward_executable(engine: Engine, rows: int):
 
 def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
     """A function running one forward step of `rows` tokens the given way; returns its output."""
-    step, params = forward_executable(engine, rows), engine.layers[0].params
+    step, params = forward_executable(engine, rows), engine.step_params(0)
 
     def run(x: np.ndarray) -> np.ndarray:
         padded = steps.pad_rows([x.astype(engine.dtype)], bucket_for(engine, rows))
@@ -84,7 +84,7 @@ def read_only(engine: Engine, rows: int, read: str, calls: int) -> float:
     x = steps.pad_rows([np.ones((rows, engine.layers[0].cfg.hidden_size), engine.dtype)], bucket_for(engine, rows))
     total = 0.0
     for _ in range(calls):
-        results = jax.block_until_ready(step(engine.layers[0].params, x, np.asarray(rows, np.int32)))
+        results = jax.block_until_ready(step(engine.step_params(0), x, np.asarray(rows, np.int32)))
         if read == "packed":
             results = jax.block_until_ready(_packed(tuple(results)))
         start = time.perf_counter()

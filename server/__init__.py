@@ -12,8 +12,8 @@ One job per module:
 - engine, steps: compile and run the steps (trusted inputs); eplb: online expert rebalancing.
 - description, requests, kserve_requests: what the front ends see; requests (expertd.v1; KServe v2)
   decoded, validated and cast once. shared_memory: the registered shared-memory regions both use.
-- batcher, queues, admission, expert_load: requests admitted by cost and deadline, queued fairly and
-  merged into engine steps; per-expert load.
+- batcher, queues, admission, device_steps, expert_load: requests admitted by cost and deadline,
+  queued fairly and merged into engine steps (run on the device-worker thread); per-expert load.
 - servicer (expertd.v1), kserve (KServe v2): the front ends, over the batcher and the description.
 - errors: every failure and its gRPC status. metrics, statistics, interceptors (auth, limits, metrics
   per method), reflection: one observation per event.

@@ -18,17 +18,13 @@ nothing here checks them again:
    holding big requests' rows).
 4. The step's bucket is chosen once and its row ranges (views of the requests' arrays) are copied
    once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
-   which the engine runs as one step on the single device-worker thread (``run_in_executor``):
-   the loop never blocks on device work, with one exception, the idle fast path: a request that
-   finds nothing else admitted and the device thread free, whose rows fit one step expected to
-   take at most ``--inline-step-max-ms``, runs its step on the loop at once (no scheduler wake-up,
-   no hand-over to the device thread and back: the two thread switches that cost a lone small
-   request more than its step) when traffic is sparse: no step ran within the last step time (a
-   denser stream of requests is queued, so that the ones arriving behind it, which the blocked
-   loop could not admit, merge), nor, for rows that would be padded, within the last queue delay
-   (they wait for company as step 3 says). The loop blocks for at most the step's expected time. A step's seconds on
-   the thread that ran it feed the step-time estimates (the device's time alone: a busy event loop
-   must not make the device look slower).
+   which the engine runs as one step (``device_steps.run_step``) on the single device-worker
+   thread: the loop never blocks on device work, except on the idle fast path (``_runs_inline``):
+   a request that finds nothing else admitted, the device thread free and traffic sparse (no step
+   within the last step time, or for a padded batch the last queue delay: denser arrivals queue
+   and merge), whose one step is expected within ``--inline-step-max-ms``, runs it on the loop
+   at once, saving the two thread switches that cost a lone small request more than its step.
+   A step's seconds on the thread that ran it feed the step-time estimates.
    Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
    with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
    re-run one by one, so one bad request never fails the others in its batch.
@@ -53,7 +49,7 @@ import time
 import numpy as np
 
 from expertd.client.messages import ForwardResult, RouteResult, Routing
-from expertd.server import requests, steps
+from expertd.server import device_steps, requests, steps
 from expertd.server.admission import Admission, Limits, StepTimes
 from expertd.server.config import BatchingConfig
 from expertd.server.description import ModelDescription
@@ -204,7 +200,7 @@ class Batcher:
     async def calibrate(self) -> None:
         """Seed the step-time estimates: each (layer config, step kind, bucket) step run on random
         tokens, the second run measured (device thread). After warm-up, before ``start``."""
-        await self.run_on_device(self._calibrate)
+        await self.run_on_device(device_steps.calibrate, self.engine, self.model, self.times, self.max_part_tokens)
 
     # -- queueing -------------------------------------------------------------------------------
     def _queue(self, layer: int, kind: str) -> LayerQueue:
@@ -338,8 +334,10 @@ class Batcher:
             # token ids ride with their rows, padded to the bucket; None unless every request has them
             ids = None if any(r.token_ids is None for r, _, _ in batch) else \
                 steps.pad_rows([r.token_ids[start:stop] for r, start, stop in batch], bucket)
-            args = (queue.layer, queue.kind, [r.tokens[start:stop] for r, start, stop in batch], bucket, rows, ids)
-            result, seconds, bad_rows = self._step(*args) if inline else await self.run_on_device(self._step, *args)
+            parts = [r.tokens[start:stop] for r, start, stop in batch]
+            args = (self.engine, queue.layer, queue.kind, parts, bucket, rows, ids)
+            result, seconds, bad_rows = device_steps.run_step(*args) if inline else \
+                await self.run_on_device(device_steps.run_step, *args)
         except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
             self._in_flight.pop(step, None)
             if len(batch) > 1:
@@ -382,40 +380,6 @@ class Batcher:
         if request.computed == len(request.tokens):
             self.queues.end(request)
             request.future.set_result([piece for _, piece in sorted(request.pieces, key=lambda p: p[0])])
-
-    def _step(self, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int, token_ids=None):
-        """Device-worker thread: the parts padded to ``bucket`` rows, run as one engine step
-        (``token_ids`` int32 [rows] for hash-routed layers, else None);
-        (result, its seconds on the device thread, per-row flags of non-finite results or None)."""
-        started = time.perf_counter()
-        tokens = steps.pad_rows(parts, bucket)
-        if kind == steps.FORWARD:
-            result = self.engine.forward(layer, tokens, rows, token_ids=token_ids)
-            checked = (result.output, result.topk_weights)
-        else:
-            result = self.engine.route(layer, tokens, rows, from_logits=kind == steps.ROUTE_LOGITS,
-                                       token_ids=token_ids)
-            checked = (result.topk_weights, result.aux_scores)
-        seconds = time.perf_counter() - started
-        if all(np.isfinite(array).all() for array in checked):
-            return result, seconds, None
-        return result, seconds, np.logical_or.reduce([~np.isfinite(array).all(axis=1) for array in checked])
-
-    def _calibrate(self) -> None:
-        rng, seen = np.random.default_rng(0), set()
-        largest = self.model.bucket_for(self.max_part_tokens)
-        for layer, cfg in self.model.layers.items():
-            if cfg in seen:
-                continue
-            seen.add(cfg)
-            for kind in steps.STEP_KINDS:
-                logits = kind == steps.ROUTE_LOGITS
-                width, dtype = (cfg.num_experts, np.float32) if logits else (cfg.hidden_size, self.model.dtype)
-                for bucket in (b for b in self.model.buckets if b <= largest):
-                    tokens = requests.cast(rng.standard_normal((bucket, width), np.float32), dtype)
-                    ids = np.zeros(bucket, np.int32) if cfg.hash_routed else None  # any id is in the vocabulary
-                    self._step(layer, kind, [tokens], bucket, bucket, ids)
-                    self.times.seed((cfg, kind), bucket, self._step(layer, kind, [tokens], bucket, bucket, ids)[1])
 
     def _record(self, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float, result) -> None:
         metric_kind = "forward" if kind == steps.FORWARD else "route"

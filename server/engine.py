@@ -188,10 +188,18 @@ class Engine:
         if layer.cfg.hash_routed:
             extra = (self._token_ids(layer, token_ids, tokens, num_valid),)
         if kind == steps.FORWARD:
-            params = layer.params
-            placed = params if self.placement.ep is None else (params, self._tables[index])
-            return (placed, tokens, np.asarray(num_valid, np.int32)) + extra
-        return (layer.params.router, tokens, np.asarray(num_valid, np.int32), np.asarray(coeff, np.float32)) + extra
+            return (self.step_params(index, kind), tokens, np.asarray(num_valid, np.int32)) + extra
+        return (self.step_params(index, kind), tokens, np.asarray(num_valid, np.int32),
+                np.asarray(coeff, np.float32)) + extra
+
+    def step_params(self, index: int, kind: str = steps.FORWARD):
+        """The placed params layer ``index``'s compiled step ``kind`` reads as its first argument:
+        MoEParams (with the placement's device tables on an expert-parallel mesh:
+        ``(params, tables)``) for a forward step, RouterParams for a routing step."""
+        layer = self.layers[index]
+        if kind != steps.FORWARD:
+            return layer.params.router
+        return layer.params if self.placement.ep is None else (layer.params, self._tables[index])
 
     @staticmethod
     def _token_ids(layer: LoadedLayer, token_ids, tokens, num_valid: int):

@@ -28,8 +28,8 @@ from expertd.server.model import load_preset
 
 H, E = 64, 8
 BF16, FP16, FP32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
-SERVING_MODULES = ("requests", "kserve_requests", "shared_memory", "batcher", "servicer", "kserve", "engine",
-                   "description", "errors")
+SERVING_MODULES = ("requests", "kserve_requests", "shared_memory", "batcher", "device_steps", "servicer", "kserve",
+                   "engine", "description", "errors")
 
 
 class Recording:

@@ -102,6 +102,13 @@ def _stop_all(processes: list[Process]) -> None:
         process.popen.wait(10)
 
 
+def _follower_steps(metrics_port: int) -> float:
+    """The steps a follower has run (its expertd_executions_total, summed over layers and kinds)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        scraped = reply.read().decode()
+    return sum(float(v) for v in re.findall(r'^expertd_executions_total\{[^}]*\} (\S+)$', scraped, re.M))
+
+
 def _seconds_until_exit(leader: Process, since: float, limit_s: float = 30) -> float:
     """Seconds from ``since`` until the leader process exited (or ``limit_s``). Readiness is not
     polled: a leader with nothing in flight drains at once and may exit before any poll could see
@@ -128,6 +135,7 @@ def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_die
         with ExpertClient(f"127.0.0.1:{port}", timeout=120, retries=0) as client:
             client.wait_ready(STARTUP_S)
             assert _health(follower_port, "readiness") == health_pb2.HealthCheckResponse.SERVING
+            steps_before = _follower_steps(follower_metrics)  # the leader's start-up calibration steps
             forward = client.forward(x, layer=0, return_routing=True)
             route = client.route(x, layer=0)
             logits_route = client.route(layer=0, logits=x[:, :8])
@@ -142,9 +150,7 @@ def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_die
             by_logits = reference.route(0, pad_rows([np.ascontiguousarray(x[rows, :8])], 8), n,
                                         from_logits=True)
             np.testing.assert_array_equal(logits_route.topk_ids[rows], by_logits.topk_ids)
-        with urllib.request.urlopen(f"http://127.0.0.1:{follower_metrics}/metrics", timeout=10) as reply:
-            scraped = reply.read().decode()
-        steps = sum(float(v) for v in re.findall(r'^expertd_executions_total\{[^}]*\} (\S+)$', scraped, re.M))
+        steps = _follower_steps(follower_metrics) - steps_before
         assert steps == 6, "the follower ran every step of the leader (2 forward, 2 route, 2 route by logits)"
 
         follower.popen.kill()
