@@ -357,22 +357,6 @@ def _token_id_rows(token_ids, cfg: moe.MoEConfig, num_tokens: int, padded: int):
     return jnp.pad(jnp.asarray(token_ids, jnp.int32), (0, padded - num_tokens))
 
 
-def _token_id_rows(token_ids, cfg: moe.MoEConfig, num_tokens: int, padded: int):
-    """int32 [T_pad]: a hash-routed layer's token ids padded with 0 (padding rows are not routed);
-    None for other layers. TokenIdsError when they are missing or not [T]; their values are the
-    caller's to check on the host (`moe.check_token_ids`; the kernel clips them into [0, V))."""
-    if not cfg.hash_routed:
-        return None
-    if token_ids is None:
-        moe.check_token_ids(None, cfg)  # raises: required
-    if tuple(np.shape(token_ids)) != (num_tokens,):
-        raise TokenIdsError(f"must hold one id per token: expected shape [{num_tokens}], "
-                            f"got {list(np.shape(token_ids))}")
-    if isinstance(token_ids, np.ndarray):
-        return np.pad(token_ids.astype(np.int32), (0, padded - num_tokens))
-    return jnp.pad(jnp.asarray(token_ids, jnp.int32), (0, padded - num_tokens))
-
-
 def _pad_rows(x, padded: int):
     extra = padded - x.shape[0]
     if not extra:
