@@ -6,6 +6,7 @@ subprocess servers of the drain test use the same cache.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -20,6 +21,7 @@ import numpy as np
 from expertd.kernels import cpu
 from expertd.kernels import router as router_ops
 from expertd.kernels.moe import MoEParams, moe_layer
+from expertd.server.app import create_server
 from expertd.server.config import BatchingConfig, ModelConfig, SecurityConfig, ServerConfig
 
 BUCKETS = (1, 8)  # few and small: every bucket is compiled at start-up
@@ -39,6 +41,21 @@ def server_config(tmp_path_factory, *, model: ModelConfig | None = None, securit
         batching=BatchingConfig(**{"bucket_sizes": BUCKETS, **batching}),
         security=security or SecurityConfig(),
     )
+
+
+@contextlib.contextmanager
+def server_with_runner(tmp_path_factory, wrap, **batching):
+    """A started server (``server_config``) whose engine steps go through ``wrap(engine)``, the
+    step runner, kept as the handle's ``runner``; stopped on exit."""
+    runners = []
+    handle = create_server(server_config(tmp_path_factory, **batching),
+                           step_runner=lambda engine: runners.append(wrap(engine)) or runners[-1])
+    try:
+        handle.wait_ready(timeout=300)
+        handle.runner = runners[0]
+        yield handle
+    finally:
+        handle.stop(grace=5)
 
 
 def host_params(layer, dtype) -> dict[str, np.ndarray]:

@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.utils.shared_memory as tshm
-from service_support import server_config
+from service_support import server_with_runner
 from tritonclient.utils import InferenceServerException
 
 from expertd.client import ExpertClient, InvalidArgumentError, codec
 from expertd.client.kserve_protos import service_grpc, service_pb2
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.client.shared_memory import SharedMemoryRegion
-from expertd.server.app import create_server
 from expertd.server.errors import InvalidRequest
 from expertd.server.shared_memory import SharedMemoryRegistry
 
@@ -173,15 +172,11 @@ class Gate:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    gates = []
     # fp32 tiny, buckets 1, 8; the Gate holds steps, so they must run on the device thread, never
     # inline on the event loop (the idle fast path), or a held step would stop every other call
-    handle = create_server(server_config(tmp_path_factory, max_queue_delay_ms=0.0, inline_step_max_ms=0.0),
-                           step_runner=lambda engine: gates.append(Gate(engine)) or gates[-1])
-    handle.wait_ready(timeout=300)
-    handle.gate = gates[0]
-    yield handle
-    handle.stop(grace=5)
+    with server_with_runner(tmp_path_factory, Gate, max_queue_delay_ms=0.0, inline_step_max_ms=0.0) as handle:
+        handle.gate = handle.runner
+        yield handle
 
 
 @pytest.fixture

@@ -13,13 +13,12 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
-from service_support import server_config
+from service_support import server_with_runner
 from tritonclient.utils import InferenceServerException
 
 from expertd.client import AsyncExpertClient, ExpertClient, codec
 from expertd.client.kserve_protos import service_grpc, service_pb2
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server.app import create_server
 
 H = 64
 
@@ -41,13 +40,9 @@ class Recording:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    runners = []
-    handle = create_server(server_config(tmp_path_factory, max_queue_delay_ms=0.0),  # fp32 tiny, buckets 1, 8
-                           step_runner=lambda engine: runners.append(Recording(engine)) or runners[-1])
-    handle.wait_ready(timeout=300)
-    handle.recording = runners[0]
-    yield handle
-    handle.stop(grace=5)
+    with server_with_runner(tmp_path_factory, Recording, max_queue_delay_ms=0.0) as handle:  # fp32 tiny, buckets 1, 8
+        handle.recording = handle.runner
+        yield handle
 
 
 @pytest.fixture
