@@ -19,12 +19,10 @@ nothing here checks them again:
 4. The step's bucket is chosen once and its row ranges (views of the requests' arrays) are copied
    once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
    which the engine runs as one step (``device_steps.run_step``) on the single device-worker
-   thread: the loop never blocks on device work, except on the idle fast path (``_runs_inline``):
-   a request that finds nothing else admitted, the device thread free and traffic sparse (no step
-   within the last step time, or for a padded batch the last queue delay: denser arrivals queue
-   and merge), whose one step is expected within ``--inline-step-max-ms``, runs it on the loop
-   at once, saving the two thread switches that cost a lone small request more than its step.
-   A step's seconds on the thread that ran it feed the step-time estimates.
+   thread, except on the idle fast path (``_runs_inline``): a lone request, the device thread free,
+   traffic sparse (no step within the last step time, or queue delay if padded), a step expected
+   within ``--inline-step-max-ms``: run on the loop, saving two thread switches. A step's seconds
+   on the thread that ran it feed the step-time estimates.
    Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
    with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
    re-run one by one, so one bad request never fails the others in its batch.
@@ -95,6 +93,7 @@ class Batcher:
         self.loads = ExpertLoadTracker({i: cfg.num_experts for i, cfg in model.layers.items()},
                                        config.expert_load_window_s)
         self.times = StepTimes()
+        self._config_ids = {cfg: index for index, cfg in enumerate(dict.fromkeys(model.layers.values()))}
         self.admission = Admission(Limits(config.max_queue_size, config.queue_tokens, config.max_queue_wait_ms / 1e3,
                                           self.max_part_tokens), self.times, model.bucket_for)
         self.queues = Queues(self.max_part_tokens, self._expire)
@@ -198,15 +197,19 @@ class Batcher:
             self._device_jobs -= 1
 
     async def calibrate(self) -> None:
-        """Seed the step-time estimates: each (layer config, step kind, bucket) step run on random
-        tokens, the second run measured (device thread). After warm-up, before ``start``."""
-        await self.run_on_device(device_steps.calibrate, self.engine, self.model, self.times, self.max_part_tokens)
+        """Seed the step-time estimates (``device_steps.calibrate``). After warm-up, before ``start``."""
+        await self.run_on_device(device_steps.calibrate, self.engine, self.model, self.times, self.max_part_tokens,
+                                 self.step_key)
+
+    def step_key(self, cfg, kind: str) -> tuple[int, str]:
+        """The ``times`` key of layer config ``cfg``'s steps of ``kind``: an int for the config (cheap to hash)."""
+        return self._config_ids[cfg], kind
 
     # -- queueing -------------------------------------------------------------------------------
     def _queue(self, layer: int, kind: str) -> LayerQueue:
         queue = self.queues.get(layer, kind)
         if queue is None:
-            queue = self.queues.add(LayerQueue(layer, kind, (self.model.layers[layer], kind)))
+            queue = self.queues.add(LayerQueue(layer, kind, self.step_key(self.model.layers[layer], kind)))
             queue.task = asyncio.ensure_future(self._schedule(queue))
         return queue
 

@@ -34,9 +34,10 @@ def run_step(engine, layer: int, kind: str, parts: list[np.ndarray], bucket: int
     return result, seconds, np.logical_or.reduce([~np.isfinite(array).all(axis=1) for array in checked])
 
 
-def calibrate(engine, model: ModelDescription, times: StepTimes, max_rows: int) -> None:
-    """Seed ``times`` with each (layer config, step kind, bucket up to ``max_rows``) step's seconds:
-    run on random tokens, the second run measured (the first may still pay for first use)."""
+def calibrate(engine, model: ModelDescription, times: StepTimes, max_rows: int, step_key) -> None:
+    """Seed ``times`` with each (layer config, step kind, bucket up to ``max_rows``) step's seconds,
+    under ``step_key(cfg, kind)``: run on random tokens, the second run measured (the first may
+    still pay for first use)."""
     rng, seen = np.random.default_rng(0), set()
     largest = model.bucket_for(max_rows)
     for layer, cfg in model.layers.items():
@@ -50,4 +51,4 @@ def calibrate(engine, model: ModelDescription, times: StepTimes, max_rows: int) 
                 tokens = requests.cast(rng.standard_normal((bucket, width), np.float32), dtype)
                 ids = np.zeros(bucket, np.int32) if cfg.hash_routed else None  # any id is in the vocabulary
                 run_step(engine, layer, kind, [tokens], bucket, bucket, ids)
-                times.seed((cfg, kind), bucket, run_step(engine, layer, kind, [tokens], bucket, bucket, ids)[1])
+                times.seed(step_key(cfg, kind), bucket, run_step(engine, layer, kind, [tokens], bucket, bucket, ids)[1])

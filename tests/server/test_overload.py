@@ -237,7 +237,7 @@ def test_a_1_token_client_is_not_held_up_by_an_8192_token_client(server):
     beside = load(server, 4.0, small, {"name": "big", "tokens": 8192, "concurrency": 2, "deadline": 60.0})["calls"]
     near = latencies(beside["small"])
     big = latencies(beside["big"])
-    step = server.batcher.times.estimate((server.model.layers[0], steps.FORWARD), 256)
+    step = server.batcher.times.estimate(server.batcher.step_key(server.model.layers[0], steps.FORWARD), 256)
     assert len(alone) >= 20 and len(near) >= 20 and big
     p50_alone, p50_near = np.percentile(alone, 50), np.percentile(near, 50)
     print(dict(p50_alone=p50_alone, p50_near=p50_near, step=step, big_p50=np.percentile(big, 50)))
