@@ -27,7 +27,10 @@ H, E, K = 64, 8, 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    handle = create_server(server_config(tmp_path_factory, max_queue_delay_ms=20.0))
+    # the idle fast path off: requests that trickle in (32 client threads share this process's GIL
+    # with the server) would each find the server idle and run alone on the event loop, and this
+    # module checks that concurrent requests merge; test_service_batcher tests the fast path
+    handle = create_server(server_config(tmp_path_factory, max_queue_delay_ms=20.0, inline_step_max_ms=0.0))
     handle.wait_ready(timeout=300)
     yield handle
     handle.stop(grace=5)
