@@ -34,6 +34,7 @@ def chunks(request, monkeypatch):
     """Run a test with chunks of ~1000 elements (many chunks, partial last ones) and with the default."""
     if request.param == "small-chunks":
         monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", 1000)
+        monkeypatch.setattr(codecs, "TABLE_CHUNK_ELEMENTS", 1000)
 
 
 def random_e4m3(rng, shape):
@@ -107,10 +108,18 @@ FP8_SHAPES = [((192, 200), (128, 128)), ((128, 256), (128, 128)), ((1, 1), (128,
               ((3, 130, 257), (128, 128)), ((192, 200), (64, 32))]
 
 
+@pytest.fixture(params=["block-tables", "per-chunk"])
+def fp8_path(request, monkeypatch):
+    """Run a test through each FP8 block path: per-block look-up tables (blocks of 1024 elements or
+    more) and the per-chunk multiply (forced by raising the tables' threshold)."""
+    if request.param == "per-chunk":
+        monkeypatch.setattr(codecs, "TABLE_MIN_BLOCK_ELEMENTS", 1 << 40)
+
+
 @pytest.mark.parametrize("shape,block", FP8_SHAPES, ids=lambda v: "x".join(map(str, v)))
 @pytest.mark.parametrize("scale_kind", ["float32", "bfloat16", "e8m0", "e8m0-raw"])
 @pytest.mark.parametrize("dtype", OUT_DTYPES, ids=str)
-def test_fp8_block_matches_plain_reference(shape, block, scale_kind, dtype, chunks):
+def test_fp8_block_matches_plain_reference(shape, block, scale_kind, dtype, chunks, fp8_path):
     rng = np.random.default_rng(0)
     weight = random_e4m3(rng, shape)
     scale_shape = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
@@ -122,6 +131,28 @@ def test_fp8_block_matches_plain_reference(shape, block, scale_kind, dtype, chun
         scale = rng.uniform(1e-3, 2.0, scale_shape).astype(scale_kind)
         reference = ref_fp8_block(weight, scale, *block)
     expect(quant.dequantize_fp8_block(weight, scale, block, out_dtype=dtype), reference, dtype)
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+@pytest.mark.parametrize("at", [0, 1, 7, 8, 8 * codecs.NAN_SCAN_WORDS + 3, -1])
+def test_a_nan_code_anywhere_is_refused_by_either_path(code, at, fp8_path):
+    """The tables' NaN scan reads eight codes at a time (and in chunks): every byte lane and chunk
+    edge is seen; the error names the index."""
+    codes = np.full((8 * codecs.NAN_SCAN_WORDS + 512), 0x38, np.uint8).reshape(-1, 256)  # 1.0 everywhere
+    flat = codes.reshape(-1)
+    flat[at] = code
+    row, col = np.unravel_index(at % flat.size, codes.shape)
+    scale = np.ones((-(-codes.shape[0] // 128), 2), np.float32)
+    with pytest.raises(quant.QuantError, match=rf"index \[{row}, {col}\] is not finite"):
+        quant.dequantize_fp8_block(codes.view(E4M3), scale)
+
+
+def test_a_scale_that_overflows_only_unused_codes_is_served():
+    """A block whose scale would overflow large codes, holding only small ones: every value finite."""
+    codes = np.full((128, 128), 0x38, np.uint8)  # 1.0
+    scale = np.array([[1e37]], np.float32)  # 448 * 1e37 overflows float32
+    out = quant.dequantize_fp8_block(codes.view(E4M3), scale)
+    assert np.all(out == np.float32(1e37))
 
 
 def test_fp8_block_edge_blocks_are_counted_by_ceiling():
