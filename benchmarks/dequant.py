@@ -6,7 +6,7 @@ round in one process so the machine's drift hits both alike:
 
   tables     the default for blocks of 1024 elements or more: one 256-entry table per block
              (code -> value x scale, rounded once), looked up a chunk of rows at a time
-  per-chunk  forced by raising `codecs.TABLE_MIN_BLOCK_ELEMENTS`: code -> float32, times the
+  per-chunk  forced by raising `fp8_tables.MIN_BLOCK_ELEMENTS`: code -> float32, times the
              block scale, finite check, cast (the path every other format's layout takes)
 
 each timed on one thread (one matrix) and on two threads at once (two matrices, as the loader's
@@ -31,11 +31,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_layer  # noqa: E402  (write_results)
 
-from expertd.server.models.quant import codecs  # noqa: E402
+from expertd.server.models.quant import codecs, fp8_tables  # noqa: E402
 
 ROWS, COLS, BLOCK = 2048, 7168, 128
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dequant.json")
-PATHS = {"tables": codecs.TABLE_MIN_BLOCK_ELEMENTS, "per-chunk": 1 << 40}
+PATHS = {"tables": fp8_tables.MIN_BLOCK_ELEMENTS, "per-chunk": 1 << 40}
 
 
 def matrix(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,15 +74,15 @@ def main() -> None:
     matrices = [matrix(seed) for seed in range(max(1, args.threads))]
     outputs = {}
     for path, threshold in PATHS.items():
-        codecs.TABLE_MIN_BLOCK_ELEMENTS = threshold
+        fp8_tables.MIN_BLOCK_ELEMENTS = threshold
         outputs[path] = dequantize(*matrices[0]).view(np.uint16)  # also warms each path up
     assert np.array_equal(outputs["tables"], outputs["per-chunk"]), "the two paths disagree"
     times = {(path, n): [] for path in PATHS for n in (1, args.threads)}
     for _ in range(args.rounds):
         for (path, n), samples in times.items():
-            codecs.TABLE_MIN_BLOCK_ELEMENTS = PATHS[path]
+            fp8_tables.MIN_BLOCK_ELEMENTS = PATHS[path]
             samples.append(timed(matrices[:n]) / n)
-    codecs.TABLE_MIN_BLOCK_ELEMENTS = PATHS["tables"]
+    fp8_tables.MIN_BLOCK_ELEMENTS = PATHS["tables"]
     rows = []
     print(f"{'threads':>8} {'tables ms':>10} {'per-chunk ms':>13} {'tables / per-chunk':>19}   (median per matrix)")
     for n in sorted({1, args.threads}):

@@ -20,7 +20,7 @@ from expertd.kernels.moe import MoEParams, moe_layer
 from expertd.kernels.params import param_dtype
 from expertd.server.checkpoint import CheckpointError, CheckpointRefused, load_checkpoint, plan_checkpoint
 from expertd.server.cli import main
-from expertd.server.models.quant import codecs
+from expertd.server.models.quant import fp8_tables
 from expertd.server.models.stored import StoredTensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -114,8 +114,8 @@ def test_unknown_quantization_method_is_refused_at_start(tmp_path, capsys):
 def test_fp8_blocks_of_table_size_load_their_dequantised_weights(tmp_path, monkeypatch):
     """32x32 blocks (1024 elements) take the codec's look-up-table path inside the real loader."""
     tabled = []
-    by_table = codecs._fp8_blocks_by_table
-    monkeypatch.setattr(codecs, "_fp8_blocks_by_table", lambda *args: tabled.append(by_table(*args)) or tabled[-1])
+    by_table = fp8_tables.dequantize_into
+    monkeypatch.setattr(fp8_tables, "dequantize_into", lambda *args: tabled.append(by_table(*args)) or tabled[-1])
     expected = write_checkpoint(tmp_path, "deepseek_v3", num_layers=3, quantize="fp8", dtype="bfloat16",
                                 block=(32, 32))
     for layer in load_checkpoint(tmp_path, dtype="bfloat16", workers=1):

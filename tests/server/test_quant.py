@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from expertd.server.models import quant
-from expertd.server.models.quant import QuantError, QuantScheme, codecs
+from expertd.server.models.quant import QuantError, QuantScheme, codecs, fp8_tables
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
@@ -34,7 +34,7 @@ def chunks(request, monkeypatch):
     """Run a test with chunks of ~1000 elements (many chunks, partial last ones) and with the default."""
     if request.param == "small-chunks":
         monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", 1000)
-        monkeypatch.setattr(codecs, "TABLE_CHUNK_ELEMENTS", 1000)
+        monkeypatch.setattr(fp8_tables, "CHUNK_ELEMENTS", 1000)
 
 
 def random_e4m3(rng, shape):
@@ -113,7 +113,7 @@ def fp8_path(request, monkeypatch):
     """Run a test through each FP8 block path: per-block look-up tables (blocks of 1024 elements or
     more) and the per-chunk multiply (forced by raising the tables' threshold)."""
     if request.param == "per-chunk":
-        monkeypatch.setattr(codecs, "TABLE_MIN_BLOCK_ELEMENTS", 1 << 40)
+        monkeypatch.setattr(fp8_tables, "MIN_BLOCK_ELEMENTS", 1 << 40)
 
 
 @pytest.mark.parametrize("shape,block", FP8_SHAPES, ids=lambda v: "x".join(map(str, v)))
@@ -134,11 +134,11 @@ def test_fp8_block_matches_plain_reference(shape, block, scale_kind, dtype, chun
 
 
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
-@pytest.mark.parametrize("at", [0, 1, 7, 8, 8 * codecs.NAN_SCAN_WORDS + 3, -1])
+@pytest.mark.parametrize("at", [0, 1, 7, 8, 8 * fp8_tables.NAN_SCAN_WORDS + 3, -1])
 def test_a_nan_code_anywhere_is_refused_by_either_path(code, at, fp8_path):
     """The tables' NaN scan reads eight codes at a time (and in chunks): every byte lane and chunk
     edge is seen; the error names the index."""
-    codes = np.full((8 * codecs.NAN_SCAN_WORDS + 512), 0x38, np.uint8).reshape(-1, 256)  # 1.0 everywhere
+    codes = np.full((8 * fp8_tables.NAN_SCAN_WORDS + 512), 0x38, np.uint8).reshape(-1, 256)  # 1.0 everywhere
     flat = codes.reshape(-1)
     flat[at] = code
     row, col = np.unravel_index(at % flat.size, codes.shape)

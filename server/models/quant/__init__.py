@@ -25,7 +25,8 @@ The door of the quantisation subsystem; a checkpoint loader uses these names onl
    np.float8_*); a loader memory-maps their bytes and views them with `numpy_dtype(header dtype)`.
 
 Memory: each decoder writes its output row chunk by row chunk, so a call holds the output plus
-O(`codecs.CHUNK_ELEMENTS`) float32 temporaries and reads memory-mapped inputs once. Work is on the
+O(`codecs.CHUNK_ELEMENTS`) float32 temporaries and reads memory-mapped inputs once (FP8 in large
+blocks goes through `fp8_tables`: per-block look-up tables, the same values). Work is on the
 host in numpy; weights reach the devices dense, in the serving dtype. A native FP8 path on GPU would
 keep the e4m3 codes and scales as they are (`locate` names them) instead of calling `dequantize`.
 

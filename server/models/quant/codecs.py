@@ -21,12 +21,10 @@ import math
 import ml_dtypes
 import numpy as np
 
+from expertd.server.models.quant import fp8_tables
+
 # float32 elements of temporaries per chunk of rows (8 MiB)
 CHUNK_ELEMENTS = 1 << 21
-# FP8 blocks at least this large are dequantised by per-block look-up tables (`_fp8_blocks_by_table`)
-TABLE_MIN_BLOCK_ELEMENTS = 1024
-TABLE_CHUNK_ELEMENTS = 1 << 16  # codes per look-up of the table path (its index: 512 KiB)
-NAN_SCAN_WORDS = 1 << 15  # eight-code words the NaN scan holds at a time (256 KiB)
 
 OUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 FLOAT_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
@@ -36,11 +34,8 @@ E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 
 _CODES = np.arange(256, dtype=np.uint8)
 # code -> float32 value; e4m3fn has NaN at 0x7F and 0xFF, e8m0 is 2**(code-127) with NaN at 0xFF
-_E4M3_VALUES = _CODES.view(E4M3).astype(np.float32)
+_E4M3_VALUES = fp8_tables.E4M3_VALUES
 _E8M0_VALUES = _CODES.view(E8M0).astype(np.float32)
-_E4M3_FINITE = np.isfinite(_E4M3_VALUES)
-_INTEGER_VIEWS = {2: np.uint16, 4: np.uint32}
-_LOW7, _ONES, _TOPS = (np.uint64(int(byte) * 0x0101010101010101) for byte in (0x7F, 0x01, 0x80))
 # FP4 e2m1 code -> value (OCP MX spec: sign is bit 3, exponent bits 2-1 with bias 1, mantissa bit 0);
 # equals ml_dtypes.float4_e2m1fn
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -91,7 +86,7 @@ def dequantize_fp8_block(weight, scale, block_size=(128, 128), *, out_dtype=np.f
     codes3, scales3, out3 = (a.reshape(count, *a.shape[-2:]) for a in (codes, scales, out))
     for m in range(codes3.shape[0]):
         block_scales = _decode_scale(scales3[m], scale_name, (m * scales3.shape[1], scales.shape[:-1]))
-        if bm * bn >= TABLE_MIN_BLOCK_ELEMENTS and _fp8_blocks_by_table(codes3[m], block_scales, bm, bn, out3[m]):
+        if fp8_tables.dequantize_into(codes3[m], block_scales, bm, bn, out3[m]):
             continue
         column_scales = np.repeat(block_scales, bn, axis=1)[:, :cols]  # [ceil(R/bm), C]
         for r0, r1 in _row_chunks(rows, cols):
@@ -280,50 +275,6 @@ def _e2m1_rows(codes, scale_codes, out, name, scale_name):
         flat = values.reshape(r1 - r0, -1)
         _check_finite(flat, name, (r0, scale_codes.shape[:-1]))
         out2[r0:r1] = flat
-
-
-def _fp8_blocks_by_table(codes, block_scales, bm, bn, out) -> bool:
-    """Dequantise one `[R, C]` matrix of e4m3 codes through a 256-entry table per block (code ->
-    value x scale, rounded once to out's dtype), as the per-chunk path computes it; False, leaving
-    `out` unwritten, when a value could be non-finite (a NaN code, or a scale that overflows some
-    code), which the per-chunk path then refuses naming the index.
-
-    A block row's tables lie side by side, so one look-up over a chunk of its rows indexes them by
-    `code + 256 * column block`: few, large `np.take` calls, which run outside the GIL."""
-    with np.errstate(over="ignore"):  # an overflow is seen below and left to the per-chunk path
-        table = _E4M3_VALUES[_E4M3_FINITE] * block_scales[:, :, None]
-    if not np.isfinite(table).all() or _has_e4m3_nan(codes):
-        return False
-    block_rows, block_cols = block_scales.shape
-    tables = np.zeros((block_rows, block_cols, 256), out.dtype)
-    tables[..., _E4M3_FINITE] = table
-    bits = _INTEGER_VIEWS[out.dtype.itemsize]  # look-ups move the values as same-size integers
-    tables, out = tables.view(bits).reshape(block_rows, block_cols * 256), out.view(bits)
-    rows, cols = codes.shape
-    column_base = np.arange(cols, dtype=np.intp) // bn * 256  # intp: np.take converts any other index
-    step = max(1, min(bm, TABLE_CHUNK_ELEMENTS // max(1, cols)))
-    index = np.empty((step, cols), np.intp)
-    for i in range(block_rows):
-        for r0 in range(i * bm, min(rows, i * bm + bm), step):
-            r1 = min(r0 + step, i * bm + bm, rows)
-            np.add(codes[r0:r1], column_base, out=index[:r1 - r0])
-            np.take(tables[i], index[:r1 - r0], out=out[r0:r1], mode="clip")  # in range: no checks
-    return True
-
-
-def _has_e4m3_nan(codes) -> bool:
-    """Whether uint8 `codes` hold an e4m3fn NaN (0x7F or 0xFF: the low seven bits all set); eight
-    codes at a time when they are contiguous."""
-    if not (codes.flags.c_contiguous and codes.size % 8 == 0):
-        return bool(((codes & 0x7F) == 0x7F).any())
-    words = codes.reshape(-1).view(np.uint64)
-    for start in range(0, len(words), NAN_SCAN_WORDS):
-        low = words[start:start + NAN_SCAN_WORDS] & _LOW7
-        low += _ONES  # a byte whose low seven bits are all set carries into its top bit
-        low &= _TOPS
-        if low.any():
-            return True
-    return False
 
 
 def _row_chunks(rows: int, row_elements: int):
