@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         alone = run_load({**base, "duration": probes * 0.004 + 1.0, "streams": [small]})["calls"]["small"]
         beside = run_load({**base, "duration": probes * 0.02 + 2.0, "streams": [
             small, {"name": "big", "tokens": 8192, "concurrency": 2, "deadline": 60.0}]})["calls"]
-        key = (handle.model.layers[0], "forward")
+        key = handle.batcher.step_key(handle.model.layers[0], "forward")
         report["fairness"] = {
             "alone_ms": percentiles([lat for _, lat, code in alone if code == "OK"]),
             "beside_8192_ms": percentiles([lat for _, lat, code in beside["small"] if code == "OK"]),

@@ -26,16 +26,16 @@ nothing here checks them again:
    Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
    with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
    re-run one by one, so one bad request never fails the others in its batch.
-5. Results are cut back per request (views); each request's output is cast once to its caller's
-   dtype (``requests.cast``) and answered as the client's own result types (``ForwardResult``,
-   ``RouteResult``) with its ``Timing``: ``compute_seconds`` (the steps that computed its rows) and
-   ``queue_seconds`` (the rest of its time until its last step ended), the latter observed in
-   ``expertd_queue_duration_seconds`` once per request.
+5. Results are cut back per request (views) and joined into the client's own result types
+   (``expertd.server.results``; a large request's off the event loop, ``offload``), each
+   request's output cast once to its caller's dtype, with its ``Timing``: ``compute_seconds``
+   (the steps that computed its rows) and ``queue_seconds`` (the rest of its time until its last
+   step ended), the latter observed in ``expertd_queue_duration_seconds`` once per request.
 6. Per-expert token counts feed the load tracker (GetExpertLoad) and the metrics.
 
 Route requests are merged the same way. The aux loss is a statistic of a request's own tokens:
 each request's tokens per expert and score sums come from its own rows (summed over its steps
-when it was split), and its loss is computed from them on the host (``steps.aux_loss_of``).
+when it was split), and its loss is computed from them on the host (``results.route_result``).
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ import time
 
 import numpy as np
 
-from expertd.client.messages import ForwardResult, RouteResult, Routing
-from expertd.server import device_steps, requests, steps
+from expertd.client.messages import ForwardResult, RouteResult
+from expertd.server import device_steps, offload, results, steps
 from expertd.server.admission import Admission, Limits, StepTimes
 from expertd.server.config import BatchingConfig
 from expertd.server.description import ModelDescription
@@ -58,7 +58,6 @@ from expertd.server.queues import Batch, LayerQueue, QueuedRequest, Queues, Tick
 from expertd.server.requests import ForwardRequest, Header, RouteRequest
 
 DEADLINE_TOLERANCE_S = 0.01  # a call cancelled this close to its deadline ended by its deadline
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,25 +135,16 @@ class Batcher:
         Without a ``ticket`` the request is admitted here (``admit``)."""
         parts, timing = await self._submit(request.layer, steps.FORWARD, request.tokens, request.deadline,
                                            request.field, ticket, request.token_ids)
-        output, ids, weights = parts[0] if len(parts) == 1 else (np.concatenate(p) for p in zip(*parts))
-        counts = _counts(ids, self.model.layers[request.layer].num_experts)
-        return ForwardResult(requests.cast(output, request.out_dtype), Routing(ids, weights, counts)), timing
+        result = await offload.run(results.forward_result, parts, request.out_dtype,
+                                   self.model.layers[request.layer].num_experts, elements=request.tokens.size)
+        return result, timing
 
     async def route(self, request: RouteRequest, ticket: Ticket | None = None) -> tuple[RouteResult, Timing]:
         """Top-k routing of hidden states ``[T, H]`` or logits ``[T, E]``; aux loss times the request's coefficient."""
         kind = steps.ROUTE_LOGITS if request.from_logits else steps.ROUTE_HIDDEN
         parts, timing = await self._submit(request.layer, kind, request.tokens, request.deadline, request.field,
                                            ticket, request.token_ids)
-        ids = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
-        weights = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
-        cfg = self.model.layers[request.layer]
-        counts = _counts(ids, cfg.num_experts)
-        score_sums = sum(p[2] for p in parts)
-        aux_loss = steps.aux_loss_of(score_sums, counts, len(ids), cfg.topk, request.aux_loss_coeff)
-        if not abs(aux_loss) <= FLOAT32_MAX:  # the answer's aux_loss is a float32
-            raise InvalidRequest("aux_loss_coeff", f"the aux loss with coefficient {request.aux_loss_coeff:g} "
-                                                   f"overflows float32; use a smaller coefficient")
-        return RouteResult(ids, weights, counts, aux_loss), timing
+        return results.route_result(parts, self.model.layers[request.layer], request.aux_loss_coeff), timing
 
     @property
     def pending(self) -> int:
@@ -394,7 +384,3 @@ class Batcher:
         if kind != steps.FORWARD:
             self.metrics.set_aux_loss(layer, result.aux_loss)
 
-
-def _counts(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """tokens_per_expert ``[E]`` int64 from ``topk_ids [T, k]``."""
-    return np.bincount(topk_ids.reshape(-1), minlength=num_experts)

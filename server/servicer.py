@@ -26,7 +26,7 @@ import grpc
 
 from expertd.client import codec, messages
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import requests
+from expertd.server import offload, requests, steps
 from expertd.server.batcher import Batcher
 from expertd.server.description import ModelDescription
 from expertd.server.eplb import Rebalancer
@@ -57,12 +57,16 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return await run_unary(context, self._forward(request, _deadline(context)))
 
     async def _forward(self, message, deadline: float | None) -> expert_pb2.ForwardResponse:
-        with self.batcher.admit(requests.forward_header(message, self.model), deadline) as ticket:
-            request = requests.decode_forward(message, self.model, deadline, self.shared_memory)
+        header = requests.forward_header(message, self.model)
+        elements = header.tokens * self.model.layer(message.layer).hidden_size  # large: off the loop
+        with self.batcher.admit(header, deadline) as ticket:
+            request = await offload.run(requests.decode_forward, message, self.model, deadline, self.shared_memory,
+                                        elements=elements)
             slot = requests.output_slot(message, request, self.shared_memory)
             result, _ = await self.batcher.forward(request, ticket)
         if slot is None:
-            return messages.forward_response(result, message.request_id, message.return_routing)
+            return await offload.run(messages.forward_response, result, message.request_id, message.return_routing,
+                                     elements=elements)
         slot.write(result.output)
         response = messages.forward_response(dataclasses.replace(result, output=result.output[:0]), message.request_id,
                                              message.return_routing)
@@ -75,8 +79,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return await run_unary(context, self._route(request, _deadline(context)))
 
     async def _route(self, message, deadline: float | None) -> expert_pb2.RouteResponse:
-        with self.batcher.admit(requests.route_header(message, self.model), deadline) as ticket:
-            request = requests.decode_route(message, self.model, self.aux_loss_coeff, deadline, self.shared_memory)
+        header = requests.route_header(message, self.model)
+        cfg = self.model.layer(message.layer)
+        elements = header.tokens * (cfg.num_experts if header.kind == steps.ROUTE_LOGITS else cfg.hidden_size)
+        with self.batcher.admit(header, deadline) as ticket:
+            request = await offload.run(requests.decode_route, message, self.model, self.aux_loss_coeff, deadline,
+                                        self.shared_memory, elements=elements)
             result, _ = await self.batcher.route(request, ticket)
         return messages.route_response(result, message.request_id)
 

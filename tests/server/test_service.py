@@ -19,6 +19,7 @@ from service_support import host_params, reference_aux_loss, reference_forward, 
 
 from expertd.client import AsyncExpertClient, ExpertClient, InvalidArgumentError, NotFoundError, codec
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+from expertd.server import offload
 from expertd.server.app import create_server
 from expertd.server.version import VERSION
 
@@ -186,6 +187,29 @@ def test_async_client_forward_route_and_stream(server, params):
     assert [r.request_id for r in streamed] == ["0", "1"]
     np.testing.assert_allclose(streamed[1].output, expected[:1], rtol=2e-5, atol=2e-6)
     np.testing.assert_array_equal(streamed[0].routing.topk_ids, routing["topk_ids"])
+
+
+def test_large_requests_decoded_and_answered_off_the_event_loop(server, client, params):
+    """Requests of OFFLOAD_ELEMENTS or more have their body decoded and their answer built on a
+    worker thread (``expertd.server.offload``): the same results, and their errors still name the
+    field."""
+    big = offload.OFFLOAD_ELEMENTS // H + 3  # rows: over the threshold, several steps
+    x = tokens(big, seed=11, dtype=ml_dtypes.bfloat16)
+    result = client.forward(x, layer=1, return_routing=True)
+    chunks = [reference_forward(params[1], cfg_of(server, 1), x[i:i + 32], np.float32) for i in range(0, big, 32)]
+    expected = np.concatenate([out for out, _ in chunks])
+    topk_ids = np.concatenate([routing["topk_ids"] for _, routing in chunks])
+    assert result.output.dtype == np.dtype(ml_dtypes.bfloat16) and result.output.shape == (big, H)
+    np.testing.assert_allclose(result.output.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(result.routing.topk_ids, topk_ids)
+    np.testing.assert_array_equal(result.routing.tokens_per_expert, np.bincount(topk_ids.ravel(), minlength=E))
+    route = client.route(x, layer=1, aux_loss_coeff=0.5)
+    np.testing.assert_array_equal(route.topk_ids, topk_ids)
+    bad = tokens(big, seed=12)
+    bad[big - 2, 5] = np.nan
+    with pytest.raises(InvalidArgumentError) as info:
+        client.forward(bad, layer=0)
+    assert info.value.field_violations == [("hidden_states", f"contains NaN or Inf (first at token {big - 2})")]
 
 
 # -- INVALID_ARGUMENT and NOT_FOUND, through the raw stub (the client would refuse some inputs) --
