@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 
 from expertd.client import codec
@@ -86,10 +87,26 @@ def cast(array: np.ndarray, dtype) -> np.ndarray:
 def check_tokens(array: np.ndarray, field: str, width: int, width_name: str, max_tokens: int) -> None:
     """Shape ``[T, width]`` with 1 <= T <= max_tokens and no NaN / Inf (InvalidRequest otherwise)."""
     check_shape(*array.shape, field, width, width_name, max_tokens)
-    finite = np.isfinite(array)
-    if not finite.all():
-        row = int(np.argwhere(~finite)[0][0])
+    row = _first_non_finite_row(array)
+    if row is not None:
         raise InvalidRequest(field, f"contains NaN or Inf (first at token {row})")
+
+
+# 16-bit floats are NaN or Inf exactly when their exponent bits are all set; testing the bits as
+# integers is several times faster than ml_dtypes' isfinite on bfloat16 (float32: numpy's own).
+_EXPONENT_BITS = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
+
+
+def _first_non_finite_row(array: np.ndarray) -> int | None:
+    """The first row of ``array [T, width]`` holding a NaN or Inf, or None."""
+    mask = _EXPONENT_BITS.get(array.dtype)
+    if mask is None or not array.flags.c_contiguous:
+        bad = ~np.isfinite(array)
+    else:
+        bad = (array.view(np.uint16) & mask) == mask
+    if not bad.any():
+        return None
+    return int(np.argmax(bad.any(axis=1)))
 
 
 def check_token_ids(array: np.ndarray, num_tokens: int, field: str = "token_ids") -> np.ndarray:

@@ -244,6 +244,10 @@ INF[0, 0] = np.inf
         ({"hidden_states": tensor(expert_pb2.DTYPE_FLOAT32, [8193, H])}, "hidden_states.shape", "--max-request-tokens"),
         ({"hidden_states": codec.encode(NAN)}, "hidden_states", "NaN or Inf (first at token 1)"),
         ({"hidden_states": codec.encode(INF)}, "hidden_states", "NaN or Inf (first at token 0)"),
+        ({"hidden_states": codec.encode(NAN.astype(ml_dtypes.bfloat16))}, "hidden_states", "(first at token 1)"),
+        ({"hidden_states": codec.encode(-NAN.astype(np.float16))}, "hidden_states", "(first at token 1)"),
+        ({"hidden_states": codec.encode(np.concatenate([NAN, -INF.astype(np.float32)]).astype(np.float16))},
+         "hidden_states", "(first at token 1)"),
         ({}, "hidden_states", "required"),
     ],
 )
