@@ -100,7 +100,8 @@ class Batcher:
         self.draining = False
         self._buckets = frozenset(model.buckets)
         self._pending = 0
-        self._in_flight: dict[int, tuple] = {}  # steps handed to the device thread: (step key, bucket, since)
+        self._in_flight: dict[int, tuple[float, float]] = {}  # steps handed over: step -> (since, expected s)
+        self._in_flight_seconds = 0.0  # their expected seconds, summed
         self._device_jobs = 0  # jobs handed to the device thread and not finished (steps, warm-up, swaps)
         self._last_step_end = 0.0  # monotonic end of the latest step
         self._steps = 0
@@ -294,12 +295,17 @@ class Batcher:
                 queue.gather_until = 0.0
 
     def _running_seconds(self, now: float) -> float:
-        """Expected seconds left of the steps handed to the device thread (one runs, the others wait)."""
+        """Expected seconds left of the steps handed to the device thread, each at its estimate when
+        handed over: the oldest runs (the first in ``_in_flight``), the others wait. O(1) per call."""
         if not self._in_flight:
             return 0.0
-        estimates = [(since, self.times.estimate(key, bucket)) for key, bucket, since in list(self._in_flight.values())]
-        since, first = min(estimates)
-        return max(sum(seconds for _, seconds in estimates) - min(now - since, first), 0.0)
+        since, first = next(iter(self._in_flight.values()))
+        return max(self._in_flight_seconds - min(now - since, first), 0.0)
+
+    def _step_ended(self, step: int) -> None:
+        since_expected = self._in_flight.pop(step, None)
+        if since_expected is not None:  # a sum left by the last step is rounding: reset it
+            self._in_flight_seconds = self._in_flight_seconds - since_expected[1] if self._in_flight else 0.0
 
     # -- execution ------------------------------------------------------------------------------
     def _runs_inline(self, queue: LayerQueue, rows: int) -> bool:
@@ -322,7 +328,9 @@ class Batcher:
         bucket = self.model.bucket_for(rows)
         self._steps += 1
         step = self._steps
-        self._in_flight[step] = (queue.step_key, bucket, time.monotonic())
+        expected = self.times.estimate(queue.step_key, bucket)
+        self._in_flight[step] = (time.monotonic(), expected)
+        self._in_flight_seconds += expected
         try:
             # token ids ride with their rows, padded to the bucket; None unless every request has them
             ids = None if any(r.token_ids is None for r, _, _ in batch) else \
@@ -332,7 +340,7 @@ class Batcher:
             result, seconds, bad_rows = device_steps.run_step(*args) if inline else \
                 await self.run_on_device(device_steps.run_step, *args)
         except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
-            self._in_flight.pop(step, None)
+            self._step_ended(step)
             if len(batch) > 1:
                 for entry in batch:  # isolate the failing request; the others still get answers
                     await self._execute(queue, [entry])
@@ -340,7 +348,7 @@ class Batcher:
                 self._fail(batch[0][0], exc)
             return
         finally:
-            self._in_flight.pop(step, None)
+            self._step_ended(step)
             self._last_step_end = time.monotonic()
         ended = self._last_step_end
         self.times.observe(queue.step_key, bucket, seconds)
