@@ -41,11 +41,14 @@ from expertd.server.shared_memory import SharedMemoryRegistry, Slot
 @dataclasses.dataclass(frozen=True)
 class Header:
     """What admission needs: the layer, the step kind (``steps.FORWARD``, ``ROUTE_HIDDEN``,
-    ``ROUTE_LOGITS``) and the tokens T, read from the header fields alone."""
+    ``ROUTE_LOGITS``) and the tokens T, read from the header fields alone; and ``body_elements``,
+    the elements of the tensor the message itself carries (T x width; 0 when it lies in shared
+    memory), which sizes the work of decoding it."""
 
     layer: int
     kind: str
     tokens: int
+    body_elements: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +133,7 @@ def forward_header(message: expert_pb2.ForwardRequest, model: ModelDescription) 
     cfg = model.layer(message.layer)
     tensor = message.hidden_states if message.HasField("hidden_states") else None
     tokens = _tensor_header(tensor, "hidden_states", cfg.hidden_size, "H", model.max_request_tokens)
-    return Header(message.layer, steps.FORWARD, tokens)
+    return Header(message.layer, steps.FORWARD, tokens, _body_elements(tensor, tokens, cfg.hidden_size))
 
 
 def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, deadline: float | None,
@@ -148,8 +151,10 @@ def route_header(message: expert_pb2.RouteRequest, model: ModelDescription) -> H
     """A Route message's Header, its tensor body untouched."""
     cfg = model.layer(message.layer)
     which, width, name = _route_input(message, cfg)
-    tokens = _tensor_header(getattr(message, which), which, width, name, model.max_request_tokens)
-    return Header(message.layer, steps.ROUTE_LOGITS if which == "logits" else steps.ROUTE_HIDDEN, tokens)
+    tensor = getattr(message, which)
+    tokens = _tensor_header(tensor, which, width, name, model.max_request_tokens)
+    return Header(message.layer, steps.ROUTE_LOGITS if which == "logits" else steps.ROUTE_HIDDEN, tokens,
+                  _body_elements(tensor, tokens, width))
 
 
 def decode_route(message: expert_pb2.RouteRequest, model: ModelDescription, default_aux_loss_coeff: float,
@@ -173,6 +178,10 @@ def _route_input(message: expert_pb2.RouteRequest, cfg) -> tuple[str, int, str]:
     if which is None:
         raise InvalidRequest("input", "set hidden_states [T, H] or logits [T, E]")
     return (which, cfg.num_experts, "E") if which == "logits" else (which, cfg.hidden_size, "H")
+
+
+def _body_elements(tensor, tokens: int, width: int) -> int:
+    return 0 if tensor.HasField("shared_memory") else tokens * width
 
 
 def _tensor_header(tensor, field: str, width: int, width_name: str, max_tokens: int) -> int:

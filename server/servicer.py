@@ -26,7 +26,7 @@ import grpc
 
 from expertd.client import codec, messages
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import offload, requests, steps
+from expertd.server import offload, requests
 from expertd.server.batcher import Batcher
 from expertd.server.description import ModelDescription
 from expertd.server.eplb import Rebalancer
@@ -58,15 +58,14 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     async def _forward(self, message, deadline: float | None) -> expert_pb2.ForwardResponse:
         header = requests.forward_header(message, self.model)
-        elements = header.tokens * self.model.layer(message.layer).hidden_size  # large: off the loop
-        with self.batcher.admit(header, deadline) as ticket:
+        with self.batcher.admit(header, deadline) as ticket:  # large bodies and answers: off the loop
             request = await offload.run(requests.decode_forward, message, self.model, deadline, self.shared_memory,
-                                        elements=elements)
+                                        elements=header.body_elements)
             slot = requests.output_slot(message, request, self.shared_memory)
             result, _ = await self.batcher.forward(request, ticket)
         if slot is None:
             return await offload.run(messages.forward_response, result, message.request_id, message.return_routing,
-                                     elements=elements)
+                                     elements=result.output.size)
         slot.write(result.output)
         response = messages.forward_response(dataclasses.replace(result, output=result.output[:0]), message.request_id,
                                              message.return_routing)
@@ -80,11 +79,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     async def _route(self, message, deadline: float | None) -> expert_pb2.RouteResponse:
         header = requests.route_header(message, self.model)
-        cfg = self.model.layer(message.layer)
-        elements = header.tokens * (cfg.num_experts if header.kind == steps.ROUTE_LOGITS else cfg.hidden_size)
         with self.batcher.admit(header, deadline) as ticket:
             request = await offload.run(requests.decode_route, message, self.model, self.aux_loss_coeff, deadline,
-                                        self.shared_memory, elements=elements)
+                                        self.shared_memory, elements=header.body_elements)
             result, _ = await self.batcher.route(request, ticket)
         return messages.route_response(result, message.request_id)
 

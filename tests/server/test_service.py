@@ -19,7 +19,7 @@ from service_support import host_params, reference_aux_loss, reference_forward, 
 
 from expertd.client import AsyncExpertClient, ExpertClient, InvalidArgumentError, NotFoundError, codec
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import offload
+from expertd.server import offload, requests
 from expertd.server.app import create_server
 from expertd.server.version import VERSION
 
@@ -210,6 +210,19 @@ def test_large_requests_decoded_and_answered_off_the_event_loop(server, client, 
     with pytest.raises(InvalidArgumentError) as info:
         client.forward(bad, layer=0)
     assert info.value.field_violations == [("hidden_states", f"contains NaN or Inf (first at token {big - 2})")]
+
+
+def test_only_bodies_in_the_message_count_as_work_to_decode(server):
+    """``Header.body_elements`` sizes a body's decoding (``offload``): T x width for a tensor in the
+    message, 0 for one in shared memory (decoded as a view of its region)."""
+    inline = expert_pb2.ForwardRequest(layer=0, hidden_states=tensor(expert_pb2.DTYPE_FLOAT32, [5, H]))
+    region = expert_pb2.SharedMemoryRef(region="r", byte_size=5 * H * 4)
+    shared = expert_pb2.ForwardRequest(layer=0, hidden_states=expert_pb2.Tensor(
+        dtype=expert_pb2.DTYPE_FLOAT32, shape=[5, H], shared_memory=region))
+    assert requests.forward_header(inline, server.model).body_elements == 5 * H
+    assert requests.forward_header(shared, server.model).body_elements == 0
+    route = expert_pb2.RouteRequest(layer=0, logits=tensor(expert_pb2.DTYPE_FLOAT32, [3, E]))
+    assert requests.route_header(route, server.model).body_elements == 3 * E
 
 
 # -- INVALID_ARGUMENT and NOT_FOUND, through the raw stub (the client would refuse some inputs) --
