@@ -104,7 +104,8 @@ class Admission:
 
     A queue, as read here, has ``step_key`` (standing for its layer config and kind), ``rows``
     (tokens accepted and not yet taken into a step, reservations included), ``small_rows`` (those
-    of small requests) and ``gather_until`` (the monotonic time its scheduler waits until for more requests, or 0).
+    of small requests) and ``gather_until`` (the monotonic time its scheduler waits until for more
+    requests, or 0).
     """
 
     def __init__(self, limits: Limits, times: StepTimes, bucket_for: Callable[[int], int]):

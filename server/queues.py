@@ -26,7 +26,7 @@ import numpy as np
 
 
 class LayerQueue:
-    """The requests of one (layer, kind), with ``step_key`` (standing for (layer config, kind)) for step times."""
+    """The requests of one (layer, kind), with ``step_key`` (standing for its layer config and kind) for step times."""
 
     def __init__(self, layer: int, kind: str, step_key):
         self.layer, self.kind, self.step_key = layer, kind, step_key
