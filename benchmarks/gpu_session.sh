@@ -11,7 +11,14 @@
 #   bash benchmarks/gpu_session.sh layer    # benchmarks/moe_layer.py --no-hf (issue 3's GPU targets)
 #   bash benchmarks/gpu_session.sh engine   # benchmarks/engine_step.py: the engine's step cycle
 #                                           # (host inputs vs device_put, results read back)
+#   bash benchmarks/gpu_session.sh serving  # benchmarks/serving.py --models mid: the real server and
+#                                           # client over loopback (needs the gRPC family: .whl below)
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
+#   bash benchmarks/gpu_session.sh brief    # all five, cut to fit one call of a 15-minute lease
+#                                           # (check --quick, router --quick, the bf16 layer at
+#                                           # T 16 / 4096 with auto, ragged_dot and pallas, 5 engine
+#                                           # rounds, serving --duration 1.5; 8.5 minutes at most,
+#                                           # about 6 on the H200; carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/expertd-gpu}
@@ -22,6 +29,12 @@ PY=${PYTHON:-python3}
 setup() {
   local site
   site=$(mktemp -d)
+  # The server's gRPC family is not on the machine's image: carry it as wheels (the device tool's
+  # `carry: [".whl"]`), fetched here with pip download for cp312 manylinux (pyproject's pins:
+  # grpcio, grpcio-status, grpcio-health-checking, grpcio-reflection, protobuf, googleapis-common-protos).
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || return 1
+  fi
   mkdir -p "$site/expertd"
   for pkg in kernels server client; do ln -sfn "$PWD/$pkg" "$site/expertd/$pkg"; done
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
@@ -32,20 +45,30 @@ setup() {
 
 step() {
   case "$1" in
-    check) timeout 420 $PY benchmarks/gpu_check.py ${GPU_CHECK_ARGS:-} --out "$OUT/gpu_check.json" 2>&1 \
+    check) timeout "${CHECK_TIMEOUT:-420}" $PY benchmarks/gpu_check.py ${GPU_CHECK_ARGS:-} --out "$OUT/gpu_check.json" 2>&1 \
              | tee "$OUT/gpu_check.log" ;;
-    router) timeout 300 $PY benchmarks/router.py 2>&1 | tee "$OUT/router.log"
+    router) timeout "${ROUTER_TIMEOUT:-300}" $PY benchmarks/router.py ${ROUTER_ARGS:-} 2>&1 | tee "$OUT/router.log"
             cp benchmarks/results/router.json "$OUT/router_gpu.json" ;;
-    layer) timeout 540 $PY benchmarks/moe_layer.py --no-hf ${LAYER_ARGS:-} --out "$OUT/moe_layer_gpu.json" 2>&1 | tee "$OUT/moe_layer.log" ;;
-    engine) timeout 300 $PY benchmarks/engine_step.py ${ENGINE_STEP_ARGS:-} --out "$OUT/engine_step_gpu.json" 2>&1 \
+    layer) timeout "${LAYER_TIMEOUT:-540}" $PY benchmarks/moe_layer.py --no-hf ${LAYER_ARGS:-} --out "$OUT/moe_layer_gpu.json" 2>&1 | tee "$OUT/moe_layer.log" ;;
+    engine) timeout "${ENGINE_TIMEOUT:-300}" $PY benchmarks/engine_step.py ${ENGINE_STEP_ARGS:-} --out "$OUT/engine_step_gpu.json" 2>&1 \
               | tee "$OUT/engine_step.log" ;;
-    *) echo "unknown step $1 (check | router | layer | engine | all)"; return 2 ;;
+    serving) timeout "${SERVING_TIMEOUT:-300}" $PY benchmarks/serving.py --models mid ${SERVING_ARGS:-} \
+               --out "$OUT/serving_gpu.json" 2>&1 | tee "$OUT/serving.log" ;;
+    *) echo "unknown step $1 (check | router | layer | engine | serving | all | brief)"; return 2 ;;
   esac
 }
 
 setup
 if [ "${1:-check}" = all ]; then
-  for s in check router layer engine; do step "$s"; done
+  for s in check router layer engine serving; do step "$s"; done
+elif [ "$1" = brief ]; then
+  GPU_CHECK_ARGS=--quick CHECK_TIMEOUT=150 step check
+  ROUTER_ARGS=--quick ROUTER_TIMEOUT=100 step router
+  LAYER_ARGS="--dtypes bfloat16 --tokens 16 4096 --backends auto ragged_dot pallas" LAYER_TIMEOUT=240 step layer
+  ENGINE_STEP_ARGS="--rounds 5 --calls 10" ENGINE_TIMEOUT=60 step engine
+  SERVING_ARGS="--duration 1.5" SERVING_TIMEOUT=120 step serving
+  # eleven files: one archive, as the device tool brings back eight files at most
+  (cd "$OUT" && tar czf gpu_brief.tgz --exclude gpu_brief.tgz ./* && find . -type f ! -name gpu_brief.tgz -delete)
 else
   step "${1:-check}"
 fi
