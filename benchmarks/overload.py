@@ -14,7 +14,8 @@ E 16, k 4, fp32 compute, as in benchmarks/serving.py); the load comes from a sep
    refusal comes back), DEADLINE_EXCEEDED and other codes, and the server's refusals by reason.
 3. fairness: one client sends 1-token requests one after the other, alone and then beside a
    stream of 8,192-token requests (two in flight); its p50 / p99 both ways, and the step time of
-   a full step (what one step of the other client's work costs).
+   a full step (what one step of the other client's work costs), and each side's answered requests
+   per second. ``--fairness-only`` runs this phase alone.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/overload.py [--quick]
 
@@ -193,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=2.0, help="deadline of each overload call, seconds")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of each overload phase")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight when measuring capacity")
+    parser.add_argument("--fairness-only", action="store_true",
+                        help="only phase 3 (to compare scheduling changes; writes --out all the same)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON results path")
     parser.add_argument("--load", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -209,33 +212,9 @@ def main(argv=None) -> int:
               "batching": {k: v for k, v in vars(handle.config.batching).items()}}
     try:
         base = {"target": target, "hidden": hidden}
-        run = run_load({**base, "duration": 2.0 if args.quick else 5.0, "streams": [
-            {"name": "capacity", "tokens": args.tokens, "concurrency": args.concurrency, "deadline": 30.0}]})
-        calls = run["calls"]["capacity"]
-        capacity = sum(code == "OK" for _, _, code in calls) / run["duration"]
-        report["capacity_per_s"] = capacity
-        report["overload"] = []
-        for factor in (2, 4):
-            before = server_counters(handle)
-            run = run_load({**base, "duration": duration, "streams": [
-                {"name": "open", "tokens": args.tokens, "rate": factor * capacity, "deadline": args.deadline}]})
-            row = overload_summary(run["calls"]["open"], run["duration"], capacity, factor * capacity, args.deadline)
-            row.update(factor=factor, server=delta(server_counters(handle), before))
-            report["overload"].append(row)
-            time.sleep(args.deadline)  # let the last admitted calls finish
-        probes = 50 if args.quick else 300
-        small = {"name": "small", "tokens": 1, "concurrency": 1, "deadline": 30.0}
-        alone = run_load({**base, "duration": probes * 0.004 + 1.0, "streams": [small]})["calls"]["small"]
-        beside = run_load({**base, "duration": probes * 0.02 + 2.0, "streams": [
-            small, {"name": "big", "tokens": 8192, "concurrency": 2, "deadline": 60.0}]})["calls"]
-        key = handle.batcher.step_key(handle.model.layers[0], "forward")
-        report["fairness"] = {
-            "alone_ms": percentiles([lat for _, lat, code in alone if code == "OK"]),
-            "beside_8192_ms": percentiles([lat for _, lat, code in beside["small"] if code == "OK"]),
-            "big_ms": percentiles([lat for _, lat, code in beside.get("big", []) if code == "OK"]),
-            "full_step_ms": handle.batcher.times.estimate(key, handle.model.bucket_for(handle.model.max_batch_tokens))
-            * 1e3,
-        }
+        if not args.fairness_only:
+            overload_phases(report, base, args, duration, handle)
+        report["fairness"] = fairness_phase(base, args.quick, handle)
     finally:
         handle.stop(grace=5)
     report["loadavg_after"] = os.getloadavg()
@@ -245,7 +224,57 @@ def main(argv=None) -> int:
     return 0
 
 
+def overload_phases(report: dict, base: dict, args, duration: float, handle) -> None:
+    """Phases 1 and 2: capacity, then 2x and 4x of it."""
+    run = run_load({**base, "duration": 2.0 if args.quick else 5.0, "streams": [
+        {"name": "capacity", "tokens": args.tokens, "concurrency": args.concurrency, "deadline": 30.0}]})
+    calls = run["calls"]["capacity"]
+    capacity = sum(code == "OK" for _, _, code in calls) / run["duration"]
+    report["capacity_per_s"] = capacity
+    report["overload"] = []
+    for factor in (2, 4):
+        before = server_counters(handle)
+        run = run_load({**base, "duration": duration, "streams": [
+            {"name": "open", "tokens": args.tokens, "rate": factor * capacity, "deadline": args.deadline}]})
+        row = overload_summary(run["calls"]["open"], run["duration"], capacity, factor * capacity, args.deadline)
+        row.update(factor=factor, server=delta(server_counters(handle), before))
+        report["overload"].append(row)
+        time.sleep(args.deadline)  # let the last admitted calls finish
+
+
+def fairness_phase(base: dict, quick: bool, handle) -> dict:
+    """Phase 3: a closed loop of 1-token requests alone, then beside two 8,192-token requests in
+    flight; both sides' latency and answered requests per second (what the small side gains, the
+    big side pays)."""
+    probes = 50 if quick else 300
+    small = {"name": "small", "tokens": 1, "concurrency": 1, "deadline": 30.0}
+    alone = run_load({**base, "duration": probes * 0.004 + 1.0, "streams": [small]})["calls"]["small"]
+    run = run_load({**base, "duration": probes * 0.02 + 2.0, "streams": [
+        small, {"name": "big", "tokens": 8192, "concurrency": 2, "deadline": 60.0}]})
+    beside = run["calls"]
+    ok_small = [lat for _, lat, code in beside["small"] if code == "OK"]
+    ok_big = [lat for _, lat, code in beside.get("big", []) if code == "OK"]
+    key = handle.batcher.step_key(handle.model.layers[0], "forward")
+    full_bucket = handle.model.bucket_for(handle.model.max_batch_tokens)
+    return {
+        "alone_ms": percentiles([lat for _, lat, code in alone if code == "OK"]),
+        "beside_8192_ms": percentiles(ok_small), "big_ms": percentiles(ok_big),
+        "small_per_s": len(ok_small) / run["duration"], "big_per_s": len(ok_big) / run["duration"],
+        "full_step_ms": handle.batcher.times.estimate(key, full_bucket) * 1e3,
+    }
+
+
 def print_table(report: dict) -> None:
+    if "capacity_per_s" in report:
+        print_overload(report)
+    fair = report["fairness"]
+    print(f"fairness: 1-token p50 / p99 alone {_ms(fair['alone_ms']['p50'])} / {_ms(fair['alone_ms']['p99'])} ms, "
+          f"beside 8192-token requests {_ms(fair['beside_8192_ms']['p50'])} / {_ms(fair['beside_8192_ms']['p99'])} "
+          f"ms; one full step {fair['full_step_ms']:.2f} ms; 8192-token p50 {_ms(fair['big_ms']['p50'])} ms; "
+          f"answered per s: 1-token {fair['small_per_s']:.0f}, 8192-token {fair['big_per_s']:.2f}")
+
+
+def print_overload(report: dict) -> None:
     print(f"capacity: {report['capacity_per_s']:.1f} req/s of {report['tokens']} tokens"
           + (" (quick)" if report["quick"] else ""))
     print("| load | sent | goodput / capacity | answered | answered p50 / p99 ms | RESOURCE_EXHAUSTED | "
@@ -257,10 +286,6 @@ def print_table(report: dict) -> None:
         print(f"| {row['factor']}x | {row['sent']} | {row['goodput_of_capacity']:.2f} | {row['answered_share']:.2f} | "
               f"{_ms(ans['p50'])} / {_ms(ans['p99'])} | {codes.get('RESOURCE_EXHAUSTED', 0)} | "
               f"{_ms(ref['p50'])} / {_ms(ref['p99'])} | {codes.get('DEADLINE_EXCEEDED', 0)} |")
-    fair = report["fairness"]
-    print(f"fairness: 1-token p50 / p99 alone {_ms(fair['alone_ms']['p50'])} / {_ms(fair['alone_ms']['p99'])} ms, "
-          f"beside 8192-token requests {_ms(fair['beside_8192_ms']['p50'])} / {_ms(fair['beside_8192_ms']['p99'])} "
-          f"ms; one full step {fair['full_step_ms']:.2f} ms; 8192-token p50 {_ms(fair['big_ms']['p50'])} ms")
 
 
 def _ms(value) -> str:

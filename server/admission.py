@@ -44,29 +44,38 @@ MARGIN = 1.25
 (the benchmark and ``tests/server/test_overload.py`` show the goodput this leaves)."""
 MIN_RETRY_S = 0.01
 EWMA_WEIGHT = 0.2
+SMALL_STEP_SLACK = 1.25
+"""A step carrying small requests takes big requests' rows only while its expected time stays within
+this factor of the small rows' own step (``StepTimes.rows_at_cost_of``, ``Queues.take``)."""
 """Weight of the newest step in the step-time average (about the last 10 steps count)."""
 
 
 class StepTimes:
     """Seconds of one engine step per (step key, bucket); the step key is (layer config, kind).
 
-    ``estimate`` for a bucket never measured falls back to the nearest smaller measured bucket of
-    the same key (a step is no faster with more rows), else 0 (optimistic: admit and measure).
+    ``estimate`` (what admission reads): an exponentially weighted moving average of the measured
+    steps. ``rows_at_cost_of`` (how a step carrying small requests is sized) reads the fastest each
+    bucket has run instead: the device's own cost of that many rows, which contention on the host
+    can only lengthen, so one slow small step does not change the policy for good. Either, for a
+    bucket never measured, falls back to the nearest smaller measured bucket of the same key (a
+    step is no faster with more rows), else 0 (optimistic: admit and measure).
     """
 
     def __init__(self, weight: float = EWMA_WEIGHT):
         self._weight = weight
         self._seconds: dict[tuple[Hashable, int], float] = {}
+        self._fastest: dict[tuple[Hashable, int], float] = {}
         self._buckets: dict[Hashable, list[int]] = {}
 
     def observe(self, key: Hashable, bucket: int, seconds: float) -> None:
         old = self._seconds.get((key, bucket))
         if old is None:
-            self._seconds[(key, bucket)] = seconds
+            self._seconds[(key, bucket)] = self._fastest[(key, bucket)] = seconds
             self._buckets.setdefault(key, []).append(bucket)
             self._buckets[key].sort()
         else:
             self._seconds[(key, bucket)] = old + self._weight * (seconds - old)
+            self._fastest[(key, bucket)] = min(self._fastest[(key, bucket)], seconds)
 
     def seed(self, key: Hashable, bucket: int, seconds: float) -> None:
         """Replace the estimate (calibration)."""
@@ -76,11 +85,24 @@ class StepTimes:
         self.observe(key, bucket, seconds)
 
     def estimate(self, key: Hashable, bucket: int) -> float:
-        seconds = self._seconds.get((key, bucket))
+        return self._lookup(self._seconds, key, bucket)
+
+    def rows_at_cost_of(self, key: Hashable, bucket: int, buckets: Iterable[int],
+                        slack: float = SMALL_STEP_SLACK) -> int:
+        """The largest of ``buckets`` whose step has run within ``slack`` x the time of a step of
+        ``bucket`` (at least ``bucket``), both at their fastest: how far a step can grow at about the
+        same cost. Where step time barely grows with rows (a GPU) that is the largest bucket; on a
+        CPU, a few more."""
+        budget = slack * self._lookup(self._fastest, key, bucket)
+        return max([b for b in buckets if b >= bucket and self._lookup(self._fastest, key, b) <= budget],
+                   default=bucket)
+
+    def _lookup(self, table: dict, key: Hashable, bucket: int) -> float:
+        seconds = table.get((key, bucket))
         if seconds is not None:
             return seconds
         smaller = [b for b in self._buckets.get(key, ()) if b < bucket]
-        return self._seconds[(key, smaller[-1])] if smaller else 0.0
+        return table[(key, smaller[-1])] if smaller else 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ nothing here checks them again:
 3. One scheduler task per queue waits (``_gather``) until the queued rows fill a bucket exactly or
    M, or ``max_queue_delay`` has passed since the oldest request arrived or the previous step
    ended, then takes one step's rows (``Queues.take``: small requests first, big ones split
-   across steps; a small request never waits behind more than the running step and one step
-   holding big requests' rows).
+   across steps; a small request never waits behind more than the running step, and its own step
+   holds big requests' rows only while that costs about nothing).
 4. The step's bucket is chosen once and its row ranges (views of the requests' arrays) are copied
    once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
    which the engine runs as one step (``device_steps.run_step``) on the single device-worker
@@ -95,7 +95,8 @@ class Batcher:
         self._config_ids = {cfg: index for index, cfg in enumerate(dict.fromkeys(model.layers.values()))}
         self.admission = Admission(Limits(config.max_queue_size, config.queue_tokens, config.max_queue_wait_ms / 1e3,
                                           self.max_part_tokens), self.times, model.bucket_for)
-        self.queues = Queues(self.max_part_tokens, self._expire)
+        self.queues = Queues(self.max_part_tokens, self._expire, lambda queue, rows: self.times.rows_at_cost_of(
+            queue.step_key, model.bucket_for(rows), model.buckets))
         self.accepting = False
         self.draining = False
         self._buckets = frozenset(model.buckets)

@@ -8,6 +8,14 @@ less); then rows of big requests, in arrival order, fill the step. So big reques
 steps (views, never copies) and keep progressing, and a small request waits for the running step
 and at most one step holding big requests' rows.
 
+A step that carries small requests is sized for them: big requests' rows join it only up to the
+rows a step can hold at about the cost of the small rows' own step (``small_step_rows``, from the
+measured step times: where a step's time grows with its rows, as on a CPU, the small requests do
+not wait for a full step of another client's work; where it barely does, as on a GPU, the step is
+filled as before). A step so limited leaves the oldest big request less than its kept rows, so the
+next step of the queue is a full one (``big_owed``): big requests get at least half a step every
+other step, however many small requests keep arriving.
+
 A ``Ticket`` is an admitted request's reservation: its tokens count as queued from admission on.
 
 Accounting (what admission reads): ``LayerQueue.rows`` are tokens admitted and not yet taken into a
@@ -34,6 +42,7 @@ class LayerQueue:
         self.big: collections.deque[QueuedRequest] = collections.deque()
         self.rows = self.small_rows = self.reserved = 0
         self.gather_until = 0.0  # while the scheduler waits for company: until when (monotonic)
+        self.big_owed = False  # the last step was sized for small requests: the next one is full
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -74,10 +83,13 @@ Batch = list[tuple[QueuedRequest, int, int]]  # one step's row ranges: (request,
 
 class Queues:
     """Every queue of one batcher. ``expire(request)`` is called for a request found past its
-    deadline; it must end it (``end``)."""
+    deadline; it must end it (``end``). ``small_step_rows(queue, rows)``: the rows a step carrying
+    ``rows`` rows of small requests may hold (default: a full step)."""
 
-    def __init__(self, step_rows: int, expire: Callable[[QueuedRequest], None]):
+    def __init__(self, step_rows: int, expire: Callable[[QueuedRequest], None],
+                 small_step_rows: Callable[[LayerQueue, int], int] | None = None):
         self.step_rows = step_rows
+        self.small_step_rows = small_step_rows or (lambda queue, rows: step_rows)
         self.queued_tokens = 0
         self._expire = expire
         self._queues: dict[tuple[int, str], LayerQueue] = {}
@@ -151,8 +163,12 @@ class Queues:
         while (request := self.head(queue.small, now)) is not None and rows + request.remaining <= step - keep:
             queue.small.popleft()
             rows += self._take(request, request.remaining, batch)
-        while rows < step and (request := self.head(queue.big, now)) is not None:
-            rows += self._take(request, min(request.remaining, step - rows), batch)
+        limit = step
+        if rows and keep and not queue.big_owed:  # a step sized for its small requests
+            limit = min(step, max(rows, self.small_step_rows(queue, rows)))
+        queue.big_owed = limit - rows < keep
+        while rows < limit and (request := self.head(queue.big, now)) is not None:
+            rows += self._take(request, min(request.remaining, limit - rows), batch)
             if request.remaining == 0:
                 queue.big.popleft()
         return batch

@@ -39,13 +39,15 @@ OVERFLOW = -7.0  # a row holding this value makes the stand-in's output infinite
 
 
 class FixedTimeEngine:
-    """Output = 2 * x (inf where x == OVERFLOW), after STEP_S seconds; records each step's first-column values."""
+    """Output = 2 * x (inf where x == OVERFLOW), after STEP_S seconds (``per_row``: STEP_S x its bucket
+    / M, a step that grows with its rows as on a CPU); records each step's first-column values."""
 
-    def __init__(self):
+    def __init__(self, per_row: bool = False):
         self.steps: list[list[float]] = []
+        self.per_row = per_row
 
     def forward(self, layer, tokens, num_valid, token_ids=None):
-        time.sleep(STEP_S)
+        time.sleep(STEP_S * len(tokens) / MODEL.max_batch_tokens if self.per_row else STEP_S)
         x = tokens[:num_valid]
         self.steps.append([float(v) for v in x[:, 0]])
         out = np.where(x == OVERFLOW, np.inf, 2 * x).astype(np.float32)
@@ -59,9 +61,9 @@ class FixedTimeEngine:
                            np.zeros((num_valid, 4), np.float32))
 
 
-def run(work, **batching):
+def run(work, per_row=False, **batching):
     async def main():
-        engine = FixedTimeEngine()
+        engine = FixedTimeEngine(per_row)
         batcher = Batcher(engine, MODEL, BatchingConfig(bucket_sizes=MODEL.buckets, max_queue_delay_ms=0,
                                                         max_request_tokens=64, **batching),
                           Metrics(CollectorRegistry(), token_buckets=MODEL.buckets))
@@ -175,6 +177,49 @@ def test_a_small_request_waits_for_at_most_one_step_of_big_work_and_big_ones_kee
         # it arrived during step i (or i + 1) and ran in the next one, beside the big request's rows
         assert found[0] <= i + 2 and any(v >= 1000 for v in steps_run[found[0]])
     assert all(sum(v >= 1000 for v in step) >= 4 for step in steps_run[:7])  # the big one kept half a step or more
+
+
+def test_where_steps_grow_with_rows_a_small_request_gets_a_step_sized_for_it_and_big_ones_keep_going():
+    async def work(batcher):
+        big = forward(batcher, rows(1000, 64))  # 8 full steps of 8 rows
+        await asyncio.sleep(STEP_S / 2)  # its first step runs
+        smalls = []
+        for i in range(6):  # a steady stream of 1-token requests
+            smalls.append(forward(batcher, rows(i, 1)))
+            await asyncio.sleep(STEP_S)
+        outputs = await asyncio.gather(big, *smalls)
+        np.testing.assert_array_equal(outputs[0], 2 * rows(1000, 64))
+        return [out[0, 0] / 2 for out in outputs[1:]]
+
+    values, steps_run = run(work, per_row=True)
+    assert values == list(range(6))
+    sized = [len(step) <= 4 for step in steps_run]  # the small rows' bucket (2), or 4 if a step ran slow: not M
+    assert sum(sized) >= 4
+    for i in range(6):
+        (n,) = [n for n, step in enumerate(steps_run) if float(i) in step]
+        # it ran in a step sized for it, or in the full step owed to the big request after such a step
+        assert sized[n] or (n > 0 and sized[n - 1] and len(steps_run[n]) == MODEL.max_batch_tokens)
+    big_left = 64
+    for n, step in enumerate(steps_run[:-1]):
+        big_left -= sum(v >= 1000 for v in step)
+        if sized[n] and big_left >= MODEL.max_batch_tokens:  # the next step is owed to the big request: full
+            assert len(steps_run[n + 1]) == MODEL.max_batch_tokens and not sized[n + 1]
+
+
+def test_step_growth_follows_the_measured_times():
+    times = admission.StepTimes()
+    assert times.rows_at_cost_of("k", 2, (2, 4, 8)) == 8  # nothing measured: free
+    for bucket, seconds in ((2, 0.010), (4, 0.012), (8, 0.040)):
+        times.seed("k", bucket, seconds)
+    assert times.rows_at_cost_of("k", 2, (2, 4, 8)) == 4  # 4 rows within 1.25 x the 2-row step, 8 not
+    assert times.rows_at_cost_of("k", 8, (2, 4, 8)) == 8
+    assert times.rows_at_cost_of("k", 2, (2, 4, 8), slack=4.0) == 8
+    for bucket in (2, 4, 8):
+        times.seed("flat", bucket, 0.010)
+    assert times.rows_at_cost_of("flat", 2, (2, 4, 8)) == 8  # a GPU: the step fills as before
+    for _ in range(20):  # small steps slowed by the host: the estimate follows, the sizing does not
+        times.observe("k", 2, 0.050)
+    assert times.estimate("k", 2) > 0.040 and times.rows_at_cost_of("k", 2, (2, 4, 8)) == 4
 
 
 def test_non_finite_results_fail_their_request_alone():
