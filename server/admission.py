@@ -16,7 +16,8 @@ accepted and not yet taken into a step):
 - A small request (T <= M / 2) goes into one of the next steps of its queue, before big requests'
   rows (the batcher takes small requests first and keeps half a step for the oldest big one): it
   waits for the small rows ahead of it at ``small_share`` rows per step of its queue, each such
-  step costing one step of every busy queue. Its estimate is the smaller of that and the above.
+  step costing one step of every busy queue. Its estimate is the smaller of that and the above
+  (an upper bound: a step carrying small requests may be sized for them, ``Queues.take``).
 
 A request is refused with ``Overloaded`` (RESOURCE_EXHAUSTED and a RetryInfo delay) when, checked
 in this order:

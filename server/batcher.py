@@ -110,6 +110,7 @@ class Batcher:
         self._idle.set()
         metrics.track_pending(lambda: self._pending)
         metrics.track_queue(lambda: self.queues.queued_tokens, self.backlog_seconds)
+        metrics.track_expert_load(self.loads)
 
     # -- public API (called from servicers on the event loop) -----------------------------------
     def admit(self, header: Header, deadline: float | None) -> Ticket:
@@ -387,9 +388,7 @@ class Batcher:
         metric_kind = "forward" if kind == steps.FORWARD else "route"
         self.metrics.observe_batch(layer=layer, kind=metric_kind, num_valid=rows, bucket=bucket,
                                    num_requests=num_parts, seconds=seconds)
-        counts = np.asarray(result.tokens_per_expert, np.int64)
-        imbalance = self.loads.add(layer, counts)
-        self.metrics.observe_routing(layer, counts, imbalance)
+        self.loads.add(layer, result.tokens_per_expert)
         if kind != steps.FORWARD:
             self.metrics.set_aux_loss(layer, result.aux_loss)
 

@@ -21,8 +21,8 @@ the store KServe's ModelStatistics reads too.
 | expertd_batch_requests | histogram | kind | each engine step |
 | expertd_executions_total | counter | layer, kind | each engine step |
 | expertd_tokens_total | counter | kind | each engine step |
-| expertd_routed_tokens_total | counter | layer, expert | each engine step |
-| expertd_expert_load_imbalance | gauge (max/mean over the recent window) | layer | each engine step |
+| expertd_routed_tokens_total | counter | layer, expert | read at scrape time (``expertd.server.expert_load``) |
+| expertd_expert_load_imbalance | gauge (max/mean over the recent window) | layer | read at scrape time |
 | expertd_aux_loss | gauge (last Route batch) | layer | each Route step |
 | expertd_eplb_balancedness | gauge (mean/max tokens per rank, recent window) | layer | each EPLB tick (EP mesh) |
 | expertd_eplb_rebalances_total | counter | layer | each expert placement swapped in |
@@ -40,11 +40,13 @@ the store KServe's ModelStatistics reads too.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
+from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.statistics import Statistics
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -95,10 +97,6 @@ class Metrics:
         self.refused_calls = Counter("expertd_refused_calls", "Calls refused before their message was read "
                                      "(unauthenticated) or parsed (too_large for the method, undecodable).",
                                      ["reason"], registry=r)
-        self.routed_tokens = Counter("expertd_routed_tokens", "Tokens routed to each expert (each token counts "
-                                     "once per selected expert).", ["layer", "expert"], registry=r)
-        self.load_imbalance = Gauge("expertd_expert_load_imbalance", "Max/mean of tokens per expert over the "
-                                    "recent window (1 = perfectly balanced).", ["layer"], registry=r)
         self.aux_loss = Gauge("expertd_aux_loss", "Load-balancing aux loss of the last Route batch (coefficient 1).",
                               ["layer"], registry=r)
         self.eplb_balancedness = Gauge("expertd_eplb_balancedness", "Mean / max tokens per rank over the recent "
@@ -125,7 +123,7 @@ class Metrics:
                                      _GRPC_LABELS, registry=r)
         self.grpc_sent = Counter("grpc_server_msg_sent", "Stream messages sent by the server.", _GRPC_LABELS,
                                  registry=r)
-        self._expert_counters: dict[int, list] = {}
+        self._step_children: dict[str, tuple] = {}
         self._grpc_children: dict[tuple[str, str, str], GrpcMethodMetrics] = {}
 
     # -- requests (servicers, batcher) ---------------------------------------------------------
@@ -156,22 +154,24 @@ class Metrics:
 
     def observe_batch(self, *, layer: int, kind: str, num_valid: int, bucket: int, num_requests: int,
                       seconds: float) -> None:
-        """One batched engine step of ``num_valid`` rows padded to ``bucket``."""
-        self.observe_execution(layer, kind, seconds)
-        self.batch_tokens.labels(kind).observe(num_valid)
-        self.padding_ratio.labels(kind).observe((bucket - num_valid) / bucket)
-        self.batch_requests.labels(kind).observe(num_requests)
-        self.tokens.labels(kind).inc(num_valid)
+        """One batched engine step of ``num_valid`` rows padded to ``bucket`` (each series' child
+        looked up once per kind, not per step)."""
+        children = self._step_children.get(kind)
+        if children is None:
+            children = self._step_children[kind] = tuple(metric.labels(kind) for metric in (
+                self.compute_seconds, self.batch_tokens, self.padding_ratio, self.batch_requests, self.tokens))
+        compute, batch_tokens, padding, requests, tokens = children
+        self.statistics.add_execution(layer, kind)
+        compute.observe(seconds)
+        batch_tokens.observe(num_valid)
+        padding.observe((bucket - num_valid) / bucket)
+        requests.observe(num_requests)
+        tokens.inc(num_valid)
 
-    def observe_routing(self, layer: int, tokens_per_expert: np.ndarray, imbalance: float) -> None:
-        """Per-expert token counts of one batch ``[E]`` and the layer's current max/mean imbalance."""
-        counters = self._expert_counters.get(layer)
-        if counters is None or len(counters) != len(tokens_per_expert):
-            counters = [self.routed_tokens.labels(str(layer), str(e)) for e in range(len(tokens_per_expert))]
-            self._expert_counters[layer] = counters
-        for expert in np.flatnonzero(tokens_per_expert):
-            counters[expert].inc(int(tokens_per_expert[expert]))
-        self.load_imbalance.labels(str(layer)).set(imbalance)
+    def track_expert_load(self, tracker: ExpertLoadTracker) -> None:
+        """Serve ``expertd_routed_tokens_total`` and ``expertd_expert_load_imbalance`` from ``tracker``
+        at scrape time (a step only records its counts there)."""
+        self.registry.register(_ExpertLoadCollector(tracker))
 
     def set_aux_loss(self, layer: int, value: float) -> None:
         self.aux_loss.labels(str(layer)).set(value)
@@ -212,6 +212,31 @@ class Metrics:
         if children is None:
             children = self._grpc_children[labels] = GrpcMethodMetrics(self, labels)
         return children
+
+
+class _ExpertLoadCollector(Collector):
+    """The expert-load series, read from the tracker at each scrape: every expert of every layer,
+    zero until routed to."""
+
+    def __init__(self, tracker: ExpertLoadTracker):
+        self._tracker = tracker
+
+    def describe(self) -> list:
+        return [CounterMetricFamily("expertd_routed_tokens", "", labels=["layer", "expert"]),
+                GaugeMetricFamily("expertd_expert_load_imbalance", "", labels=["layer"])]
+
+    def collect(self) -> Iterator:
+        routed = CounterMetricFamily("expertd_routed_tokens", "Tokens routed to each expert (each token counts once "
+                                     "per selected expert).", labels=["layer", "expert"])
+        imbalance = GaugeMetricFamily("expertd_expert_load_imbalance", "Max/mean of tokens per expert over the "
+                                      "recent window (1 = perfectly balanced).", labels=["layer"])
+        for layer in self._tracker.layers:
+            name = str(layer)
+            for expert, count in enumerate(self._tracker.total(layer).tolist()):
+                routed.add_metric([name, str(expert)], count)
+            imbalance.add_metric([name], self._tracker.imbalance(layer))
+        yield routed
+        yield imbalance
 
 
 class GrpcMethodMetrics:
