@@ -219,8 +219,8 @@ class Batcher:
         loop = asyncio.get_running_loop()
         request = QueuedRequest(queue, tokens, field, deadline, time.monotonic(), loop.create_future(), ticket.small,
                                 token_ids=token_ids)
-        self.queues.enqueue(request)
-        inline = self._runs_inline(queue, len(tokens))
+        inline = self._runs_inline(queue, len(tokens))  # then its step runs here: no scheduler to wake
+        self.queues.enqueue(request, wake=not inline)
         if deadline is not None and not inline:  # an inline step ends before this call returns
             request.timer = loop.call_at(deadline, self._expire, request)
         try:
@@ -315,7 +315,7 @@ class Batcher:
         device thread has nothing to do, its step is expected within --inline-step-max-ms, and no
         step ran within that time (or, for a padded batch, within the queue delay)."""
         limit_s = self.config.inline_step_max_ms / 1e3
-        if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and queue.queued == rows
+        if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and queue.queued == 0
                 and rows <= self.max_part_tokens):
             return False
         bucket = self.model.bucket_for(rows)

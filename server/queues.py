@@ -112,12 +112,14 @@ class Queues:
         queue.small_rows += sign * tokens if small else 0
         self.queued_tokens += sign * tokens
 
-    def enqueue(self, request: QueuedRequest) -> None:
-        """The reserved rows of ``request`` become queued ones."""
+    def enqueue(self, request: QueuedRequest, wake: bool = True) -> None:
+        """The reserved rows of ``request`` become queued ones; its queue's scheduler is woken unless
+        the caller takes them into a step itself (``wake=False``)."""
         queue = request.queue
         queue.reserved -= len(request.tokens)
         (queue.small if request.small else queue.big).append(request)
-        queue.wakeup.set()
+        if wake:
+            queue.wakeup.set()
 
     def end(self, request: QueuedRequest) -> bool:
         """The request leaves the accounting; False when it had already."""
