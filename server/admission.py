@@ -167,8 +167,8 @@ class Admission:
         queues = [q for q in queues if q.rows]
         if not queues and running_s <= 0:
             return  # idle: always try
-        backlog = self.backlog(queues, running_s, now)
         if pending >= limits.max_requests:
+            backlog = self.backlog(queues, running_s, now)
             raise Overloaded(f"overloaded: {pending} requests pending (--max-queue-size {limits.max_requests}); "
                              f"retry later", _retry(max(backlog / max(pending, 1), _first_gather(queues, now))),
                              "queue_size")
@@ -179,11 +179,12 @@ class Admission:
                              f"--max-queue-tokens {limits.max_tokens}; retry later", _retry(excess * per_token),
                              "queue_tokens")
         own = self.drain(queue.step_key, tokens)
-        wait = max(self._completion(queue, tokens, queues, running_s, 0.0) - own, 0.0)  # the work ahead alone
+        ahead = self._completion(queue, tokens, queues, running_s, 0.0)
+        wait = max(ahead - own, 0.0)  # the work ahead alone
         rows = queue.rows + tokens
         fills = rows >= limits.step_rows or self._bucket_for(rows) == rows  # its queue then waits no more
-        completion = self._completion(queue, tokens, queues, running_s,
-                                      0.0 if fills else max(queue.gather_until - now, 0.0))
+        gather_s = 0.0 if fills else max(queue.gather_until - now, 0.0)
+        completion = self._completion(queue, tokens, queues, running_s, gather_s) if gather_s else ahead
         if wait > limits.max_wait_s:
             raise Overloaded(f"overloaded: expected wait {wait:.3f}s exceeds --max-queue-wait-ms "
                              f"{limits.max_wait_s * 1e3:g}; retry later", _retry(wait - limits.max_wait_s),

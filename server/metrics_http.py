@@ -139,10 +139,12 @@ async def _close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     with contextlib.suppress(Exception):
         if writer.can_write_eof():
             writer.write_eof()
-            await asyncio.wait_for(_discard(reader), CLOSE_LINGER_S)
+            async with asyncio.timeout(CLOSE_LINGER_S):  # in this task: nothing left unawaited if cancelled
+                await _discard(reader)
     writer.close()
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(writer.wait_closed(), CLOSE_LINGER_S)
+        async with asyncio.timeout(CLOSE_LINGER_S):
+            await writer.wait_closed()
 
 
 async def _discard(reader: asyncio.StreamReader) -> None:
