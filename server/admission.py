@@ -45,10 +45,11 @@ MARGIN = 1.25
 (the benchmark and ``tests/server/test_overload.py`` show the goodput this leaves)."""
 MIN_RETRY_S = 0.01
 EWMA_WEIGHT = 0.2
-SMALL_STEP_SLACK = 1.25
-"""A step carrying small requests takes big requests' rows only while its expected time stays within
-this factor of the small rows' own step (``StepTimes.rows_at_cost_of``, ``Queues.take``)."""
 """Weight of the newest step in the step-time average (about the last 10 steps count)."""
+SMALL_STEP_SLACK = 1.25
+"""A step carrying small requests takes big requests' rows only while its time (at its fastest)
+stays within this factor of the small rows' own step's (``StepTimes.rows_at_cost_of``,
+``Queues.take``)."""
 
 
 class StepTimes:
