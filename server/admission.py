@@ -46,10 +46,6 @@ MARGIN = 1.25
 MIN_RETRY_S = 0.01
 EWMA_WEIGHT = 0.2
 """Weight of the newest step in the step-time average (about the last 10 steps count)."""
-SMALL_STEP_SLACK = 1.25
-"""A step carrying small requests takes big requests' rows only while its time (at its fastest)
-stays within this factor of the small rows' own step's (``StepTimes.rows_at_cost_of``,
-``Queues.take``)."""
 
 
 class StepTimes:
@@ -89,8 +85,7 @@ class StepTimes:
     def estimate(self, key: Hashable, bucket: int) -> float:
         return self._lookup(self._seconds, key, bucket)
 
-    def rows_at_cost_of(self, key: Hashable, bucket: int, buckets: Iterable[int],
-                        slack: float = SMALL_STEP_SLACK) -> int:
+    def rows_at_cost_of(self, key: Hashable, bucket: int, buckets: Iterable[int], slack: float) -> int:
         """The largest of ``buckets`` whose step has run within ``slack`` x the time of a step of
         ``bucket`` (at least ``bucket``), both at their fastest: how far a step can grow at about the
         same cost. Where step time barely grows with rows (a GPU) that is the largest bucket; on a

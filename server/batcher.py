@@ -95,8 +95,9 @@ class Batcher:
         self._config_ids = {cfg: index for index, cfg in enumerate(dict.fromkeys(model.layers.values()))}
         self.admission = Admission(Limits(config.max_queue_size, config.queue_tokens, config.max_queue_wait_ms / 1e3,
                                           self.max_part_tokens), self.times, model.bucket_for)
-        self.queues = Queues(self.max_part_tokens, self._expire, lambda queue, rows: self.times.rows_at_cost_of(
-            queue.step_key, model.bucket_for(rows), model.buckets))
+        sized = (lambda queue, rows: self.times.rows_at_cost_of(queue.step_key, model.bucket_for(rows), model.buckets,
+                                                                config.small_step_slack))
+        self.queues = Queues(self.max_part_tokens, self._expire, sized if config.small_step_slack else None)
         self.accepting = False
         self.draining = False
         self._buckets = frozenset(model.buckets)

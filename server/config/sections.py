@@ -134,6 +134,11 @@ class BatchingConfig:
                                        "the event loop, without the hand-over to the device thread and back, when "
                                        "its step is expected to take at most this long; 0: always hand over",
                                        parse=float, metavar="MS")
+    small_step_slack: float = option(1.25, "a step carrying small requests (at most half a step) takes other "
+                                     "requests' rows only while its time, at its fastest, stays within this "
+                                     "factor of the small requests' own step (where a step's time grows with its "
+                                     "rows, as on a CPU, small requests then never wait for a full step of "
+                                     "others' work); 0: always fill the step", parse=float, metavar="X")
     max_request_tokens: int = option(8192, "tokens one request may carry (larger requests are split into batches "
                                      "of at most the largest bucket); sizes the gRPC message limit", parse=int,
                                      metavar="N")
@@ -160,6 +165,8 @@ class BatchingConfig:
             raise ValueError(f"--max-queue-wait-ms must be > 0, got {self.max_queue_wait_ms}")
         if not self.inline_step_max_ms >= 0:
             raise ValueError(f"--inline-step-max-ms must be >= 0, got {self.inline_step_max_ms}")
+        if not (self.small_step_slack == 0 or self.small_step_slack >= 1):
+            raise ValueError(f"--small-step-slack must be >= 1, or 0 to always fill steps, got {self.small_step_slack}")
         if self.expert_load_window_s <= 0:
             raise ValueError(f"--expert-load-window-s must be > 0, got {self.expert_load_window_s}")
 

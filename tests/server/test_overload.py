@@ -206,20 +206,33 @@ def test_where_steps_grow_with_rows_a_small_request_gets_a_step_sized_for_it_and
             assert len(steps_run[n + 1]) == MODEL.max_batch_tokens and not sized[n + 1]
 
 
+def test_with_small_step_slack_0_a_small_request_joins_full_steps():
+    async def work(batcher):
+        big = forward(batcher, rows(1000, 64))
+        await asyncio.sleep(STEP_S / 2)
+        small = forward(batcher, rows(0, 1))
+        await asyncio.gather(big, small)
+
+    _, steps_run = run(work, per_row=True, small_step_slack=0)
+    (n,) = [n for n, step in enumerate(steps_run) if 0.0 in step]
+    assert len(steps_run[n]) == MODEL.max_batch_tokens  # filled with the big request's rows, as before
+    assert all(len(step) == MODEL.max_batch_tokens for step in steps_run[:-1])
+
+
 def test_step_growth_follows_the_measured_times():
     times = admission.StepTimes()
-    assert times.rows_at_cost_of("k", 2, (2, 4, 8)) == 8  # nothing measured: free
+    assert times.rows_at_cost_of("k", 2, (2, 4, 8), 1.25) == 8  # nothing measured: free
     for bucket, seconds in ((2, 0.010), (4, 0.012), (8, 0.040)):
         times.seed("k", bucket, seconds)
-    assert times.rows_at_cost_of("k", 2, (2, 4, 8)) == 4  # 4 rows within 1.25 x the 2-row step, 8 not
-    assert times.rows_at_cost_of("k", 8, (2, 4, 8)) == 8
-    assert times.rows_at_cost_of("k", 2, (2, 4, 8), slack=4.0) == 8
+    assert times.rows_at_cost_of("k", 2, (2, 4, 8), 1.25) == 4  # 4 rows within 1.25 x the 2-row step, 8 not
+    assert times.rows_at_cost_of("k", 8, (2, 4, 8), 1.25) == 8
+    assert times.rows_at_cost_of("k", 2, (2, 4, 8), 4.0) == 8
     for bucket in (2, 4, 8):
         times.seed("flat", bucket, 0.010)
-    assert times.rows_at_cost_of("flat", 2, (2, 4, 8)) == 8  # a GPU: the step fills as before
+    assert times.rows_at_cost_of("flat", 2, (2, 4, 8), 1.25) == 8  # a GPU: the step fills as before
     for _ in range(20):  # small steps slowed by the host: the estimate follows, the sizing does not
         times.observe("k", 2, 0.050)
-    assert times.estimate("k", 2) > 0.040 and times.rows_at_cost_of("k", 2, (2, 4, 8)) == 4
+    assert times.estimate("k", 2) > 0.040 and times.rows_at_cost_of("k", 2, (2, 4, 8), 1.25) == 4
 
 
 def test_non_finite_results_fail_their_request_alone():

@@ -66,6 +66,7 @@ def test_token_file_wins_over_the_environment(tmp_path):
         (["--aux-loss-coeff", "nan"], "--aux-loss-coeff must be finite and >= 0, got nan"),
         (["--max-queue-tokens", "100"], "--max-queue-tokens must be >= --max-request-tokens 8192"),
         (["--max-queue-wait-ms", "0"], "--max-queue-wait-ms must be > 0"),
+        (["--small-step-slack", "0.5"], "--small-step-slack must be >= 1, or 0 to always fill steps, got 0.5"),
         (["--native-cpu-isa", "sse2"], "--native-cpu-isa must be one of portable, avx2, avx512, avx512_bf16"),
         (["--num-processes", "2", "--coordinator-address", "h:1", "--num-devices", "2"],
          "--num-devices cannot be combined with a multi-host group"),
