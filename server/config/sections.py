@@ -130,15 +130,12 @@ class BatchingConfig:
                                       "at most; a request expected to wait longer, or to finish after its "
                                       "deadline, gets RESOURCE_EXHAUSTED at once", parse=float, metavar="MS")
     inline_step_max_ms: float = option(1.0, "a request that finds the server idle (nothing else admitted, the "
-                                       "device thread free) and could not be merged by waiting runs its step on "
-                                       "the event loop, without the hand-over to the device thread and back, when "
-                                       "its step is expected to take at most this long; 0: always hand over",
-                                       parse=float, metavar="MS")
-    small_step_slack: float = option(1.25, "a step carrying small requests (at most half a step) takes other "
-                                     "requests' rows only while its time, at its fastest, stays within this "
-                                     "factor of the small requests' own step (where a step's time grows with its "
-                                     "rows, as on a CPU, small requests then never wait for a full step of "
-                                     "others' work); 0: always fill the step", parse=float, metavar="X")
+                                       "device thread free) runs its step on the event loop, without the hand-over "
+                                       "to the device thread, when it is expected to take at most this long; 0: "
+                                       "always hand over", parse=float, metavar="MS")
+    small_step_slack: float = option(1.25, "a step carrying small requests (at most half a step) takes others' "
+                                     "rows only while its fastest time stays within this factor of theirs "
+                                     "alone; 0: always fill the step", parse=float, metavar="X")
     max_request_tokens: int = option(8192, "tokens one request may carry (larger requests are split into batches "
                                      "of at most the largest bucket); sizes the gRPC message limit", parse=int,
                                      metavar="N")
@@ -152,23 +149,20 @@ class BatchingConfig:
         if self.max_batch_tokens is not None and not 1 <= self.max_batch_tokens <= buckets[-1]:
             raise ValueError(f"--max-batch-tokens must be between 1 and the largest bucket {buckets[-1]}, "
                              f"got {self.max_batch_tokens}")
-        if self.max_queue_delay_ms < 0:
-            raise ValueError(f"--max-queue-delay-ms must be >= 0, got {self.max_queue_delay_ms}")
-        if self.max_queue_size < 1:
-            raise ValueError(f"--max-queue-size must be >= 1, got {self.max_queue_size}")
-        if self.max_request_tokens < 1:
-            raise ValueError(f"--max-request-tokens must be >= 1, got {self.max_request_tokens}")
+        for flag, value, ok, expected in (
+                ("--max-queue-delay-ms", self.max_queue_delay_ms, self.max_queue_delay_ms >= 0, ">= 0"),
+                ("--max-queue-size", self.max_queue_size, self.max_queue_size >= 1, ">= 1"),
+                ("--max-request-tokens", self.max_request_tokens, self.max_request_tokens >= 1, ">= 1"),
+                ("--max-queue-wait-ms", self.max_queue_wait_ms, self.max_queue_wait_ms > 0, "> 0"),
+                ("--inline-step-max-ms", self.inline_step_max_ms, self.inline_step_max_ms >= 0, ">= 0"),
+                ("--small-step-slack", self.small_step_slack, self.small_step_slack == 0 or self.small_step_slack >= 1,
+                 ">= 1, or 0 to always fill steps"),
+                ("--expert-load-window-s", self.expert_load_window_s, self.expert_load_window_s > 0, "> 0")):
+            if not ok:  # NaN fails every comparison, so it is refused too
+                raise ValueError(f"{flag} must be {expected}, got {value}")
         if self.max_queue_tokens is not None and self.max_queue_tokens < self.max_request_tokens:
             raise ValueError(f"--max-queue-tokens must be >= --max-request-tokens {self.max_request_tokens} (or "
                              f"the largest request could never be queued), got {self.max_queue_tokens}")
-        if not self.max_queue_wait_ms > 0:
-            raise ValueError(f"--max-queue-wait-ms must be > 0, got {self.max_queue_wait_ms}")
-        if not self.inline_step_max_ms >= 0:
-            raise ValueError(f"--inline-step-max-ms must be >= 0, got {self.inline_step_max_ms}")
-        if not (self.small_step_slack == 0 or self.small_step_slack >= 1):
-            raise ValueError(f"--small-step-slack must be >= 1, or 0 to always fill steps, got {self.small_step_slack}")
-        if self.expert_load_window_s <= 0:
-            raise ValueError(f"--expert-load-window-s must be > 0, got {self.expert_load_window_s}")
 
     @property
     def queue_tokens(self) -> int:
