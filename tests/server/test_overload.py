@@ -289,6 +289,7 @@ def latencies(calls, code="OK"):
     return [latency for _, latency, got in calls if got == code]
 
 
+@pytest.mark.exclusive
 def test_a_1_token_client_is_not_held_up_by_an_8192_token_client(server):
     small = {"name": "small", "tokens": 1, "concurrency": 1, "deadline": 30.0}
     alone = latencies(load(server, 1.5, small)["calls"]["small"])
@@ -306,6 +307,7 @@ def test_a_1_token_client_is_not_held_up_by_an_8192_token_client(server):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_4x_capacity_for_10_s_keeps_the_goodput_and_refuses_the_rest_at_once(server):
     run = load(server, 3.0, {"name": "capacity", "tokens": TOKENS, "concurrency": 16, "deadline": 30.0})
     capacity = len(latencies(run["calls"]["capacity"])) / run["duration"]
@@ -320,8 +322,8 @@ def test_4x_capacity_for_10_s_keeps_the_goodput_and_refuses_the_rest_at_once(ser
                    ok_p50=np.percentile(ok, 50), refused_p50=np.percentile(refused, 50))
     print(summary)  # shown with pytest -rP
     # The goal is 0.8, measured by benchmarks/overload.py on a quiet machine (BENCHMARKS.md);
-    # here another test worker shares the 2 cores, so capacity and the overload phase see different
-    # machines: a margin below the goal, far above the collapse this guards against (0.09-0.18).
+    # here the load generator shares the cores and the CI box is not quiet: a margin below the goal,
+    # far above the collapse this guards against (0.09-0.18).
     assert goodput >= 0.6 * capacity, summary
     assert len(ok) + len(refused) + late == len(calls), summary  # nothing else: no UNKNOWN, no INTERNAL
     assert late <= 0.05 * len(ok), summary  # admitted requests are answered within their deadline
