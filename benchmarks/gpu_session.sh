@@ -13,6 +13,8 @@
 #                                           # (host inputs vs device_put, results read back)
 #   bash benchmarks/gpu_session.sh serving  # benchmarks/serving.py --models mid: the real server and
 #                                           # client over loopback (needs the gRPC family: .whl below)
+#   bash benchmarks/gpu_session.sh tiles    # benchmarks/pallas_tiles.py: the Pallas grouped GEMM's
+#                                           # tilings per shape (TILES_ARGS=--quick: a short grid)
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
 #   bash benchmarks/gpu_session.sh brief    # all five, cut to fit one call of a 15-minute lease
 #                                           # (check --quick, router --quick, the bf16 layer at
@@ -55,7 +57,9 @@ step() {
               | tee "$OUT/engine_step.log" ;;
     serving) timeout "${SERVING_TIMEOUT:-300}" $PY benchmarks/serving.py --models mid ${SERVING_ARGS:-} \
                --out "$OUT/serving_gpu.json" 2>&1 | tee "$OUT/serving.log" ;;
-    *) echo "unknown step $1 (check | router | layer | engine | serving | all | brief)"; return 2 ;;
+    tiles) timeout "${TILES_TIMEOUT:-540}" $PY benchmarks/pallas_tiles.py ${TILES_ARGS:-} --out "$OUT/pallas_tiles.json" \
+             2>&1 | tee "$OUT/pallas_tiles.log" ;;
+    *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | all | brief)"; return 2 ;;
   esac
 }
 

@@ -8,15 +8,21 @@ Layout: rows are re-laid so that every expert's block starts on a multiple of th
 `block_m` (pad rows are zero); `tile_expert[i]` names the expert owning row tile i (E for tiles
 past the last block, which write zeros and read no weights).
 
-  kernel 1, grid (tiles, I / block_n):  h = glu(x W_gate[e] (+ b_gate[e]), x W_up[e] (+ b_up[e]))
+  kernel 1, grid (row tiles, I / block_n):  h = glu(x W_gate[e] (+ b_gate[e]), x W_up[e] (+ b_up[e]))
                                         fp32 accumulation; glu a `ffn.GatedActivation`
-  kernel 2, grid (tiles, H / block_n):  y = h W_down[e]   (+ b_down[e] after the kernel)
+  kernel 2, grid (row tiles, H / block_n):  y = h W_down[e]   (+ b_down[e] after the kernel)
 
 With per-expert biases kernel 1 takes the gate / up biases as two more whole-array operands
 (a separate compiled kernel: the bias-free one is unchanged).
+
+Tiles (`PallasTiles`): the output tile's columns `block_n` and the contraction step `block_k` are
+caps (the largest power of two <= the cap dividing the dimension is used), with Triton's warps per
+program and software-pipelining stages; `block_m` rows per tile. Every choice computes the same
+function; `benchmarks/pallas_tiles.py` times them on a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,6 +34,26 @@ from jax.experimental.pallas import triton as pltriton
 from expertd.kernels.ffn import as_gated_activation, check_ffn_args, matmul_precision, row_biases, row_experts
 
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTiles:
+    """Tile sizes and Triton launch parameters of the two kernels (module docstring); the defaults
+    are what the layer runs."""
+
+    block_n: int = 128  # cap on the output tile's columns (I for kernel 1, H for kernel 2)
+    block_k: int = 64  # cap on the contraction step (H for kernel 1, I for kernel 2)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < MIN_BLOCK or value & (value - 1):
+                raise ValueError(f"PallasTiles.{name} must be a power of two >= {MIN_BLOCK}, got {value}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_stages < 1:
+            raise ValueError(f"PallasTiles: num_warps must be a power of two and num_stages >= 1, got "
+                             f"{self.num_warps} and {self.num_stages}")
 
 
 def _pow2_block(dim: int, cap: int) -> int:
@@ -110,32 +136,36 @@ def tile_layout(group_sizes, num_rows: int, block_m: int):
 
 
 def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None, block_m=None,
-                       interpret=None):
-    """Pallas grouped gated MLP; same contract as `experts.grouped_ffn` (xs [N, H] -> [N, H])."""
+                       tiles: PallasTiles = PallasTiles(), interpret=None):
+    """Pallas grouped gated MLP; same contract as `experts.grouped_ffn` (xs [N, H] -> [N, H]).
+    `block_m` (rows per tile, a power of two >= 16; default by rows per expert) and `tiles` choose
+    the tiling, never the result."""
     check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
     n, h = xs.shape
     e, _, inter = w_gate.shape
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    block_k_h, block_k_i = _pow2_block(h, 64), _pow2_block(inter, 64)
-    block_n_i, block_n_h = _pow2_block(inter, 128), _pow2_block(h, 128)
+    block_k_h, block_k_i = _pow2_block(h, tiles.block_k), _pow2_block(inter, tiles.block_k)
+    block_n_i, block_n_h = _pow2_block(inter, tiles.block_n), _pow2_block(h, tiles.block_n)
     if block_m is None:  # small tiles when experts get few rows (decode), else larger ones
         block_m = 16 if n <= 16 * e else 64
+    if block_m < MIN_BLOCK or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK}, got {block_m}")
     dest, tile_expert, tiled_rows = tile_layout(group_sizes, n, block_m)
     expert, valid = row_experts(group_sizes, n)
     dest = jnp.where(valid, dest, tiled_rows)  # invalid rows (maybe NaN garbage) are never read
     source = jnp.full((tiled_rows,), n, jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     x_tiled = xs.at[source].get(mode="fill", fill_value=0)  # [tiled_rows, H]
-    tiles = tiled_rows // block_m
+    row_tiles = tiled_rows // block_m
     whole = pl.BlockSpec()  # the whole array; sliced inside the kernel
     # Name Triton explicitly: newer JAX may default GPU Pallas to Mosaic GPU.
-    params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
     gate_up_biases = () if biases is None else (biases.gate, biases.up)
     gate_up = pl.pallas_call(
         functools.partial(_gate_up_kernel, num_experts=e, block_k=block_k_h, glu=as_gated_activation(activation)),
         out_shape=jax.ShapeDtypeStruct((tiled_rows, inter), xs.dtype),
-        grid=(tiles, inter // block_n_i),
+        grid=(row_tiles, inter // block_n_i),
         in_specs=[whole] * (4 + len(gate_up_biases)),
         out_specs=pl.BlockSpec((block_m, block_n_i), lambda i, j: (i, j)),
         interpret=interpret, compiler_params=params, name="grouped_gate_up")
@@ -144,7 +174,7 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
     down = pl.pallas_call(
         functools.partial(_down_kernel, num_experts=e, block_k=block_k_i),
         out_shape=jax.ShapeDtypeStruct((tiled_rows, h), xs.dtype),
-        grid=(tiles, h // block_n_h),
+        grid=(row_tiles, h // block_n_h),
         in_specs=[whole, whole, whole],
         out_specs=pl.BlockSpec((block_m, block_n_h), lambda i, j: (i, j)),
         interpret=interpret, compiler_params=params, name="grouped_down")

@@ -1,7 +1,8 @@
 """The lent-GPU runbook (benchmarks/gpu_session.sh) stays runnable: its correctness step, run here
 on CPU (quick grid), imports the package the way the GPU machine does (links on PYTHONPATH, no
 install) and finds every backend within the oracle's tolerance; its engine step (one short round)
-times every way of the step cycle."""
+times every way of the step cycle; its tiles step (the smoke shape, interpreted) checks and times
+every tiling."""
 import json
 import os
 import pathlib
@@ -30,6 +31,14 @@ def test_gpu_session_check_step_passes_on_cpu(tmp_path):
     assert {"pallas", "ragged_dot", "capacity", "expert_loop", "native_cpu", "auto"} <= backends
     assert all(r["ok"] for r in rows) and len(rows) == 54
     assert "CpuDevice" in (tmp_path / "env.txt").read_text()  # the environment step ran, with the package importable
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_tiles_step_runs_on_cpu(tmp_path):
+    _run_step("tiles", tmp_path, TILES_ARGS="--smoke")
+    (case,) = json.loads((tmp_path / "pallas_tiles.json").read_text())["rows"]
+    assert case["best"] is not None and not case["wrong"] and len(case["tilings"]) >= 4
+    assert all(r["err_per_scale"] <= 3e-2 for r in case["tilings"])
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -242,6 +242,42 @@ def test_pallas_kernel_lowers_to_triton_for_gpu():
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
+@pytest.mark.parametrize("block_m, tiles", [(16, dict(block_n=16, block_k=16, num_warps=8, num_stages=3)),
+                                             (32, dict(block_n=32, block_k=32, num_warps=4, num_stages=4))])
+def test_every_pallas_tiling_computes_the_same_function(block_m, tiles):
+    from expertd.kernels.experts_pallas import PallasTiles, grouped_ffn_pallas
+
+    sizes = np.array([3, 0, 10, 7, 12])
+    for dtype in DTYPES:
+        xs, gs, wg, wu, wd = make_inputs(5, sizes, dtype)
+        out = np.asarray(grouped_ffn_pallas(xs, gs, wg, wu, wd, block_m=block_m, tiles=PallasTiles(**tiles)),
+                         np.float32)
+        ref = ffn_oracle(xs, gs, wg, wu, wd)
+        n = int(sizes.sum())
+        scale = np.abs(ref[:n]).max()
+        assert np.abs(out[:n] - ref[:n]).max() / scale <= TOL[np.dtype(dtype)]
+        np.testing.assert_array_equal(out[n:], 0.0)  # the NaN garbage rows past the groups
+
+
+def test_pallas_tiles_are_checked_and_lower_to_triton():
+    pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    from expertd.kernels.experts_pallas import PallasTiles, grouped_ffn_pallas
+
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 48"):
+        PallasTiles(block_n=48)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        PallasTiles(num_warps=3)
+    xs, gs, wg, wu, wd = make_inputs(5, np.array([3, 0, 10, 7, 12]), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16, got 24"):
+        grouped_ffn_pallas(xs, gs, wg, wu, wd, block_m=24)
+    tiles = PallasTiles(block_n=32, block_k=16, num_warps=8, num_stages=4)
+    fn = jax.jit(lambda *a: grouped_ffn_pallas(*a, block_m=32, tiles=tiles, interpret=False))
+    text = fn.trace(xs, gs, wg, wu, wd).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert "num_warps = 8 : i32" in text and "num_stages = 4 : i32" in text  # the launch parameters reach Triton
+    assert "num_warps = 4 : i32" not in text
+
+
 def test_bad_arguments_are_named():
     xs, gs, wg, wu, wd = make_inputs(2, np.array([2, 1]), jnp.float32)
     with pytest.raises(ValueError, match="w_up"):

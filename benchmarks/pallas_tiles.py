@@ -1,0 +1,152 @@
+"""The Pallas grouped GEMM's tilings on a GPU: which tile sizes and Triton launch parameters are fastest
+per shape (meant for a lent GPU; `bash benchmarks/gpu_session.sh tiles`).
+
+For each layer shape (E, k, H, I) and tokens T, the routed rows (T*k, bf16, expert sizes from a
+random routing) go through `experts_pallas.grouped_ffn_pallas` under every tiling of the grid:
+rows per tile `block_m`, and `PallasTiles` (column tile `block_n`, contraction step `block_k`,
+`num_warps`, `num_stages`). Each tiling's output is checked against the default tiling's (bf16
+tolerance, every row); its median time per call is reported with its active TFLOP/s
+(2 * 3 * T * k * H * I per call), its ratio to the default tiling's time and, as the target
+(issue 3: >= 60 % at T=4096), its fraction of the dense bf16 matmul rate measured in the same run
+(8192^3, random data). `ragged_dot` (XLA's grouped GEMM) is timed beside as the other backend.
+
+    python3 benchmarks/pallas_tiles.py [--quick] [--tokens 4096 256] [--out FILE]
+    python3 benchmarks/pallas_tiles.py --smoke     # tiny shape, interpret mode: the script runs (CPU)
+
+Prints one table per case (fastest first) and writes benchmarks/results/pallas_tiles.json (or
+--out) with every timing and the fastest tiling per case.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from expertd.kernels import experts
+from expertd.kernels.experts_pallas import PallasTiles, grouped_ffn_pallas
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_layer import dense_matmul_rate, write_results  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pallas_tiles.json")
+SHAPES = ((8, 2, 1024, 2048, "mixtral"), (64, 8, 1024, 512, "qwen3_moe"))  # (E, k, H, I), as moe_layer.py
+TOKENS = (4096, 256)
+LAUNCH = ((4, 2), (4, 3), (8, 3), (8, 4))  # (num_warps, num_stages)
+BF16_TOLERANCE = 3e-2  # of the output's scale, as tests/kernels/oracle.tolerance(bf16)
+
+
+def tilings(rows_per_expert: float, quick: bool) -> list[tuple[int, PallasTiles]]:
+    """(block_m, PallasTiles) to try: row tiles around the rows each expert gets."""
+    block_ms = (16, 32, 64) if rows_per_expert < 64 else (64, 128)
+    block_ns, block_ks = ((128, 256), (64, 128)) if not quick else ((128,), (64,))
+    launch = LAUNCH if not quick else LAUNCH[::3]
+    return [(m, PallasTiles(block_n=n, block_k=kk, num_warps=w, num_stages=s))
+            for m, n, kk, (w, s) in itertools.product(block_ms, block_ns, block_ks, launch)]
+
+
+def case_inputs(e, k, h, i, t, seed=0):
+    """Routed rows [T*k, H] bf16 grouped by expert, their group sizes [E] (a random top-k routing of
+    T tokens) and the expert weights."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k]  # k distinct experts per token
+    sizes = np.bincount(ids.ravel(), minlength=e).astype(np.int32)
+    w = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2]), jnp.bfloat16)
+    xs = jnp.asarray(rng.standard_normal((t * k, h), np.float32), jnp.bfloat16)
+    return xs, jnp.asarray(sizes), w(e, h, i), w(e, h, i), w(e, i, h)
+
+
+def median_seconds(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_case(e, k, h, i, family, t, quick, reps, interpret, dense_rate):
+    args = case_inputs(e, k, h, i, t)
+    flops = 2 * 3 * t * k * h * i
+    default = jax.jit(lambda *a: grouped_ffn_pallas(*a, interpret=interpret))
+    reference = np.asarray(default(*args), np.float32)
+    scale = float(np.abs(reference).max()) or 1.0
+    base_s = median_seconds(default, args, reps)
+    rows = []
+    for block_m, tiles in tilings(t * k / e, quick):
+        fn = jax.jit(lambda *a, m=block_m, tl=tiles: grouped_ffn_pallas(*a, block_m=m, tiles=tl, interpret=interpret))
+        row = dict(block_m=block_m, **{f: getattr(tiles, f) for f in ("block_n", "block_k", "num_warps", "num_stages")})
+        try:
+            out = np.asarray(fn(*args), np.float32)
+            row["err_per_scale"] = float(np.abs(out - reference).max()) / scale
+            row["seconds"] = median_seconds(fn, args, reps)
+        except Exception as err:  # a tiling this GPU cannot run (shared memory, registers): recorded
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        rows.append(row)
+    ragged = jax.jit(lambda *a: experts.grouped_ffn(*a, backend="ragged_dot"))
+    ragged_s = median_seconds(ragged, args, reps)
+    ok = [r for r in rows if "seconds" in r and r["err_per_scale"] <= BF16_TOLERANCE]
+    best = min(ok, key=lambda r: r["seconds"]) if ok else None
+    return dict(family=family, E=e, k=k, H=h, I=i, T=t, active_tflop=flops / 1e12, default_s=base_s,
+                ragged_dot_s=ragged_s, dense_rate_flops_per_s=dense_rate, tilings=rows, best=best,
+                wrong=[r for r in rows if r.get("err_per_scale", 0.0) > BF16_TOLERANCE])
+
+
+def print_case(case) -> None:
+    flops = case["active_tflop"] * 1e12
+    rate = case["dense_rate_flops_per_s"]
+    frac = (lambda s: f"{flops / s / rate:6.1%}") if rate else (lambda s: "     -")
+    print(f"\n{case['family']} E={case['E']} k={case['k']} H={case['H']} I={case['I']} T={case['T']}: default "
+          f"{case['default_s'] * 1e3:.3f} ms ({frac(case['default_s'])} of dense), ragged_dot "
+          f"{case['ragged_dot_s'] * 1e3:.3f} ms")
+    print(f"{'block_m':>7} {'block_n':>7} {'block_k':>7} {'warps':>5} {'stages':>6} {'ms':>8} {'TFLOP/s':>8} "
+          f"{'of dense':>8} {'x default':>9} {'err':>8}")
+    timed = sorted((r for r in case["tilings"] if "seconds" in r), key=lambda r: r["seconds"])
+    for r in timed + [r for r in case["tilings"] if "seconds" not in r]:
+        if "seconds" not in r:
+            print(f"{r['block_m']:>7} {r['block_n']:>7} {r['block_k']:>7} {r['num_warps']:>5} {r['num_stages']:>6} "
+                  f"  failed: {r['error'][:60]}")
+            continue
+        s = r["seconds"]
+        print(f"{r['block_m']:>7} {r['block_n']:>7} {r['block_k']:>7} {r['num_warps']:>5} {r['num_stages']:>6} "
+              f"{s * 1e3:>8.3f} {flops / s / 1e12:>8.1f} {frac(s):>8} {s / case['default_s']:>9.2f} "
+              f"{r['err_per_scale']:>8.1e}")
+    if case["wrong"]:
+        print(f"  {len(case['wrong'])} tilings out of tolerance: a bug to look at, not a speed")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument("--quick", action="store_true", help="4-8 tilings per case instead of 32-48")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape in interpret mode (runs on CPU)")
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per tiling (median)")
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    if not (on_gpu or args.smoke):
+        raise SystemExit("pallas_tiles.py times compiled kernels: run it on a GPU (or --smoke here)")
+    shapes, tokens = (((4, 2, 64, 128, "smoke"),), (32,)) if args.smoke else (SHAPES, tuple(args.tokens))
+    reps = 2 if args.smoke else args.reps
+    dense_rate = dense_matmul_rate() if on_gpu else None
+    print(f"jax {jax.__version__} on {jax.default_backend()}: {jax.devices()}"
+          + (f"; dense bf16 {dense_rate / 1e12:.0f} TFLOP/s" if dense_rate else ""))
+    cases = []
+    for (e, k, h, i, family), t in itertools.product(shapes, tokens):
+        cases.append(run_case(e, k, h, i, family, t, args.quick or args.smoke, reps, not on_gpu, dense_rate))
+        print_case(cases[-1])
+        sys.stdout.flush()
+        write_results(args.out, "pallas_tiles", cases, complete=False)
+    write_results(args.out, "pallas_tiles", cases, complete=True)
+    return 1 if any(c["wrong"] for c in cases) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
