@@ -141,10 +141,15 @@ def test_a_replica_that_is_not_serving_gets_no_calls_and_health_still_reaches_it
         statuses = {client.health() for _ in range(4)}
         assert statuses == {health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING}
         b.set_serving(True)
+        # the client's Watch hears it: b gets calls again (only then is a taken down, or for a moment
+        # the client could hear a go down before b come back, and have no replica to call)
+        until = time.monotonic() + 10
+        while client.model_info().model != "b":
+            assert time.monotonic() < until, "b never got calls again"
         a.set_serving(False)
-        for _ in range(100):  # the client's Watch hears it: calls move to b
-            if client.model_info().model == "b":
-                break
+        until = time.monotonic() + 10
+        while {client.model_info().model for _ in range(4)} != {"b"}:  # a's Watch: calls move to b
+            assert time.monotonic() < until, "calls never left a"
         assert {client.model_info().model for _ in range(10)} == {"b"}
 
 
