@@ -16,11 +16,11 @@
 #   bash benchmarks/gpu_session.sh tiles    # benchmarks/pallas_tiles.py: the Pallas grouped GEMM's
 #                                           # tilings per shape (TILES_ARGS=--quick: a short grid)
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
-#   bash benchmarks/gpu_session.sh brief    # all five, cut to fit one call of a 15-minute lease
+#   bash benchmarks/gpu_session.sh brief    # all six, cut to fit one call of a 15-minute lease
 #                                           # (check --quick, router --quick, the bf16 layer at
 #                                           # T 16 / 4096 with auto, ragged_dot and pallas, 5 engine
-#                                           # rounds, serving --duration 1.5; 8.5 minutes at most,
-#                                           # about 6 on the H200; carry .whl)
+#                                           # rounds, serving --duration 1.5, tiles --quick; under
+#                                           # 10 minutes by the steps' limits; carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/expertd-gpu}
@@ -66,13 +66,14 @@ step() {
 setup
 if [ "${1:-check}" = all ]; then
   for s in check router layer engine serving; do step "$s"; done
-elif [ "$1" = brief ]; then
-  GPU_CHECK_ARGS=--quick CHECK_TIMEOUT=150 step check
-  ROUTER_ARGS=--quick ROUTER_TIMEOUT=100 step router
-  LAYER_ARGS="--dtypes bfloat16 --tokens 16 4096 --backends auto ragged_dot pallas" LAYER_TIMEOUT=240 step layer
-  ENGINE_STEP_ARGS="--rounds 5 --calls 10" ENGINE_TIMEOUT=60 step engine
-  SERVING_ARGS="--duration 1.5" SERVING_TIMEOUT=120 step serving
-  # eleven files: one archive, as the device tool brings back eight files at most
+elif [ "$1" = brief ]; then  # the step limits add up to 590 s: one device call of at most 10 minutes
+  GPU_CHECK_ARGS=--quick CHECK_TIMEOUT=120 step check
+  ROUTER_ARGS=--quick ROUTER_TIMEOUT=60 step router
+  LAYER_ARGS="--dtypes bfloat16 --tokens 16 4096 --backends auto ragged_dot pallas" LAYER_TIMEOUT=200 step layer
+  ENGINE_STEP_ARGS="--rounds 5 --calls 10" ENGINE_TIMEOUT=40 step engine
+  SERVING_ARGS="--duration 1.5" SERVING_TIMEOUT=90 step serving
+  TILES_ARGS="--quick" TILES_TIMEOUT=80 step tiles
+  # thirteen files: one archive, as the device tool brings back eight files at most
   (cd "$OUT" && tar czf gpu_brief.tgz --exclude gpu_brief.tgz ./* && find . -type f ! -name gpu_brief.tgz -delete)
 else
   step "${1:-check}"
