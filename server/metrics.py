@@ -150,23 +150,26 @@ class Metrics:
     def observe_execution(self, layer: int, kind: str, seconds: float) -> None:
         """One engine step (a multi-host follower's steps are observed here alone)."""
         self.statistics.add_execution(layer, kind)
-        self.compute_seconds.labels(kind).observe(seconds)
+        self._step_series(kind)[0].observe(seconds)
 
     def observe_batch(self, *, layer: int, kind: str, num_valid: int, bucket: int, num_requests: int,
                       seconds: float) -> None:
-        """One batched engine step of ``num_valid`` rows padded to ``bucket`` (each series' child
-        looked up once per kind, not per step)."""
-        children = self._step_children.get(kind)
-        if children is None:
-            children = self._step_children[kind] = tuple(metric.labels(kind) for metric in (
-                self.compute_seconds, self.batch_tokens, self.padding_ratio, self.batch_requests, self.tokens))
-        compute, batch_tokens, padding, requests, tokens = children
-        self.statistics.add_execution(layer, kind)
-        compute.observe(seconds)
+        """One batched engine step of ``num_valid`` rows padded to ``bucket``."""
+        self.observe_execution(layer, kind, seconds)
+        _, batch_tokens, padding, requests, tokens = self._step_series(kind)
         batch_tokens.observe(num_valid)
         padding.observe((bucket - num_valid) / bucket)
         requests.observe(num_requests)
         tokens.inc(num_valid)
+
+    def _step_series(self, kind: str) -> tuple:
+        """The per-step series of ``kind`` (compute seconds, batch tokens, padding ratio, requests,
+        tokens), their children looked up once per kind, not per step."""
+        children = self._step_children.get(kind)
+        if children is None:
+            children = self._step_children[kind] = tuple(metric.labels(kind) for metric in (
+                self.compute_seconds, self.batch_tokens, self.padding_ratio, self.batch_requests, self.tokens))
+        return children
 
     def track_expert_load(self, tracker: ExpertLoadTracker) -> None:
         """Serve ``expertd_routed_tokens_total`` and ``expertd_expert_load_imbalance`` from ``tracker``
