@@ -192,12 +192,15 @@ class StepStats:
 
 
 class _Window:
-    """Decides, per send, whether a request is warm-up, measured, or not sent at all."""
+    """Decides, per send, whether a request is warm-up, measured, or not sent at all. The window
+    opens with the first send after the warm-up and lasts ``duration`` from there: a warm-up request
+    still in flight (a first compile) delays the window instead of eating into it."""
 
     def __init__(self, stats: StepStats, start: float, config: LoadTestConfig):
         self.stats = stats
         self.measure_from = start + config.warmup
-        self.stop_at = self.measure_from + config.duration if config.duration is not None else math.inf
+        self.duration = config.duration if config.duration is not None else math.inf
+        self.stop_at = math.inf  # set when the window opens
         self.max_requests = config.requests if config.requests is not None else math.inf
         self.stopped = False
 
@@ -211,6 +214,7 @@ class _Window:
         if self.stats.first_send is None:
             self.stats.first_send = now
             self.stats.window_open = (time.time(), time.process_time())
+            self.stop_at = now + self.duration
         return "measure"
 
 
@@ -288,7 +292,8 @@ async def run_step(call: Call, config: LoadTestConfig, mode: str, load: float, p
     rng = np.random.default_rng([config.seed, int(load * 1000)])
     limit = config.max_seconds
     if config.duration is not None:
-        limit = min(limit, config.warmup + config.duration + config.timeout + 5.0)
+        # a warm-up request may delay the window by up to one timeout, a measured one end it by another
+        limit = min(limit, config.warmup + config.duration + 2 * config.timeout + 5.0)
     if mode == "concurrency":
         loop = _closed_loop(call, window, int(load), config, rng)
     else:

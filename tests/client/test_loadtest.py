@@ -4,6 +4,7 @@ The server's queue holds 2 requests: concurrency <= 2 never overloads it, 16 alw
 server's own request counters check the client's: with no warm-up and ``--requests N`` exactly N
 calls arrive.
 """
+import asyncio
 import json
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 from cli_support import forward_ok_count, free_port, model_infer_ok_count, running_server
 
 from expertd.client import cli
-from expertd.client.loadtest import TokenDistribution
+from expertd.client.loadtest import LoadTestConfig, TokenDistribution, run_step
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +136,19 @@ def test_token_distributions():
     for bad in ("0", "x", "4-2", "-3", "1,,2", ""):
         with pytest.raises(ValueError, match="tokens"):
             TokenDistribution.parse(bad)
+
+def test_a_warm_up_request_that_outlasts_the_window_delays_it_instead_of_emptying_it():
+    """A first request slower than warm-up + duration (a first compile under a busy neighbour):
+    the measured window opens when the worker sends again and still lasts its duration."""
+    calls = []
+
+    async def call(tokens):
+        calls.append(tokens)
+        await asyncio.sleep(0.4 if len(calls) == 1 else 0.01)
+
+    config = LoadTestConfig(target="unused:1", concurrency=(1,), duration=0.2, warmup=0.05,
+                            tokens=TokenDistribution.parse("2"))
+    stats = asyncio.run(run_step(call, config, "concurrency", 1))
+    summary = stats.summary()
+    assert summary["ok"] >= 5 and summary["sent"] == summary["completed"] == summary["ok"]
+    assert 0.2 <= summary["elapsed_s"] < 0.35 and summary["latency_ms"]["max"] < 100
