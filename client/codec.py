@@ -100,14 +100,21 @@ def decode(
         raise TensorError(f"{field}.shape", f"expected {ndim} dimensions, got shape {list(shape)}")
     if any(d < 0 for d in shape):
         raise TensorError(f"{field}.shape", f"dimensions must be >= 0, got {list(shape)}")
-    dtype = _NUMPY_BY_ENUM[tensor.dtype]
+    return from_bytes(tensor.data, _NUMPY_BY_ENUM[tensor.dtype], shape, field=field)
+
+
+def from_bytes(data: bytes, dtype: np.dtype, shape: tuple[int, ...], *, field: str = "tensor") -> np.ndarray:
+    """``data`` (little-endian, row-major) as a read-only array of ``dtype`` and ``shape`` (no copy on
+    little-endian hosts), for a caller that has checked dtype and shape already.
+
+    Raises:
+      TensorError: (``{field}.data``) a byte length that is not ``prod(shape) * itemsize``.
+    """
     expected_bytes = math.prod(shape) * dtype.itemsize
-    if len(tensor.data) != expected_bytes:
-        raise TensorError(
-            f"{field}.data",
-            f"expected {expected_bytes} bytes for {dtype} shape {list(shape)}, got {len(tensor.data)}",
-        )
-    array = np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    if len(data) != expected_bytes:
+        raise TensorError(f"{field}.data", f"expected {expected_bytes} bytes for {dtype} shape {list(shape)}, "
+                                           f"got {len(data)}")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
     if sys.byteorder == "big":
         array = array.byteswap()
     return array

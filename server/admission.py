@@ -175,12 +175,17 @@ class Admission:
                              f"--max-queue-tokens {limits.max_tokens}; retry later", _retry(excess * per_token),
                              "queue_tokens")
         own = self.drain(queue.step_key, tokens)
-        ahead = self._completion(queue, tokens, queues, running_s, 0.0)
-        wait = max(ahead - own, 0.0)  # the work ahead alone
+        mine = self.drain(queue.step_key, queue.rows + tokens)
+        fifo = running_s + sum(self.drain(q.step_key, q.rows) for q in queues if q is not queue) + mine
         rows = queue.rows + tokens
         fills = rows >= limits.step_rows or self._bucket_for(rows) == rows  # its queue then waits no more
         gather_s = 0.0 if fills else max(queue.gather_until - now, 0.0)
-        completion = self._completion(queue, tokens, queues, running_s, gather_s) if gather_s else ahead
+        if fifo - own <= limits.max_wait_s and (deadline_in is None or
+                                                max(fifo, gather_s + mine) * MARGIN <= deadline_in):
+            return  # first in, first out it passes; the estimates below are never later
+        ahead = self._completion(queue, tokens, queues, running_s, 0.0, fifo, mine)
+        wait = max(ahead - own, 0.0)  # the work ahead alone
+        completion = self._completion(queue, tokens, queues, running_s, gather_s, fifo, mine) if gather_s else ahead
         if wait > limits.max_wait_s:
             raise Overloaded(f"overloaded: expected wait {wait:.3f}s exceeds --max-queue-wait-ms "
                              f"{limits.max_wait_s * 1e3:g}; retry later", _retry(wait - limits.max_wait_s),
@@ -190,12 +195,12 @@ class Admission:
                              f"{max(deadline_in, 0.0):.3f}s; retry later",
                              _retry(completion - deadline_in / MARGIN), "deadline")
 
-    def _completion(self, queue, tokens: int, queues: list, running_s: float, gather_s: float) -> float:
+    def _completion(self, queue, tokens: int, queues: list, running_s: float, gather_s: float, fifo: float,
+                    mine: float) -> float:
         """Expected seconds until a new request of ``tokens`` rows on ``queue`` is computed, its queue
-        waiting ``gather_s`` more for company first."""
-        mine = self.drain(queue.step_key, queue.rows + tokens)
-        others = sum(self.drain(q.step_key, q.rows) for q in queues if q is not queue)
-        fifo = max(running_s + others + mine, gather_s + mine)
+        waiting ``gather_s`` more for company first; ``fifo``: the running step's rest plus every
+        queue's rows with its own (``mine``: its queue's rows with its own)."""
+        fifo = max(fifo, gather_s + mine)
         if not self.is_small(tokens):
             return fifo
         step_rows = self.limits.step_rows

@@ -9,8 +9,9 @@ nothing here checks them again:
    step times (``Overloaded``: RESOURCE_EXHAUSTED with a RetryInfo delay). The ``Ticket`` it gives
    counts the request's tokens as queued from that moment until ``forward`` / ``route`` queue the
    decoded request or the ticket is released.
-2. A request joins the queue of its (layer, step kind) (``expertd.server.queues``). A timer drops
-   it at its deadline, a cancelled call at once; each dropped request is counted once.
+2. A request joins the queue of its (layer, step kind) (``expertd.server.queues``). Its queue's
+   timer drops it once its deadline passes while queued, a cancelled call at once; each dropped
+   request is counted once.
 3. One scheduler task per queue waits (``_gather``) until the queued rows fill a bucket exactly or
    M, or ``max_queue_delay`` has passed since the oldest request arrived or the previous step
    ended, then takes one step's rows (``Queues.take``: small requests first, big ones split
@@ -60,7 +61,7 @@ from expertd.server.requests import ForwardRequest, Header, RouteRequest
 DEADLINE_TOLERANCE_S = 0.01  # a call cancelled this close to its deadline ended by its deadline
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Timing:
     """One request's seconds in the batcher: waiting (for its batch to form and for earlier steps)
     and in the engine steps that computed its rows."""
@@ -179,6 +180,7 @@ class Batcher:
         tasks = [q.task for q in self.queues.values() if q.task is not None]
         for task in tasks:
             task.cancel()
+        self.queues.close()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.executor.shutdown(wait=True)
 
@@ -221,9 +223,7 @@ class Batcher:
         request = QueuedRequest(queue, tokens, field, deadline, time.monotonic(), loop.create_future(), ticket.small,
                                 token_ids=token_ids)
         inline = self._runs_inline(queue, len(tokens))  # then its step runs here: no scheduler to wake
-        self.queues.enqueue(request, wake=not inline)
-        if deadline is not None and not inline:  # an inline step ends before this call returns
-            request.timer = loop.call_at(deadline, self._expire, request)
+        self.queues.enqueue(request, wake=not inline)  # inline: its step ends before this call returns
         try:
             if inline and (batch := self.queues.take(queue, time.monotonic())):
                 await self._execute(queue, batch, inline=True)
@@ -383,7 +383,9 @@ class Batcher:
         request.last_end = ended
         if request.computed == len(request.tokens):
             self.queues.end(request)
-            request.future.set_result([piece for _, piece in sorted(request.pieces, key=lambda p: p[0])])
+            pieces = request.pieces
+            request.future.set_result([pieces[0][1]] if len(pieces) == 1 else
+                                      [piece for _, piece in sorted(pieces, key=lambda p: p[0])])
 
     def _record(self, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float, result) -> None:
         metric_kind = "forward" if kind == steps.FORWARD else "route"

@@ -22,6 +22,13 @@ Accounting (what admission reads): ``LayerQueue.rows`` are tokens admitted and n
 step (``reserved``: those of tickets whose request is not queued yet), ``small_rows`` those of
 small requests; ``Queues.queued_tokens`` sums ``rows`` over every queue. A request leaves the
 accounting once (``end``), whether answered, failed, expired or cancelled.
+
+Deadlines: each queue has one timer, armed for the earliest deadline of its queued requests. When
+it fires it expires every request still queued (rows not all taken into a step) whose deadline
+has passed and re-arms for the next; ``head`` drops expired requests as a step is formed. A
+request whose last rows are in a running step finishes that step (gRPC itself ends the call at its
+deadline). One timer per queue instead of one per request: a request costs a comparison, not a
+timer handle armed and cancelled.
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ class LayerQueue:
         self.rows = self.small_rows = self.reserved = 0
         self.gather_until = 0.0  # while the scheduler waits for company: until when (monotonic)
         self.big_owed = False  # the last step was sized for small requests: the next one is full
+        self.expiry: asyncio.TimerHandle | None = None  # fires at the earliest queued deadline
+        self.expiry_at = 0.0
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -52,7 +61,7 @@ class LayerQueue:
         return self.rows - self.reserved
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class QueuedRequest:
     """One queued call: its tokens [T, W] (and their vocabulary ids [T] int32, or None), how many
     rows steps took and computed, its results so far."""
@@ -70,7 +79,6 @@ class QueuedRequest:
     compute_seconds: float = 0.0
     last_end: float = 0.0
     ended: bool = False
-    timer: asyncio.TimerHandle | None = None
     token_ids: np.ndarray | None = None
 
     @property
@@ -113,13 +121,47 @@ class Queues:
         self.queued_tokens += sign * tokens
 
     def enqueue(self, request: QueuedRequest, wake: bool = True) -> None:
-        """The reserved rows of ``request`` become queued ones; its queue's scheduler is woken unless
-        the caller takes them into a step itself (``wake=False``)."""
+        """The reserved rows of ``request`` become queued ones; its queue's scheduler is woken and its
+        deadline watched unless the caller takes them into a step itself (``wake=False``)."""
         queue = request.queue
         queue.reserved -= len(request.tokens)
         (queue.small if request.small else queue.big).append(request)
         if wake:
             queue.wakeup.set()
+            if request.deadline is not None:
+                self._expire_by(queue, request.deadline)
+
+    def _expire_by(self, queue: LayerQueue, deadline: float) -> None:
+        """Arm ``queue``'s timer for ``deadline`` (monotonic) unless it fires no later already."""
+        if queue.expiry is not None:
+            if queue.expiry_at <= deadline:
+                return
+            queue.expiry.cancel()
+        queue.expiry_at = deadline
+        queue.expiry = asyncio.get_running_loop().call_at(deadline, self._expire_queued, queue)
+
+    def close(self) -> None:
+        """Cancel every queue's deadline timer (the batcher is closing)."""
+        for queue in self._queues.values():
+            if queue.expiry is not None:
+                queue.expiry.cancel()
+                queue.expiry = None
+
+    def _expire_queued(self, queue: LayerQueue) -> None:
+        """The timer: expire the queued requests past their deadline, re-arm for the earliest left."""
+        queue.expiry = None
+        now = asyncio.get_running_loop().time()
+        earliest = None
+        for fifo in (queue.small, queue.big):
+            for request in fifo:  # expiring ends a request; it leaves its FIFO at the next ``head``
+                if request.ended or request.deadline is None:
+                    continue
+                if request.deadline <= now:
+                    self._expire(request)
+                elif earliest is None or request.deadline < earliest:
+                    earliest = request.deadline
+        if earliest is not None:
+            self._expire_by(queue, earliest)
 
     def end(self, request: QueuedRequest) -> bool:
         """The request leaves the accounting; False when it had already."""
@@ -127,8 +169,6 @@ class Queues:
             return False
         request.ended = True
         self._taken(request, request.remaining)
-        if request.timer is not None:
-            request.timer.cancel()
         return True
 
     def _taken(self, request: QueuedRequest, count: int) -> None:

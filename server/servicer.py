@@ -60,7 +60,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         header = requests.forward_header(message, self.model)
         with self.batcher.admit(header, deadline) as ticket:  # large bodies and answers: off the loop
             request = await offload.run(requests.decode_forward, message, self.model, deadline, self.shared_memory,
-                                        elements=header.body_elements)
+                                        header, elements=header.body_elements)
             slot = requests.output_slot(message, request, self.shared_memory)
             result, _ = await self.batcher.forward(request, ticket)
         if slot is None:
@@ -81,7 +81,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         header = requests.route_header(message, self.model)
         with self.batcher.admit(header, deadline) as ticket:
             request = await offload.run(requests.decode_route, message, self.model, self.aux_loss_coeff, deadline,
-                                        self.shared_memory, elements=header.body_elements)
+                                        self.shared_memory, header, elements=header.body_elements)
             result, _ = await self.batcher.route(request, ticket)
         return messages.route_response(result, message.request_id)
 

@@ -18,6 +18,7 @@ from expertd.server.engine import ForwardOutput, RouteOutput
 from expertd.server.errors import Overloaded, status_of
 from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.metrics import Metrics
+from expertd.server.queues import LayerQueue, QueuedRequest, Queues
 from expertd.server.requests import ForwardRequest, RouteRequest
 
 
@@ -265,3 +266,31 @@ def test_route_passes_token_ids_to_the_engine():
 
     asyncio.run(main())
     np.testing.assert_array_equal(seen[0], ids_of(rows(0, 2)))
+
+
+def test_one_deadline_timer_per_queue_expires_each_queued_request_at_its_deadline():
+    """Queues arm one timer per queue, for the earliest queued deadline: a later deadline arms
+    nothing, an earlier one re-arms; when it fires, every queued request past its deadline is
+    expired and the timer re-armed for the next."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        expired = []
+        queues = Queues(4, lambda request: (expired.append(request), queues.end(request)))
+        queue = queues.add(LayerQueue(0, "forward", "key"))
+        now = loop.time()
+        made = []
+        for delay in (5.0, 0.05, 5.0, 0.1):
+            queues.reserve(queue, 1, small=True)
+            made.append(QueuedRequest(queue, rows(0, 1), "hidden_states", now + delay, now, loop.create_future(),
+                                      small=True))
+            queues.enqueue(made[-1])
+        first_timer = queue.expiry
+        assert queue.expiry_at == now + 0.05
+        await asyncio.sleep(0.07)
+        assert expired == [made[1]] and queue.expiry_at == now + 0.1 and queue.expiry is not first_timer
+        await asyncio.sleep(0.08)
+        assert expired == [made[1], made[3]] and queue.expiry_at == now + 5.0
+        assert queue.rows == 2 and queues.queued_tokens == 2  # the expired left the accounting
+        queues.close()
+        assert queue.expiry is None
+    asyncio.run(main())
