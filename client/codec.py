@@ -65,11 +65,20 @@ def dtype_enum(dtype: np.dtype | type) -> int:
 
 def encode(array: np.ndarray) -> expert_pb2.Tensor:
     """Encode ``array`` (any shape; float32, bfloat16, float16 or int32) as a Tensor message."""
+    tensor = expert_pb2.Tensor()
+    encode_into(tensor, array)
+    return tensor
+
+
+def encode_into(tensor: expert_pb2.Tensor, array: np.ndarray) -> None:
+    """Write ``array`` into the (empty) Tensor ``tensor``, e.g. a response's field in place: building
+    a Tensor and passing it to a message constructor would copy it once more."""
     array = np.asarray(array)
     if array.dtype.byteorder not in "=|":  # an explicitly byte-ordered dtype such as '>f4'
         array = array.astype(array.dtype.newbyteorder("="))
-    enum = dtype_enum(array.dtype)
-    return expert_pb2.Tensor(dtype=enum, shape=array.shape, data=_little_endian_bytes(array))
+    tensor.dtype = dtype_enum(array.dtype)
+    tensor.shape.extend(array.shape)
+    tensor.data = _little_endian_bytes(array)
 
 
 def decode(

@@ -146,7 +146,8 @@ def routing_message(decoded: Routing) -> expert_pb2.Routing:
 def forward_response(result: ForwardResult, request_id: str = "",
                      return_routing: bool = False) -> expert_pb2.ForwardResponse:
     """The inverse of ``forward_result``: the output, and the routing when asked for (and present)."""
-    response = expert_pb2.ForwardResponse(output=codec.encode(result.output), request_id=request_id)
+    response = expert_pb2.ForwardResponse(request_id=request_id)
+    codec.encode_into(response.output, result.output)
     if return_routing and result.routing is not None:
         response.routing.CopyFrom(routing_message(result.routing))
     return response
