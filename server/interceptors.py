@@ -194,12 +194,15 @@ def _behavior(method: str, handler: grpc.RpcMethodHandler, series: GrpcMethodMet
                 call.end(error)
     else:
         response_streaming = handler.response_streaming
+        # decided once: an ABC isinstance test per call (inspect.isawaitable) is not free
+        is_async = inspect.iscoroutinefunction(inner)
 
         async def behavior(request, context):
             call, error = _Call(series, method, context), None
             try:
                 response = inner(begin(request), context)
-                response = await response if inspect.isawaitable(response) else response
+                if is_async or inspect.isawaitable(response):
+                    response = await response
                 if not response_streaming:
                     series.sent.inc()
                 return response
