@@ -297,8 +297,7 @@ class ServerHandle:
 
     def _calls_started(self) -> float:
         """Calls started on this server so far, health checks not counted (``grpc_server_started_total``)."""
-        return sum(sample.value for family in self.metrics.grpc_started.collect() for sample in family.samples
-                   if sample.name.endswith("_total") and sample.labels.get("grpc_service") != HEALTH_SERVICE)
+        return self.metrics.grpc_calls.calls_started(skip_service=HEALTH_SERVICE)
 
 
 def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = None,

@@ -37,8 +37,9 @@ from collections.abc import Callable
 
 import grpc
 
+from expertd.server.call_metrics import GrpcMethodMetrics
 from expertd.server.errors import client_errors, quiet_grpc_client_errors
-from expertd.server.metrics import GrpcMethodMetrics, Metrics
+from expertd.server.metrics import Metrics
 
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
 TENSOR_METHODS = frozenset({

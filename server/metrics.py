@@ -4,9 +4,10 @@ Names follow Prometheus conventions: the ``expertd_`` prefix, base units (second
 ``_total`` on counters, histograms rather than summaries (aggregatable across replicas), and few
 labels of low cardinality (``code``, ``kind``, ``layer``, ``expert``). Per-call counts and
 latency are the standard ``grpc_server_*`` families (as go-grpc-prometheus / py-grpc-prometheus
-name them), fed by ``expertd.server.interceptors`` for every service on the server;
-nothing else counts calls. ``expertd_executions_total`` is read from ``expertd.server.statistics``,
-the store KServe's ModelStatistics reads too.
+name them), fed by ``expertd.server.interceptors`` for every service on the server and kept
+without locks on the event loop (``expertd.server.call_metrics``); nothing else counts calls.
+``expertd_executions_total`` is read from ``expertd.server.statistics``, the store KServe's
+ModelStatistics reads too.
 
 | metric | type | labels | observed by |
 |---|---|---|---|
@@ -46,6 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from expertd.server.call_metrics import GrpcCallCollector, GrpcMethodMetrics
 from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.statistics import Statistics
 
@@ -53,7 +55,6 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 COMPILE_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_GRPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
 
 
 class Metrics:
@@ -114,17 +115,11 @@ class Metrics:
                                  registry=r)
         self.build_info = Gauge("expertd_build_info", "Build information (value 1).",
                                 ["version", "jax_version", "grpc_version", "platform"], registry=r)
-        self.grpc_started = Counter("grpc_server_started", "RPCs started on the server.", _GRPC_LABELS, registry=r)
-        self.grpc_handled = Counter("grpc_server_handled", "RPCs completed on the server, regardless of success.",
-                                    (*_GRPC_LABELS, "grpc_code"), registry=r)
-        self.grpc_seconds = Histogram("grpc_server_handling_seconds", "Response latency of RPCs handled by the "
-                                      "server.", _GRPC_LABELS, buckets=LATENCY_BUCKETS, registry=r)
-        self.grpc_received = Counter("grpc_server_msg_received", "Stream messages received on the server.",
-                                     _GRPC_LABELS, registry=r)
-        self.grpc_sent = Counter("grpc_server_msg_sent", "Stream messages sent by the server.", _GRPC_LABELS,
-                                 registry=r)
+        self._grpc_methods: dict[tuple[str, str, str], GrpcMethodMetrics] = {}
+        self.grpc_calls = GrpcCallCollector(self._grpc_methods)
+        r.register(self.grpc_calls)  # grpc_server_*
         self._step_children: dict[str, tuple] = {}
-        self._grpc_children: dict[tuple[str, str, str], GrpcMethodMetrics] = {}
+        self._queue_children: dict[str, Histogram] = {}
 
     # -- requests (servicers, batcher) ---------------------------------------------------------
     def observe_stream_message(self, code: str) -> None:
@@ -145,7 +140,10 @@ class Metrics:
 
     # -- batches (batcher) ---------------------------------------------------------------------
     def observe_queue(self, kind: str, seconds: float) -> None:
-        self.queue_seconds.labels(kind).observe(seconds)
+        child = self._queue_children.get(kind)
+        if child is None:
+            child = self._queue_children[kind] = self.queue_seconds.labels(kind)
+        child.observe(seconds)
 
     def observe_execution(self, layer: int, kind: str, seconds: float) -> None:
         """One engine step (a multi-host follower's steps are observed here alone)."""
@@ -210,11 +208,11 @@ class Metrics:
 
     # -- gRPC (interceptor) --------------------------------------------------------------------
     def grpc_method(self, labels: tuple[str, str, str]) -> GrpcMethodMetrics:
-        """The grpc_server_* children of one method (``labels()`` looked up once, not per call)."""
-        children = self._grpc_children.get(labels)
-        if children is None:
-            children = self._grpc_children[labels] = GrpcMethodMetrics(self, labels)
-        return children
+        """The grpc_server_* series of one method, updated on the event loop only."""
+        series = self._grpc_methods.get(labels)
+        if series is None:
+            series = self._grpc_methods[labels] = GrpcMethodMetrics(labels, LATENCY_BUCKETS)
+        return series
 
 
 class _ExpertLoadCollector(Collector):
@@ -241,21 +239,3 @@ class _ExpertLoadCollector(Collector):
         yield routed
         yield imbalance
 
-
-class GrpcMethodMetrics:
-    """grpc_server_* series of one (grpc_type, grpc_service, grpc_method)."""
-
-    def __init__(self, metrics: Metrics, labels: tuple[str, str, str]):
-        self._metrics, self._labels = metrics, labels
-        self.started = metrics.grpc_started.labels(*labels)
-        self.received = metrics.grpc_received.labels(*labels)
-        self.sent = metrics.grpc_sent.labels(*labels)
-        self.seconds = metrics.grpc_seconds.labels(*labels)
-        self._handled: dict[str, object] = {}
-
-    def handled(self, code: str, seconds: float) -> None:
-        counter = self._handled.get(code)
-        if counter is None:
-            counter = self._handled[code] = self._metrics.grpc_handled.labels(*self._labels, code)
-        counter.inc()
-        self.seconds.observe(seconds)
