@@ -63,6 +63,7 @@ class StepTimes:
         self._weight = weight
         self._seconds: dict[tuple[Hashable, int], float] = {}
         self._fastest: dict[tuple[Hashable, int], float] = {}
+        self._slowest: dict[Hashable, float] = {}
         self._buckets: dict[Hashable, list[int]] = {}
 
     def observe(self, key: Hashable, bucket: int, seconds: float) -> None:
@@ -74,6 +75,7 @@ class StepTimes:
         else:
             self._seconds[(key, bucket)] = old + self._weight * (seconds - old)
             self._fastest[(key, bucket)] = min(self._fastest[(key, bucket)], seconds)
+        self._slowest[key] = max(self._seconds[(key, b)] for b in self._buckets[key])
 
     def seed(self, key: Hashable, bucket: int, seconds: float) -> None:
         """Replace the estimate (calibration)."""
@@ -84,6 +86,10 @@ class StepTimes:
 
     def estimate(self, key: Hashable, bucket: int) -> float:
         return self._lookup(self._seconds, key, bucket)
+
+    def slowest(self, key: Hashable) -> float:
+        """The largest estimate of any bucket of ``key`` (0 before any): no step of it is expected longer."""
+        return self._slowest.get(key, 0.0)
 
     def rows_at_cost_of(self, key: Hashable, bucket: int, buckets: Iterable[int], slack: float) -> int:
         """The largest of ``buckets`` whose step has run within ``slack`` x the time of a step of
@@ -174,6 +180,8 @@ class Admission:
             raise Overloaded(f"overloaded: {queued_tokens} tokens queued, {tokens} more would pass "
                              f"--max-queue-tokens {limits.max_tokens}; retry later", _retry(excess * per_token),
                              "queue_tokens")
+        if self._surely_in_time(queue, tokens, deadline_in, queues, running_s, now):
+            return
         own = self.drain(queue.step_key, tokens)
         mine = self.drain(queue.step_key, queue.rows + tokens)
         fifo = running_s + sum(self.drain(q.step_key, q.rows) for q in queues if q is not queue) + mine
@@ -194,6 +202,22 @@ class Admission:
             raise Overloaded(f"overloaded: expected to finish in {completion:.3f}s, too late for the deadline in "
                              f"{max(deadline_in, 0.0):.3f}s; retry later",
                              _retry(completion - deadline_in / MARGIN), "deadline")
+
+    def _surely_in_time(self, queue, tokens: int, deadline_in: float | None, queues: list, running_s: float,
+                        now: float) -> bool:
+        """True when even with every step of every queue at its slowest bucket's time the request
+        waits within ``max_wait`` and ends within its deadline: then the estimates pass too. One
+        step-time lookup per busy queue, where ``drain`` needs two per queue and call."""
+        step_rows, slowest = self.limits.step_rows, self.times.slowest
+        bound = running_s
+        for q in queues:
+            if q is not queue:
+                bound += -(-q.rows // step_rows) * slowest(q.step_key)
+        mine = -(-(queue.rows + tokens) // step_rows) * slowest(queue.step_key)
+        bound += mine
+        if bound > self.limits.max_wait_s:
+            return False
+        return deadline_in is None or max(bound, queue.gather_until - now + mine) * MARGIN <= deadline_in
 
     def _completion(self, queue, tokens: int, queues: list, running_s: float, gather_s: float, fifo: float,
                     mine: float) -> float:
