@@ -69,8 +69,7 @@ def forward_request(x: np.ndarray | SharedTensor, layer: int, return_routing: bo
                     token_ids=None, out: SharedTensor | None = None) -> expert_pb2.ForwardRequest:
     """A ForwardRequest; ``x`` (and ``out``, where the server writes the output) may be in shared memory."""
     request = expert_pb2.ForwardRequest(layer=_layer(layer), return_routing=return_routing, request_id=request_id)
-    request.hidden_states.CopyFrom(tensor_message(x, "x"))
-    x = _tokens_by_hidden(x.array if isinstance(x, SharedTensor) else x, "x")
+    x = set_tensor(request.hidden_states, x, "x")
     if out is not None:
         if out.array.shape != x.shape or out.array.dtype != x.dtype:
             raise ValueError(f"out must be a {x.dtype} {list(x.shape)} SharedTensor like x, got {out.array.dtype} "
@@ -81,12 +80,19 @@ def forward_request(x: np.ndarray | SharedTensor, layer: int, return_routing: bo
     return request
 
 
-def tensor_message(x: np.ndarray | SharedTensor, name: str) -> expert_pb2.Tensor:
-    """``x [T, W]`` as a Tensor: its bytes, or (a SharedTensor) a reference to them."""
-    if not isinstance(x, SharedTensor):
-        return codec.encode(_tokens_by_hidden(x, name))
-    array = _tokens_by_hidden(x.array, name)
-    return expert_pb2.Tensor(dtype=codec.dtype_enum(array.dtype), shape=array.shape, shared_memory=x.ref())
+def set_tensor(field: expert_pb2.Tensor, x: np.ndarray | SharedTensor, name: str) -> np.ndarray:
+    """Fill a request's (empty) Tensor ``field`` with ``x [T, W]`` in place, its bytes written once (a
+    Tensor built first would be copied in whole), or (a SharedTensor) with a reference to its bytes;
+    returns ``x``'s array."""
+    if isinstance(x, SharedTensor):
+        array = _tokens_by_hidden(x.array, name)
+        field.dtype = codec.dtype_enum(array.dtype)
+        field.shape.extend(array.shape)
+        field.shared_memory.CopyFrom(x.ref())
+        return array
+    array = _tokens_by_hidden(x, name)
+    codec.encode_into(field, array)
+    return array
 
 
 def token_ids_array(token_ids, num_tokens: int) -> np.ndarray:
@@ -110,9 +116,9 @@ def route_request(
         raise ValueError("route() needs exactly one of hidden_states [T, H] or logits= [T, E]")
     request = expert_pb2.RouteRequest(layer=_layer(layer))
     if hidden_states is not None:
-        request.hidden_states.CopyFrom(tensor_message(hidden_states, "hidden_states"))
+        set_tensor(request.hidden_states, hidden_states, "hidden_states")
     else:
-        request.logits.CopyFrom(tensor_message(logits, "logits"))
+        set_tensor(request.logits, logits, "logits")
     if aux_loss_coeff is not None:
         request.aux_loss_coeff = float(aux_loss_coeff)
     if token_ids is not None:
