@@ -31,6 +31,10 @@ wrong by refusing work the server had time for (and the step that runs measures 
 
 RetryInfo is the time until the queued work will have drained enough for the same request (same
 size, same time to its deadline) to pass, assuming no new arrivals; at least ``MIN_RETRY_S``.
+
+Before the estimates, two upper bounds admit at once when they are in time (every queued step at
+its bucket's slowest estimate; then first in, first out): neither admits what the estimates would
+refuse (``tests/server/test_admission_bounds.py``), and most calls of a busy server stop there.
 """
 from __future__ import annotations
 
