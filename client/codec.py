@@ -71,13 +71,13 @@ def encode(array: np.ndarray) -> expert_pb2.Tensor:
 
 
 def encode_into(tensor: expert_pb2.Tensor, array: np.ndarray) -> None:
-    """Write ``array`` into the (empty) Tensor ``tensor``, e.g. a response's field in place: building
+    """Write ``array`` into the Tensor ``tensor``, e.g. a response's field in place: building
     a Tensor and passing it to a message constructor would copy it once more."""
     array = np.asarray(array)
     if array.dtype.byteorder not in "=|":  # an explicitly byte-ordered dtype such as '>f4'
         array = array.astype(array.dtype.newbyteorder("="))
     tensor.dtype = dtype_enum(array.dtype)
-    tensor.shape.extend(array.shape)
+    tensor.shape[:] = array.shape
     tensor.data = _little_endian_bytes(array)
 
 

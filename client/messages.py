@@ -87,7 +87,7 @@ def set_tensor(field: expert_pb2.Tensor, x: np.ndarray | SharedTensor, name: str
     if isinstance(x, SharedTensor):
         array = _tokens_by_hidden(x.array, name)
         field.dtype = codec.dtype_enum(array.dtype)
-        field.shape.extend(array.shape)
+        field.shape[:] = array.shape
         field.shared_memory.CopyFrom(x.ref())
         return array
     array = _tokens_by_hidden(x, name)

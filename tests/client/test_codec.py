@@ -65,3 +65,12 @@ def test_decode_errors_name_the_field(tensor, kwargs, field, text):
     assert info.value.field == field
     assert text in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_encode_into_fills_a_field_in_place_and_replaces_what_it_held():
+    response = expert_pb2.ForwardResponse()
+    codec.encode_into(response.output, np.ones((3, 4), np.float32))
+    x = np.arange(6, dtype=ml_dtypes.bfloat16).reshape(2, 3)
+    codec.encode_into(response.output, x)
+    assert response.output == codec.encode(x)
+    np.testing.assert_array_equal(codec.decode(response.output), x)
