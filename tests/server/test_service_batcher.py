@@ -272,6 +272,12 @@ def test_one_deadline_timer_per_queue_expires_each_queued_request_at_its_deadlin
     """Queues arm one timer per queue, for the earliest queued deadline: a later deadline arms
     nothing, an earlier one re-arms; when it fires, every queued request past its deadline is
     expired and the timer re-armed for the next."""
+    async def until(condition, limit_s=10.0):
+        deadline = time.monotonic() + limit_s
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.005)
+
     async def main():
         loop = asyncio.get_running_loop()
         expired = []
@@ -279,17 +285,18 @@ def test_one_deadline_timer_per_queue_expires_each_queued_request_at_its_deadlin
         queue = queues.add(LayerQueue(0, "forward", "key"))
         now = loop.time()
         made = []
-        for delay in (5.0, 0.05, 5.0, 0.1):
+        for delay in (60.0, 0.05, 60.0, 1.0):
             queues.reserve(queue, 1, small=True)
             made.append(QueuedRequest(queue, rows(0, 1), "hidden_states", now + delay, now, loop.create_future(),
                                       small=True))
             queues.enqueue(made[-1])
         first_timer = queue.expiry
         assert queue.expiry_at == now + 0.05
-        await asyncio.sleep(0.07)
-        assert expired == [made[1]] and queue.expiry_at == now + 0.1 and queue.expiry is not first_timer
-        await asyncio.sleep(0.08)
-        assert expired == [made[1], made[3]] and queue.expiry_at == now + 5.0
+        await until(lambda: expired)
+        assert expired == [made[1]] and queue.expiry_at == now + 1.0 and queue.expiry is not first_timer
+        assert loop.time() >= now + 0.05  # not before its deadline
+        await until(lambda: len(expired) == 2)
+        assert expired == [made[1], made[3]] and queue.expiry_at == now + 60.0 and loop.time() >= now + 1.0
         assert queue.rows == 2 and queues.queued_tokens == 2  # the expired left the accounting
         queues.close()
         assert queue.expiry is None
