@@ -12,8 +12,7 @@ Either protocol: ``expertd`` (expertd.v1 Forward through :class:`AsyncExpertClie
 form the client does (one server or replicas: ``expertd.client.channel``), balanced the same way;
 ``retries`` (default 0: every failure counts) turns on the client's retries.
 
-Shapes: every request is ``x [T, H]`` with T drawn from the token distribution, H the layer's
-hidden size as the server reports it.
+Shapes: every request is ``x [T, H]``, T drawn from the token distribution, H the server's.
 """
 from __future__ import annotations
 
@@ -137,10 +136,11 @@ class StepStats:
     latencies: list[float] = dataclasses.field(default_factory=list)
     first_send: float | None = None
     last_done: float | None = None
-    # (time.time(), time.process_time()) at the first measured send and at the last answer: the
-    # window on the wall clock (to line up with server-side samples) and this client's CPU in it
+    # (wall, CPU) clocks at the first measured send; the wall clock at the last answer, the CPU clock
+    # at the step's end (twice a step, not per answer: beside gRPC's threads it is a costly syscall)
     window_open: tuple[float, float] | None = None
-    window_close: tuple[float, float] | None = None
+    window_close_wall: float | None = None
+    window_close_cpu: float | None = None
 
     def record(self, code: str, tokens: int, latency: float, done: float) -> None:
         if code == "OK":
@@ -151,7 +151,7 @@ class StepStats:
             self.errors[code] += 1
         if self.last_done is None or done >= self.last_done:
             self.last_done = done
-            self.window_close = (time.time(), time.process_time())
+            self.window_close_wall = time.time()
 
     @property
     def completed(self) -> int:
@@ -185,9 +185,9 @@ class StepStats:
     def _window_summary(self) -> dict:
         """The measured window on the wall clock and the client's own CPU per answered request
         (a load generator near one core per process is itself the bottleneck)."""
-        if self.window_open is None or self.window_close is None or not self.completed:
+        (wall0, cpu0), wall1, cpu1 = self.window_open or (None, None), self.window_close_wall, self.window_close_cpu
+        if None in (wall0, wall1, cpu1) or not self.completed:
             return {}
-        (wall0, cpu0), (wall1, cpu1) = self.window_open, self.window_close
         return {"window_unix_s": [wall0, wall1], "client_cpu_ms_per_request": (cpu1 - cpu0) * 1e3 / self.completed}
 
 
@@ -304,6 +304,7 @@ async def run_step(call: Call, config: LoadTestConfig, mode: str, load: float, p
     except TimeoutError:
         window.stopped = True
     finally:
+        stats.window_close_cpu = time.process_time()
         if ticker is not None:
             ticker.cancel()
             await asyncio.gather(ticker, return_exceptions=True)
