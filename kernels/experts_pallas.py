@@ -49,11 +49,15 @@ class PallasTiles:
     def __post_init__(self):
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
-            if value < MIN_BLOCK or value & (value - 1):
+            if not _power_of_two(value, MIN_BLOCK):
                 raise ValueError(f"PallasTiles.{name} must be a power of two >= {MIN_BLOCK}, got {value}")
-        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_stages < 1:
+        if not _power_of_two(self.num_warps, 1) or self.num_stages < 1:
             raise ValueError(f"PallasTiles: num_warps must be a power of two and num_stages >= 1, got "
                              f"{self.num_warps} and {self.num_stages}")
+
+
+def _power_of_two(value: int, least: int) -> bool:
+    return value >= least and value & (value - 1) == 0
 
 
 def _pow2_block(dim: int, cap: int) -> int:
@@ -149,7 +153,7 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
     block_n_i, block_n_h = _pow2_block(inter, tiles.block_n), _pow2_block(h, tiles.block_n)
     if block_m is None:  # small tiles when experts get few rows (decode), else larger ones
         block_m = 16 if n <= 16 * e else 64
-    if block_m < MIN_BLOCK or block_m & (block_m - 1):
+    if not _power_of_two(block_m, MIN_BLOCK):
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK}, got {block_m}")
     dest, tile_expert, tiled_rows = tile_layout(group_sizes, n, block_m)
     expert, valid = row_experts(group_sizes, n)

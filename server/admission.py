@@ -32,9 +32,9 @@ wrong by refusing work the server had time for (and the step that runs measures 
 RetryInfo is the time until the queued work will have drained enough for the same request (same
 size, same time to its deadline) to pass, assuming no new arrivals; at least ``MIN_RETRY_S``.
 
-Before the estimates, two upper bounds admit at once when they are in time (every queued step at
-its bucket's slowest estimate; then first in, first out): neither admits what the estimates would
-refuse (``tests/server/test_admission_bounds.py``), and most calls of a busy server stop there.
+Before the estimates, an upper bound admits at once when it is in time (every queued step at its
+bucket's slowest estimate): it never admits what the estimates would refuse
+(``tests/server/test_admission_bounds.py``), and most calls of a busy server stop there.
 """
 from __future__ import annotations
 
@@ -192,9 +192,6 @@ class Admission:
         rows = queue.rows + tokens
         fills = rows >= limits.step_rows or self._bucket_for(rows) == rows  # its queue then waits no more
         gather_s = 0.0 if fills else max(queue.gather_until - now, 0.0)
-        if fifo - own <= limits.max_wait_s and (deadline_in is None or
-                                                max(fifo, gather_s + mine) * MARGIN <= deadline_in):
-            return  # first in, first out it passes; the estimates below are never later
         ahead = self._completion(queue, tokens, queues, running_s, 0.0, fifo, mine)
         wait = max(ahead - own, 0.0)  # the work ahead alone
         completion = self._completion(queue, tokens, queues, running_s, gather_s, fifo, mine) if gather_s else ahead

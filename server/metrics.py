@@ -118,8 +118,7 @@ class Metrics:
         self._grpc_methods: dict[tuple[str, str, str], GrpcMethodMetrics] = {}
         self.grpc_calls = GrpcCallCollector(self._grpc_methods)
         r.register(self.grpc_calls)  # grpc_server_*
-        self._step_children: dict[str, tuple] = {}
-        self._queue_children: dict[str, Histogram] = {}
+        self._kind_children: dict[str, tuple] = {}
 
     # -- requests (servicers, batcher) ---------------------------------------------------------
     def observe_stream_message(self, code: str) -> None:
@@ -140,33 +139,31 @@ class Metrics:
 
     # -- batches (batcher) ---------------------------------------------------------------------
     def observe_queue(self, kind: str, seconds: float) -> None:
-        child = self._queue_children.get(kind)
-        if child is None:
-            child = self._queue_children[kind] = self.queue_seconds.labels(kind)
-        child.observe(seconds)
+        self._kind_series(kind)[5].observe(seconds)
 
     def observe_execution(self, layer: int, kind: str, seconds: float) -> None:
         """One engine step (a multi-host follower's steps are observed here alone)."""
         self.statistics.add_execution(layer, kind)
-        self._step_series(kind)[0].observe(seconds)
+        self._kind_series(kind)[0].observe(seconds)
 
     def observe_batch(self, *, layer: int, kind: str, num_valid: int, bucket: int, num_requests: int,
                       seconds: float) -> None:
         """One batched engine step of ``num_valid`` rows padded to ``bucket``."""
         self.observe_execution(layer, kind, seconds)
-        _, batch_tokens, padding, requests, tokens = self._step_series(kind)
+        _, batch_tokens, padding, requests, tokens, _ = self._kind_series(kind)
         batch_tokens.observe(num_valid)
         padding.observe((bucket - num_valid) / bucket)
         requests.observe(num_requests)
         tokens.inc(num_valid)
 
-    def _step_series(self, kind: str) -> tuple:
-        """The per-step series of ``kind`` (compute seconds, batch tokens, padding ratio, requests,
-        tokens), their children looked up once per kind, not per step."""
-        children = self._step_children.get(kind)
+    def _kind_series(self, kind: str) -> tuple:
+        """The series labelled ``kind`` (compute seconds, batch tokens, padding ratio, requests, tokens,
+        queue seconds), their children looked up once per kind, not per step or request."""
+        children = self._kind_children.get(kind)
         if children is None:
-            children = self._step_children[kind] = tuple(metric.labels(kind) for metric in (
-                self.compute_seconds, self.batch_tokens, self.padding_ratio, self.batch_requests, self.tokens))
+            children = self._kind_children[kind] = tuple(metric.labels(kind) for metric in (
+                self.compute_seconds, self.batch_tokens, self.padding_ratio, self.batch_requests, self.tokens,
+                self.queue_seconds))
         return children
 
     def track_expert_load(self, tracker: ExpertLoadTracker) -> None:

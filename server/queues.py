@@ -51,9 +51,13 @@ class LayerQueue:
         self.gather_until = 0.0  # while the scheduler waits for company: until when (monotonic)
         self.big_owed = False  # the last step was sized for small requests: the next one is full
         self.expiry: asyncio.TimerHandle | None = None  # fires at the earliest queued deadline
-        self.expiry_at = 0.0
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
+
+    @property
+    def expiry_at(self) -> float:
+        """When the deadline timer fires (monotonic), 0 when none is armed."""
+        return self.expiry.when() if self.expiry is not None else 0.0
 
     @property
     def queued(self) -> int:
@@ -134,10 +138,9 @@ class Queues:
     def _expire_by(self, queue: LayerQueue, deadline: float) -> None:
         """Arm ``queue``'s timer for ``deadline`` (monotonic) unless it fires no later already."""
         if queue.expiry is not None:
-            if queue.expiry_at <= deadline:
+            if queue.expiry.when() <= deadline:
                 return
             queue.expiry.cancel()
-        queue.expiry_at = deadline
         queue.expiry = asyncio.get_running_loop().call_at(deadline, self._expire_queued, queue)
 
     def close(self) -> None:
