@@ -42,7 +42,9 @@ from expertd.server.models.family import Family, LayerTensors
 from expertd.server.models.stored import StoredError, StoredTensors
 
 _DENSE_STORED = ("F32", "BF16", "F16", "F64", "F8_E4M3", "I64", "I32")  # stored with their dense shape
-DEFAULT_WORKERS = min(16, os.cpu_count() or 1)
+# Loader threads: two per core, up to 16. A worker waits on reading cold pages about as long as it
+# computes (transposing, dequantising), so two per core keep the cores busy while the disk reads.
+DEFAULT_WORKERS = min(16, 2 * (os.cpu_count() or 1))
 
 
 class CheckpointRefused(CheckpointError):

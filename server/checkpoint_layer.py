@@ -27,13 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from expertd.kernels import cpu
 from expertd.kernels.config import MoEConfig
 from expertd.server.models import quant
 from expertd.server.models.family import LayerTensors
 from expertd.server.models.stored import StoredError, StoredTensors
 
 TILE = 256  # rows and columns of the blocks a transposing copy moves at a time
-_INTEGER_VIEWS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 HUGE_ALLOCATION = 16 << 20  # outputs at least this large get their own huge-page mapping
 
 
@@ -217,13 +217,15 @@ def _copy(array, dtype) -> np.ndarray:
 def copy_into(out: np.ndarray, src: np.ndarray) -> None:
     """`out[...] = src` for 2-D arrays of any strides (a transposed view), cast to out's dtype.
 
-    A transposed source is copied TILE x TILE at a time, so reads and writes both stay in cache, and
-    equal dtypes move as same-size integers (numpy's strided copy of ml_dtypes' bfloat16 is slow)."""
+    Equal dtypes move by `expertd.kernels.cpu.copy_2d` (cache-blocked register transposes where
+    the native CPU library is built); a cast is copied TILE x TILE at a time, so reads and writes
+    both stay in cache."""
     if src.ndim != 2 or src.flags.c_contiguous:
         out[...] = src
         return
-    if src.dtype == out.dtype and src.dtype.itemsize in _INTEGER_VIEWS:
-        out, src = out.view(_INTEGER_VIEWS[src.dtype.itemsize]), src.view(_INTEGER_VIEWS[src.dtype.itemsize])
+    if src.dtype == out.dtype:
+        cpu.copy_2d(out, src)
+        return
     rows, cols = out.shape
     for r in range(0, rows, TILE):
         for c in range(0, cols, TILE):

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 CSRC_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCE = CSRC_DIR / "grouped_matmul_cpu.cc"
-# One library: the grouped matmul and the dispatch passes (layout, combine), and their headers.
-SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc")
+# One library: the grouped matmul, the dispatch passes (layout, combine) and the host copy the
+# checkpoint loader transposes weights with, and their headers.
+SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc")
 HEADERS = tuple(sorted(CSRC_DIR.glob("*.h")))  # every one is in the build key
 TARGET = "expertd_grouped_matmul"
 # XLA FFI targets registered from the library: name -> exported handler symbol.
@@ -167,6 +168,11 @@ def register(path: pathlib.Path, targets: dict[str, str]) -> ctypes.CDLL:
     if hasattr(lib, "expertd_parallel_for_trace"):
         trace = lib.expertd_parallel_for_trace
         trace.restype, trace.argtypes = ctypes.c_int64, (ctypes.POINTER(ctypes.c_int64), ctypes.c_int64)
+    if hasattr(lib, "expertd_strided_copy_2d"):
+        copy = lib.expertd_strided_copy_2d
+        copy.restype = ctypes.c_int
+        copy.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_int64)
     for target, symbol in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib

@@ -1,0 +1,57 @@
+"""Host copies for loading weights: a 2-D copy from any strided view into a row-major array.
+
+  copy_2d(out, src): ``out[...] = src`` for ``out [R, C]`` C-contiguous and ``src [R, C]`` a view
+      of the same dtype with any strides (a transposed or sliced one). A checkpoint stores an
+      expert's weights ``[out, in]``; expertd serves them ``[in, out]``, so every expert matrix is
+      copied from a transposed view once at load. With the native CPU library, 2- and 4-byte
+      elements of a transposed view move as 8 x 8 / 4 x 4 register transposes in cache blocks
+      (csrc/host_copy.cc, no GIL held); without it (or for other views), numpy copies cache
+      blocks of TILE x TILE. Either way the bits are those of ``out[...] = src``.
+  copy_2d_numpy(out, src): the path without the native library.
+  copy_2d_reference(out, src): ``out[...] = src``, what both paths are tested against.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from expertd.kernels.cpu.build import load
+
+TILE = 256  # rows and columns of the blocks the numpy path moves at a time
+_SAME_SIZE_INTEGERS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def copy_2d(out: np.ndarray, src: np.ndarray) -> None:
+    """``out[...] = src`` (see the module docstring). ValueError naming the argument when ``out``
+    is not a C-contiguous 2-D array, ``src`` not 2-D of ``out``'s shape, or the dtypes differ."""
+    if out.ndim != 2 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writeable C-contiguous 2-D array, got {out.ndim}-D "
+                         f"(c_contiguous={out.flags.c_contiguous}, writeable={out.flags.writeable})")
+    if src.shape != out.shape:
+        raise ValueError(f"src must have out's shape {list(out.shape)}, got {list(src.shape)}")
+    if src.dtype != out.dtype:
+        raise ValueError(f"src must have out's dtype {out.dtype}, got {src.dtype} (cast before copying)")
+    if src.flags.c_contiguous or out.size == 0:
+        out[...] = src
+        return
+    size = out.dtype.itemsize
+    lib = load()[0] if size in _SAME_SIZE_INTEGERS else None
+    if lib is not None and lib.expertd_strided_copy_2d(src.ctypes.data, src.strides[0], src.strides[1],
+                                                       out.ctypes.data, out.shape[0], out.shape[1], size) == 0:
+        return
+    copy_2d_numpy(out, src)
+
+
+def copy_2d_numpy(out: np.ndarray, src: np.ndarray) -> None:
+    """`copy_2d`'s path without the native library (arguments as `copy_2d` has checked them)."""
+    size = out.dtype.itemsize
+    if size in _SAME_SIZE_INTEGERS:  # numpy's strided loop for ml_dtypes' bfloat16 is slow; integers are not
+        out, src = out.view(_SAME_SIZE_INTEGERS[size]), src.view(_SAME_SIZE_INTEGERS[size])
+    rows, cols = out.shape
+    for r in range(0, rows, TILE):
+        for c in range(0, cols, TILE):
+            out[r:r + TILE, c:c + TILE] = src[r:r + TILE, c:c + TILE]
+
+
+def copy_2d_reference(out: np.ndarray, src: np.ndarray) -> None:
+    """``out[...] = src``: the plain numpy copy `copy_2d` equals bit for bit."""
+    out[...] = src
