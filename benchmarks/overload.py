@@ -8,10 +8,13 @@ E 16, k 4, fp32 compute, as in benchmarks/serving.py); the load comes from a sep
 1. capacity: closed loop, ``--concurrency`` requests of ``--tokens`` (512) in flight: answered
    requests per second.
 2. overload: open loop (Poisson arrivals) at 2x and 4x that capacity for ``--duration`` seconds,
-   every call with a ``--deadline`` (2 s). Reported: goodput (requests answered OK, all within
-   their deadline, per second, over the capacity), the share of sent requests answered, p50 / p99
-   latency of the answered ones, RESOURCE_EXHAUSTED share and its latency p50 / p99 (how fast a
-   refusal comes back), DEADLINE_EXCEEDED and other codes, and the server's refusals by reason.
+   every call with a ``--deadline`` (2 s); each load twice, alternating: with the admission
+   metadata ExpertClient sends with requests this large (the server refuses from it, before the
+   body is read) and without (as a bare gRPC or KServe client: refused once the body is read).
+   Reported: goodput (requests answered OK, all within their deadline, per second, over the
+   capacity), the share of sent requests answered, p50 / p99 latency of the answered ones,
+   RESOURCE_EXHAUSTED share and its latency p50 / p99 (how fast a refusal comes back),
+   DEADLINE_EXCEEDED and other codes, and the server's refusals by reason.
 3. fairness: one client sends 1-token requests one after the other, alone and then beside a
    stream of 8,192-token requests (two in flight); its p50 / p99 both ways, and the step time of
    a full step (what one step of the other client's work costs), and each side's answered requests
@@ -49,17 +52,22 @@ MID_HF_CONFIG = {  # the same layer as benchmarks/serving.py's "mid"
 
 # ---------------------------------------------------------------------- load (its own process)
 
-def _requests(hidden: int, tokens: int, variants: int, seed: int) -> list[bytes]:
-    """Serialized ForwardRequests of ``tokens`` bf16 rows (a few different ones)."""
+def _requests(hidden: int, tokens: int, variants: int, seed: int, hint: bool) -> list[tuple[bytes, tuple]]:
+    """Serialized ForwardRequests of ``tokens`` bf16 rows (a few different ones), each with the call
+    metadata ExpertClient sends with it (``hint``: its admission metadata; else none, as a client
+    that does not know it, e.g. a bare gRPC stub)."""
     import ml_dtypes
 
-    from expertd.client import codec
+    from expertd.client import codec, messages
     from expertd.client.pb.v1 import expert_pb2
 
     rng = np.random.default_rng(seed)
-    return [expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(
-        rng.standard_normal((tokens, hidden), np.float32).astype(ml_dtypes.bfloat16))).SerializeToString()
-        for _ in range(variants)]
+    out = []
+    for _ in range(variants):
+        request = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(
+            rng.standard_normal((tokens, hidden), np.float32).astype(ml_dtypes.bfloat16)))
+        out.append((request.SerializeToString(), messages.admission_metadata(request) if hint else ()))
+    return out
 
 
 async def _load(spec: dict) -> dict:
@@ -72,16 +80,16 @@ async def _load(spec: dict) -> dict:
     rng = np.random.default_rng(spec.get("seed", 0))
     results: dict[str, list] = {}
 
-    async def one(stream: str, payload: bytes, started: float, timeout: float | None) -> None:
+    async def one(stream: str, payload: tuple[bytes, tuple], started: float, timeout: float | None) -> None:
         sent = time.perf_counter()
         try:
-            await call(payload, timeout=timeout)
+            await call(payload[0], timeout=timeout, metadata=payload[1])
             code = "OK"
         except grpc.aio.AioRpcError as error:
             code = error.code().name
         results.setdefault(stream, []).append((sent - started, time.perf_counter() - sent, code))
 
-    async def closed(stream: str, payloads: list[bytes], concurrency: int, until: float, started: float,
+    async def closed(stream: str, payloads: list, concurrency: int, until: float, started: float,
                      timeout: float | None) -> None:
         async def worker(i: int) -> None:
             n = i
@@ -90,7 +98,7 @@ async def _load(spec: dict) -> dict:
                 n += concurrency
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
-    async def opened(stream: str, payloads: list[bytes], rate: float, until: float, started: float,
+    async def opened(stream: str, payloads: list, rate: float, until: float, started: float,
                      timeout: float | None) -> None:
         tasks, next_send, n = set(), time.perf_counter(), 0
         while next_send < until:
@@ -109,7 +117,7 @@ async def _load(spec: dict) -> dict:
     until = started + spec["duration"]
     jobs = []
     for stream in spec["streams"]:
-        payloads = _requests(spec["hidden"], stream["tokens"], 4, spec.get("seed", 0))
+        payloads = _requests(spec["hidden"], stream["tokens"], 4, spec.get("seed", 0), spec.get("hint", True))
         timeout = stream.get("deadline")
         if stream.get("rate"):
             jobs.append(opened(stream["name"], payloads, stream["rate"], until, started, timeout))
@@ -232,12 +240,13 @@ def overload_phases(report: dict, base: dict, args, duration: float, handle) -> 
     capacity = sum(code == "OK" for _, _, code in calls) / run["duration"]
     report["capacity_per_s"] = capacity
     report["overload"] = []
-    for factor in (2, 4):
+    # Each load as ExpertClient sends it (admission metadata) and as a client without it, alternating.
+    for factor, hint in ((2, True), (2, False), (4, False), (4, True)):
         before = server_counters(handle)
-        run = run_load({**base, "duration": duration, "streams": [
+        run = run_load({**base, "duration": duration, "hint": hint, "streams": [
             {"name": "open", "tokens": args.tokens, "rate": factor * capacity, "deadline": args.deadline}]})
         row = overload_summary(run["calls"]["open"], run["duration"], capacity, factor * capacity, args.deadline)
-        row.update(factor=factor, server=delta(server_counters(handle), before))
+        row.update(factor=factor, admission_metadata=hint, server=delta(server_counters(handle), before))
         report["overload"].append(row)
         time.sleep(args.deadline)  # let the last admitted calls finish
 
@@ -277,13 +286,14 @@ def print_table(report: dict) -> None:
 def print_overload(report: dict) -> None:
     print(f"capacity: {report['capacity_per_s']:.1f} req/s of {report['tokens']} tokens"
           + (" (quick)" if report["quick"] else ""))
-    print("| load | sent | goodput / capacity | answered | answered p50 / p99 ms | RESOURCE_EXHAUSTED | "
-          "its p50 / p99 ms | DEADLINE_EXCEEDED |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in report["overload"]:
+    print("| load | admission metadata | sent | goodput / capacity | answered | answered p50 / p99 ms | "
+          "RESOURCE_EXHAUSTED | its p50 / p99 ms | DEADLINE_EXCEEDED |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in sorted(report["overload"], key=lambda r: (r["factor"], not r["admission_metadata"])):
         codes = row["codes"]
         ans, ref = row["answered_ms"], row["resource_exhausted_ms"]
-        print(f"| {row['factor']}x | {row['sent']} | {row['goodput_of_capacity']:.2f} | {row['answered_share']:.2f} | "
+        print(f"| {row['factor']}x | {'yes' if row['admission_metadata'] else 'no'} | {row['sent']} | "
+              f"{row['goodput_of_capacity']:.2f} | {row['answered_share']:.2f} | "
               f"{_ms(ans['p50'])} / {_ms(ans['p99'])} | {codes.get('RESOURCE_EXHAUSTED', 0)} | "
               f"{_ms(ref['p50'])} / {_ms(ref['p99'])} | {codes.get('DEADLINE_EXCEEDED', 0)} |")
 

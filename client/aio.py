@@ -58,7 +58,8 @@ class AsyncExpertClient(ClientBase):
                       token_ids=None, out=None):
         """``y [T, H]`` for ``x [T, H]``, or a ForwardResult (output + routing) with ``return_routing``."""
         request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
-        result = messages.forward_result(await self._unary(self._stub.Forward, request, timeout), out)
+        result = messages.forward_result(await self._unary(self._stub.Forward, request, timeout,
+                                                           metadata=messages.admission_metadata(request)), out)
         return result if return_routing else result.output
 
     async def route(
@@ -170,13 +171,14 @@ class AsyncExpertClient(ClientBase):
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-    async def _unary(self, method, request, timeout: float | None, *, retry: bool = True):
+    async def _unary(self, method, request, timeout: float | None, *, retry: bool = True, metadata=()):
         timeout = self._timeout if timeout is None else timeout
+        metadata = self._metadata + metadata if metadata else self._metadata
         retries = self._retries if retry else 0
         attempt = 0
         while True:
             try:
-                return await method(request, timeout=timeout, metadata=self._metadata)
+                return await method(request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as rpc_error:
                 error = errors.from_rpc_error(rpc_error)
             if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it

@@ -84,7 +84,8 @@ class ExpertClient(ClientBase):
         the server writes the output into (then returned: ``out.array``); docs/shared-memory.md.
         """
         request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
-        result = messages.forward_result(self._unary(self._stub.Forward, request, timeout), out)
+        result = messages.forward_result(self._unary(self._stub.Forward, request, timeout,
+                                                     metadata=messages.admission_metadata(request)), out)
         return result if return_routing else result.output
 
     def route(
@@ -197,13 +198,14 @@ class ExpertClient(ClientBase):
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _unary(self, method, request, timeout: float | None, *, retry: bool = True):
+    def _unary(self, method, request, timeout: float | None, *, retry: bool = True, metadata=()):
         timeout = self._timeout if timeout is None else timeout
+        metadata = self._metadata + metadata if metadata else self._metadata
         retries = self._retries if retry else 0
         attempt = 0
         while True:
             try:
-                return method(request, timeout=timeout, metadata=self._metadata)
+                return method(request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as rpc_error:
                 error = errors.from_rpc_error(rpc_error)
             if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it

@@ -213,6 +213,8 @@ class ServerHandle:
         servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION,
                                   placements=self.rebalancer, shared_memory=shm)
         expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, registrar)
+        for method, (key, handler) in servicer.early_handlers().items():
+            registrar.add_early_handler(method, key, handler)
         services = [EXPERT_SERVICE, *kserve.add_to_server(registrar, model=model, batcher=batcher,
                                                           statistics=self.metrics.statistics,
                                                           batching=config.batching, version=VERSION,

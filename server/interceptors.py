@@ -14,6 +14,9 @@ the call's metadata and before the request message is read, so that:
   method's limit (``TENSOR_METHODS``: ``max_request_bytes``; every other method:
   ``SMALL_REQUEST_BYTES``) is refused with RESOURCE_EXHAUSTED without being parsed, and bytes that
   do not parse are INVALID_ARGUMENT, instead of gRPC's UNKNOWN and a logged traceback.
+- Early handlers (``add_early``): an authorized call that carries a method's metadata key (Forward's
+  ``expertd-admission``) goes to a request-streaming handler, which decides from the metadata
+  before it reads the message: a call it refuses never has its body read.
 - Metrics: each call is counted and timed (the only place calls are, ``expertd.server.metrics``),
   with the status it ended with (a call ended by its deadline is DEADLINE_EXCEEDED), and a failure
   the client caused writes one rate-limited log line (``errors.client_errors``), never a traceback.
@@ -30,13 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import inspect
 import time
 from collections.abc import Callable
 
 import grpc
 
+from expertd.server.auth import UNAUTHENTICATED_MESSAGE, authorized, has_key, parse_token
 from expertd.server.call_metrics import GrpcMethodMetrics
 from expertd.server.errors import client_errors, quiet_grpc_client_errors
 from expertd.server.metrics import Metrics
@@ -52,7 +55,6 @@ CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
                           "CANCELLED", "UNAUTHENTICATED", "UNIMPLEMENTED"})
 DEADLINE_TOLERANCE_S = 0.01
 _ENDED = {"DEADLINE_EXCEEDED": "the call's deadline passed", "CANCELLED": "the client cancelled or went away"}
-UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
 Wrap = Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]
 """A registration wrapper: (method, handler) -> the handler served instead (``WrappingServer``)."""
 _FACTORIES = {
@@ -237,32 +239,13 @@ def _deny(method: str, handler: grpc.RpcMethodHandler, series: GrpcMethodMetrics
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """A method's handlers, built once: the wrapped one and the one for unauthenticated calls."""
+    """A method's handlers, built once: the wrapped one, the one for unauthenticated calls, and the
+    one for authorized calls that carry a metadata key (``add_early``)."""
 
     source: grpc.RpcMethodHandler
     handler: grpc.RpcMethodHandler
     deny: grpc.RpcMethodHandler | None  # None: an open method
-
-
-def parse_token(token: str) -> bytes:
-    """The configured bearer token as compared (ValueError for a token no client could send or that
-    anyone could guess: empty, blank, surrounding whitespace, not printable ASCII)."""
-    if not token or not token.strip():
-        raise ValueError("auth token must not be empty or blank")
-    if token != token.strip() or not (token.isascii() and token.isprintable()):
-        raise ValueError("auth token must be printable ASCII without surrounding whitespace")
-    return token.encode()
-
-
-def authorized(metadata, expected: bytes) -> bool:
-    """Whether the call's first ``authorization`` metadata is ``Bearer <expected>`` (scheme in any case)."""
-    for key, value in metadata or ():
-        if key == "authorization":
-            text = value.decode("latin-1") if isinstance(value, bytes) else value
-            scheme, _, credentials = text.strip().partition(" ")
-            candidate = credentials.strip().encode("utf-8", "replace")
-            return scheme.lower() == "bearer" and hmac.compare_digest(candidate, expected)
-    return False
+    early: tuple[str, grpc.RpcMethodHandler] | None = None
 
 
 class _Router(grpc.GenericRpcHandler):
@@ -281,15 +264,26 @@ class _Router(grpc.GenericRpcHandler):
     def add_generic(self, handlers) -> None:
         self._generic.extend(handlers)
 
+    def add_early(self, method: str, key: str, handler: grpc.RpcMethodHandler) -> None:
+        """Serve the authorized calls of ``method`` (registered already) that carry metadata ``key``
+        with ``handler``, a request-streaming one: gRPC does not read the request before it runs, so
+        it can decide from the metadata before it reads the message (counted as ``method``'s calls)."""
+        entry = self._entries[method]
+        series = self._metrics.grpc_method((_grpc_type(entry.source), *_split(method)))
+        self._entries[method] = dataclasses.replace(entry, early=(key, self._wrapped(method, handler, series)))
+
     def _entry(self, method: str, handler: grpc.RpcMethodHandler) -> _Entry:
         service, name = _split(method)
         series = self._metrics.grpc_method((_grpc_type(handler), service, name))
-        limit = self._max_request_bytes if method in TENSOR_METHODS else SMALL_REQUEST_BYTES
-        wrapped = _FACTORIES[_grpc_type(handler)](_behavior(method, handler, series, self._metrics),
-                                                  request_deserializer=_guarded(handler.request_deserializer, limit),
-                                                  response_serializer=handler.response_serializer)
         open_method = self._expected is None or service in OPEN_SERVICES
-        return _Entry(handler, wrapped, None if open_method else _deny(method, handler, series, self._metrics))
+        return _Entry(handler, self._wrapped(method, handler, series),
+                      None if open_method else _deny(method, handler, series, self._metrics))
+
+    def _wrapped(self, method: str, handler: grpc.RpcMethodHandler, series: GrpcMethodMetrics):
+        limit = self._max_request_bytes if method in TENSOR_METHODS else SMALL_REQUEST_BYTES
+        return _FACTORIES[_grpc_type(handler)](_behavior(method, handler, series, self._metrics),
+                                               request_deserializer=_guarded(handler.request_deserializer, limit),
+                                               response_serializer=handler.response_serializer)
 
     def service(self, handler_call_details):
         method = handler_call_details.method
@@ -298,9 +292,12 @@ class _Router(grpc.GenericRpcHandler):
             entry = self._from_generic(handler_call_details)
             if entry is None:
                 return None
-        if entry.deny is None or authorized(handler_call_details.invocation_metadata, self._expected):
-            return entry.handler
-        return entry.deny
+        metadata = handler_call_details.invocation_metadata
+        if entry.deny is not None and not authorized(metadata, self._expected):
+            return entry.deny
+        if entry.early is not None and has_key(metadata, entry.early[0]):
+            return entry.early[1]
+        return entry.handler
 
     def _from_generic(self, handler_call_details) -> _Entry | None:
         """A method only a generic handler knows: wrapped the first time, cached while its handler stays."""
@@ -327,6 +324,10 @@ class RoutedServer:
     def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
         for name, handler in method_handlers.items():
             self._router.add(f"/{service}/{name}", handler)
+
+    def add_early_handler(self, method: str, key: str, handler: grpc.RpcMethodHandler) -> None:
+        """``method``'s calls that carry metadata ``key`` go to ``handler`` (``_Router.add_early``)."""
+        self._router.add_early(method, key, handler)
 
     def add_generic_rpc_handlers(self, handlers) -> None:
         self._router.add_generic(handlers)
@@ -357,6 +358,9 @@ class WrappingServer:
 
     def add_generic_rpc_handlers(self, handlers) -> None:
         self._server.add_generic_rpc_handlers(tuple(_WrappedGeneric(h, self.wrap) for h in handlers))
+
+    def add_early_handler(self, method: str, key: str, handler: grpc.RpcMethodHandler) -> None:
+        self._server.add_early_handler(method, key, self.wrap(method, handler))
 
     def __getattr__(self, name):
         return getattr(self._server, name)

@@ -58,11 +58,48 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     async def _forward(self, message, deadline: float | None) -> expert_pb2.ForwardResponse:
         header = requests.forward_header(message, self.model)
-        with self.batcher.admit(header, deadline) as ticket:  # large bodies and answers: off the loop
-            request = await offload.run(requests.decode_forward, message, self.model, deadline, self.shared_memory,
-                                        header, elements=header.body_elements)
-            slot = requests.output_slot(message, request, self.shared_memory)
-            result, _ = await self.batcher.forward(request, ticket)
+        with self.batcher.admit(header, deadline) as ticket:
+            result, slot = await self._forward_admitted(message, header, ticket, deadline)
+        return await self._forward_answer(message, result, slot)
+
+    async def ForwardAdmittedEarly(self, request_iterator, context):
+        """Forward for a call that carries ``messages.ADMISSION_METADATA``: admitted from it before
+        its message is read (a refused call's body is never read), then served as Forward once the
+        message agrees with it. Registered with ``early_handlers``."""
+        return await run_unary(context, self._forward_early(context.invocation_metadata(), request_iterator,
+                                                            _deadline(context)))
+
+    async def _forward_early(self, metadata, request_iterator, deadline: float | None) -> expert_pb2.ForwardResponse:
+        declared = requests.admission_header(metadata, self.model)
+        with self.batcher.admit(declared, deadline) as ticket:
+            message = await anext(aiter(request_iterator), None)
+            if message is None:
+                raise InvalidRequest("request", "the call ended before its ForwardRequest message")
+            header = requests.forward_header(message, self.model)
+            if (header.layer, header.tokens) != (declared.layer, declared.tokens):
+                raise InvalidRequest(f"metadata {messages.ADMISSION_METADATA!r}", f"declares layer {declared.layer} "
+                                     f"with {declared.tokens} tokens; the message has layer {header.layer} with "
+                                     f"{header.tokens}")
+            result, slot = await self._forward_admitted(message, header, ticket, deadline)
+        return await self._forward_answer(message, result, slot)
+
+    def early_handlers(self) -> dict[str, tuple[str, grpc.RpcMethodHandler]]:
+        """{method: (metadata key, handler)}: the calls of a method that carry the key go to the
+        handler (``interceptors.RoutedServer.add_early_handler``)."""
+        handler = grpc.stream_unary_rpc_method_handler(
+            self.ForwardAdmittedEarly, request_deserializer=expert_pb2.ForwardRequest.FromString,
+            response_serializer=expert_pb2.ForwardResponse.SerializeToString)
+        return {"/expertd.v1.ExpertService/Forward": (messages.ADMISSION_METADATA, handler)}
+
+    async def _forward_admitted(self, message, header, ticket, deadline: float | None):
+        """(result, output slot or None) of an admitted Forward; large bodies and answers off the loop."""
+        request = await offload.run(requests.decode_forward, message, self.model, deadline, self.shared_memory,
+                                    header, elements=header.body_elements)
+        slot = requests.output_slot(message, request, self.shared_memory)
+        result, _ = await self.batcher.forward(request, ticket)
+        return result, slot
+
+    async def _forward_answer(self, message, result, slot) -> expert_pb2.ForwardResponse:
         if slot is None:
             return await offload.run(messages.forward_response, result, message.request_id, message.return_routing,
                                      elements=result.output.size)

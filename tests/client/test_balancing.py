@@ -164,7 +164,9 @@ def test_no_serving_replica_fails_at_once_with_unavailable(replicas):
 def test_unavailable_is_retried_by_grpc_on_another_replica_not_twice_over(replicas):
     dying, healthy = replicas(("dying", grpc.StatusCode.UNAVAILABLE), "healthy")
     with ExpertClient(target(dying, healthy), retries=3, timeout=10, backoff=FAST) as client:
-        assert all(client.model_info().model == "healthy" for _ in range(10))
+        deadline = time.monotonic() + 30  # round robin uses a replica once its connection is ready
+        while dying.calls == 0 and time.monotonic() < deadline:
+            assert all(client.model_info().model == "healthy" for _ in range(10))
     assert dying.calls >= 1  # round robin sent some calls there first; each was retried on the other
     (alone,) = replicas(("alone", grpc.StatusCode.UNAVAILABLE))
     with ExpertClient(target(alone), retries=2, timeout=10, backoff=FAST) as client:

@@ -454,11 +454,17 @@ def test_metrics_endpoint_exports_every_family(server, client):
 
 
 def test_messages_beyond_the_size_limit_are_refused_by_grpc(server, client):
-    from expertd.client import ResourceExhaustedError
+    from expertd.client import messages
 
     limit = server.model.max_message_bytes()
     too_many = limit // (4 * H) + 1  # fp32 rows past the limit, and past --max-request-tokens
+    request = messages.forward_request(np.zeros((too_many, H), np.float32), 0, False)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:  # a client without admission metadata
+        with pytest.raises(grpc.RpcError) as refused:
+            expert_pb2_grpc.ExpertServiceStub(channel).Forward(request, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in refused.value.details()
+    # ExpertClient declares the tokens in its metadata: refused from that, the body never read
     with ExpertClient(f"127.0.0.1:{server.port}", retries=0) as c:
-        with pytest.raises(ResourceExhaustedError, match="larger than max"):
+        with pytest.raises(InvalidArgumentError, match=r"tokens must be in \[1, \d+\], got " + str(too_many)):
             c.forward(np.zeros((too_many, H), np.float32), layer=0)
     assert client.forward(tokens(1), layer=0).shape == (1, H)  # the server is unaffected

@@ -1,0 +1,147 @@
+"""Admission before the body (issue 27, item 7): a Forward call that carries the
+``expertd-admission`` metadata is admitted or refused from it before its message is read, through
+the real server on loopback; ExpertClient sends it with large bodies only."""
+import time
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from service_support import reference_forward, server_config
+
+from expertd.client import ExpertClient, errors, messages
+from expertd.client.pb.v1 import expert_pb2_grpc
+from expertd.server.app import create_server
+from expertd.server.config import SecurityConfig
+
+KEY = messages.ADMISSION_METADATA
+TOKEN = "early-admission-token"
+
+
+def _received(registry) -> float:
+    labels = {"grpc_type": "unary", "grpc_service": "expertd.v1.ExpertService", "grpc_method": "Forward"}
+    return registry.get_sample_value("grpc_server_msg_received_total", labels) or 0.0
+
+
+def _poll(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the server"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def busy_server(tmp_path_factory):
+    """One request pending at most (--max-queue-size 1); a 2-token request gathers for 3 s (no
+    idle fast path), so while one waits every other request is refused."""
+    registry = CollectorRegistry()
+    config = server_config(tmp_path_factory, max_queue_size=1, max_queue_delay_ms=3000, inline_step_max_ms=0)
+    handle = create_server(config, registry=registry)
+    handle.wait_ready(timeout=300)
+    yield handle, registry
+    handle.stop(grace=5)
+
+
+def test_a_refused_call_with_the_metadata_is_never_read(busy_server):
+    handle, registry = busy_server
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    request = messages.forward_request(x, 1, False)
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        waiting = stub.Forward.future(messages.forward_request(x[:2], 1, False), timeout=60)
+        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
+        before = _received(registry)
+        with pytest.raises(grpc.RpcError) as early:
+            stub.Forward(request, metadata=((KEY, "1,8"),), timeout=30)
+        assert _received(registry) == before  # refused from the metadata: the message was not read
+        with pytest.raises(grpc.RpcError) as late:
+            stub.Forward(request, timeout=30)
+        assert _received(registry) == before + 1  # the same call without it: read, then refused
+        assert waiting.result().output.shape[:] == [2, 64]
+    for refused in (early.value, late.value):
+        error = errors.from_rpc_error(refused)
+        assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queue-size 1" in str(error)
+        assert error.retry_delay is not None and error.retry_delay > 0
+    assert registry.get_sample_value("expertd_rejected_requests_total", {"reason": "queue_size"}) == 2
+
+
+def test_an_admitted_call_with_the_metadata_answers_as_without_it(busy_server):
+    handle, _ = busy_server
+    from expertd.server.model import load_preset
+
+    (layer,) = load_preset("tiny", layers="1", dtype="float32")
+    params = {name: np.asarray(layer.params[name]) for name in layer.params}
+    x = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+    want = reference_forward(params, layer.cfg, x, np.float32)[0]
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        request = messages.forward_request(x, 1, True)
+        early = messages.forward_result(stub.Forward(request, metadata=((KEY, "1,8"),), timeout=60), None)
+        plain = messages.forward_result(stub.Forward(request, timeout=60), None)
+    np.testing.assert_allclose(early.output, want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(early.output, plain.output)
+    np.testing.assert_array_equal(early.routing.topk_ids, plain.routing.topk_ids)
+
+
+@pytest.mark.parametrize("value, code, message", [
+    ("1,7", "INVALID_ARGUMENT", "declares layer 1 with 7 tokens; the message has layer 1 with 8"),
+    ("0,8", "INVALID_ARGUMENT", "declares layer 0 with 8 tokens; the message has layer 1 with 8"),
+    ("1;8", "INVALID_ARGUMENT", "must be '<layer>,<tokens>' (two decimal integers), got '1;8'"),
+    ("1,-8", "INVALID_ARGUMENT", "must be '<layer>,<tokens>'"),
+    ("1," + "9" * 40, "INVALID_ARGUMENT", "must be '<layer>,<tokens>'"),
+    ("1,0", "INVALID_ARGUMENT", "tokens must be in [1, "),
+    ("1,100000000", "INVALID_ARGUMENT", "tokens must be in [1, "),
+    ("9,8", "NOT_FOUND", "layer 9 is not served"),
+])
+def test_bad_or_disagreeing_metadata_names_the_key_and_the_server_keeps_serving(busy_server, value, code, message):
+    handle, registry = busy_server
+    x = np.ones((8, 64), np.float32)
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.Forward(messages.forward_request(x, 1, False), metadata=((KEY, value),), timeout=30)
+        assert failed.value.code().name == code and message in failed.value.details()
+        if code == "INVALID_ARGUMENT" and "tokens;" not in message:
+            assert f"metadata {KEY!r}" in failed.value.details()
+        assert stub.Forward(messages.forward_request(x, 1, False), timeout=60).output.shape[:] == [8, 64]
+    assert registry.get_sample_value("expertd_pending_requests") == 0  # a failed call's ticket was released
+
+
+def test_the_token_is_checked_before_the_metadata(tmp_path_factory):
+    handle = create_server(server_config(tmp_path_factory, security=SecurityConfig(auth_token=TOKEN)),
+                           registry=CollectorRegistry())
+    handle.wait_ready(timeout=300)
+    try:
+        x = np.ones((4, 64), np.float32)
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            stub = expert_pb2_grpc.ExpertServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as denied:
+                stub.Forward(messages.forward_request(x, 1, False), metadata=((KEY, "1,4"),), timeout=30)
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            answer = stub.Forward(messages.forward_request(x, 1, False), timeout=30,
+                                  metadata=((KEY, "1,4"), ("authorization", f"Bearer {TOKEN}")))
+            assert answer.output.shape[:] == [4, 64]
+    finally:
+        handle.stop(grace=5)
+
+
+def test_the_client_sends_the_metadata_with_large_bodies_only(busy_server):
+    big_rows = messages.ADMISSION_MIN_BYTES // (64 * 4)
+    big = messages.forward_request(np.zeros((big_rows, 64), np.float32), 1, False)
+    assert messages.admission_metadata(big) == ((KEY, f"1,{big_rows}"),)
+    small = messages.forward_request(np.zeros((big_rows - 1, 64), np.float32), 1, False)
+    assert messages.admission_metadata(small) == ()
+    handle, registry = busy_server
+    target = f"127.0.0.1:{handle.port}"
+    with ExpertClient(target, timeout=60, retries=0) as client, grpc.insecure_channel(target) as channel:
+        waiting = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
+            messages.forward_request(np.ones((2, 64), np.float32), 1, False), timeout=60)
+        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
+        before = _received(registry)
+        for rows in (big_rows, big_rows - 1):  # refused, the first from its metadata
+            with pytest.raises(errors.ExpertError) as refused:
+                client.forward(np.zeros((rows, 64), np.float32), layer=1)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _received(registry) == before + 1  # only the small one's body was read
+        waiting.result()
+        assert client.forward(np.ones((big_rows, 64), np.float32), layer=1).shape == (big_rows, 64)
