@@ -15,7 +15,8 @@ What the rest of expertd may use is imported here; the modules behind it:
   ffi       grouped_matmul, layout, combine: the custom calls, with grouped_matmul_reference
             beside them (layout's and combine's twins are dispatch.layout / dispatch.unpermute)
   panels    the panel-major weight layout (PanelWeights, to_panels, dense, panel_columns)
-  host_copy copy_2d: a 2-D copy from a strided (transposed) view, the checkpoint loader's transpose
+  host_copy copy_2d: a 2-D copy from a strided (transposed) view, the checkpoint loader's transpose;
+            block_lookup: 8-bit codes decoded through per-block tables (FP8 block-scaled weights)
   policy    which backend "auto" runs on CPU and the XLA:CPU options it compiles with
   layer     grouped_ffn (the "native_cpu" backend), routed_experts (the layer's CPU pass),
             prepare_params, dense_weights, describe
@@ -37,7 +38,7 @@ from expertd.kernels.cpu.build import (
     unavailable_reason,
 )
 from expertd.kernels.cpu.ffi import combine, grouped_matmul, grouped_matmul_reference, layout
-from expertd.kernels.cpu.host_copy import copy_2d, copy_2d_reference
+from expertd.kernels.cpu.host_copy import block_lookup, block_lookup_reference, copy_2d, copy_2d_reference
 from expertd.kernels.cpu.layer import (
     PREPARING_BACKENDS,
     dense_weights,
@@ -60,10 +61,10 @@ from expertd.kernels.cpu.panels import PANEL_WIDTHS, PanelWeights, panel_columns
 from expertd.kernels.cpu.policy import choose_backend, compiler_options
 
 __all__ = [
-    "ISA_LEVELS", "PANEL_WIDTHS", "PATHS", "PREPARING_BACKENDS", "TRACE_FIELDS", "BuildOptions", "PanelWeights",
-    "available", "build_log", "choose_backend", "combine", "compiler_options", "configure", "copy_2d",
-    "copy_2d_reference", "dense_weights",
-    "describe", "grouped_ffn", "grouped_matmul", "grouped_matmul_reference", "isa", "layout", "limit_isa",
-    "options", "panel_columns", "parallel_for_trace", "path_items", "prepare_params", "routed_experts",
-    "supported_isas", "to_panels", "unavailable_reason", "vectorized",
+    "BuildOptions", "ISA_LEVELS", "PANEL_WIDTHS", "PATHS", "PREPARING_BACKENDS", "PanelWeights", "TRACE_FIELDS",
+    "available", "block_lookup", "block_lookup_reference", "build_log", "choose_backend", "combine",
+    "compiler_options", "configure", "copy_2d", "copy_2d_reference", "dense_weights", "describe", "grouped_ffn",
+    "grouped_matmul", "grouped_matmul_reference", "isa", "layout", "limit_isa", "options", "panel_columns",
+    "parallel_for_trace", "path_items", "prepare_params", "routed_experts", "supported_isas", "to_panels",
+    "unavailable_reason", "vectorized",
 ]

@@ -173,6 +173,11 @@ def register(path: pathlib.Path, targets: dict[str, str]) -> ctypes.CDLL:
         copy.restype = ctypes.c_int
         copy.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                          ctypes.c_int64, ctypes.c_int64)
+    if hasattr(lib, "expertd_block_lookup"):
+        lookup = lib.expertd_block_lookup
+        lookup.restype = ctypes.c_int
+        lookup.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
     for target, symbol in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib

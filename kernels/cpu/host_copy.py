@@ -9,6 +9,11 @@
       blocks of TILE x TILE. Either way the bits are those of ``out[...] = src``.
   copy_2d_numpy(out, src): the path without the native library.
   copy_2d_reference(out, src): ``out[...] = src``, what both paths are tested against.
+  block_lookup(out, codes, tables, bm, bn) -> bool: ``out [R, C]`` (2- or 4-byte elements) = each
+      code of ``codes [R, C]`` uint8 looked up in its (bm x bn) block's 256-entry table, ``tables
+      [ceil(R/bm), ceil(C/bn), 256]`` of out's dtype: FP8 weights with block scales decoded through
+      tables of code x scale. False, ``out`` untouched, without the native library.
+  block_lookup_reference(codes, tables, bm, bn): the same in numpy, a new array.
 """
 from __future__ import annotations
 
@@ -55,3 +60,30 @@ def copy_2d_numpy(out: np.ndarray, src: np.ndarray) -> None:
 def copy_2d_reference(out: np.ndarray, src: np.ndarray) -> None:
     """``out[...] = src``: the plain numpy copy `copy_2d` equals bit for bit."""
     out[...] = src
+
+
+def block_lookup(out: np.ndarray, codes: np.ndarray, tables: np.ndarray, bm: int, bn: int) -> bool:
+    """See the module docstring. ValueError naming the argument for shapes or dtypes that disagree."""
+    rows, cols = codes.shape
+    if codes.dtype != np.uint8 or codes.strides[1] != 1:
+        raise ValueError(f"codes must be uint8 with contiguous rows, got {codes.dtype} strides {codes.strides}")
+    if bm < 1 or bn < 1:
+        raise ValueError(f"bm and bn must be >= 1, got {bm} x {bn}")
+    if out.shape != codes.shape or not out.flags.c_contiguous or out.dtype.itemsize not in (2, 4):
+        raise ValueError(f"out must be a C-contiguous [{rows}, {cols}] array of 2- or 4-byte elements, got "
+                         f"{out.dtype} {list(out.shape)}")
+    expected = (-(-rows // bm), -(-cols // bn), 256)
+    if tables.shape != expected or tables.dtype != out.dtype or not tables.flags.c_contiguous:
+        raise ValueError(f"tables must be a C-contiguous {out.dtype} {list(expected)} array, got {tables.dtype} "
+                         f"{list(tables.shape)}")
+    lib = load()[0]
+    if lib is None or out.size == 0:
+        return lib is not None
+    return lib.expertd_block_lookup(codes.ctypes.data, rows, cols, codes.strides[0], tables.ctypes.data, bm, bn,
+                                    out.ctypes.data, out.dtype.itemsize) == 0
+
+
+def block_lookup_reference(codes: np.ndarray, tables: np.ndarray, bm: int, bn: int) -> np.ndarray:
+    """``tables[r // bm, c // bn, codes[r, c]]`` for every (r, c)."""
+    rows, cols = codes.shape
+    return tables[(np.arange(rows) // bm)[:, None], (np.arange(cols) // bn)[None, :], codes]

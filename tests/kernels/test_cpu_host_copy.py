@@ -70,3 +70,34 @@ def test_bad_arguments_name_what_was_expected():
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="writeable=False"):
         cpu.copy_2d(frozen, src)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (128, 128), (130, 300), (257, 129)], ids=str)
+@pytest.mark.parametrize("block", [(1, 1), (2, 3), (64, 32), (128, 128)], ids=str)
+def test_block_lookup_equals_its_reference(dtype, shape, block):
+    if not cpu.available():
+        pytest.skip(f"native CPU library unavailable: {cpu.unavailable_reason()}")
+    rng = np.random.default_rng(shape[0] * 7 + block[0])
+    bm, bn = block
+    wide = rng.integers(0, 256, size=(shape[0], shape[1] + 5), dtype=np.uint8)
+    codes = wide[:, 2:2 + shape[1]]  # rows further apart than their width
+    tables = _source((-(-shape[0] // bm), -(-shape[1] // bn) * 256), dtype, seed=3)[0]
+    tables = np.ascontiguousarray(tables.reshape(-(-shape[0] // bm), -(-shape[1] // bn), 256))
+    out = np.zeros(shape, dtype)
+    assert cpu.block_lookup(out, codes, tables, bm, bn)
+    np.testing.assert_array_equal(_bits(out), _bits(cpu.block_lookup_reference(codes, tables, bm, bn)))
+
+
+def test_block_lookup_names_what_disagrees():
+    codes, out = np.zeros((4, 6), np.uint8), np.zeros((4, 6), ml_dtypes.bfloat16)
+    tables = np.zeros((2, 2, 256), ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match=r"tables must be a C-contiguous bfloat16 \[2, 2, 256\] array, got bfloat16 "
+                                         r"\[2, 3, 256\]"):
+        cpu.block_lookup(out, codes, np.zeros((2, 3, 256), ml_dtypes.bfloat16), 2, 3)
+    with pytest.raises(ValueError, match="codes must be uint8 with contiguous rows"):
+        cpu.block_lookup(out, codes.T.copy().T, tables, 2, 3)
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous \[4, 6\] array of 2- or 4-byte elements"):
+        cpu.block_lookup(np.zeros((4, 6), np.float64), codes, tables, 2, 3)
+    with pytest.raises(ValueError, match="bm and bn must be >= 1"):
+        cpu.block_lookup(out, codes, tables, 0, 3)

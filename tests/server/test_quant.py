@@ -108,10 +108,21 @@ FP8_SHAPES = [((192, 200), (128, 128)), ((128, 256), (128, 128)), ((1, 1), (128,
               ((3, 130, 257), (128, 128)), ((192, 200), (64, 32))]
 
 
-@pytest.fixture(params=["block-tables", "per-chunk"])
+class _WithoutNativeLibrary:
+    """`kernels.cpu` as fp8_tables sees it on a machine without the native library."""
+
+    @staticmethod
+    def block_lookup(*args) -> bool:
+        return False
+
+
+@pytest.fixture(params=["block-tables", "numpy-tables", "per-chunk"])
 def fp8_path(request, monkeypatch):
     """Run a test through each FP8 block path: per-block look-up tables (blocks of 1024 elements or
-    more) and the per-chunk multiply (forced by raising the tables' threshold)."""
+    more) by the native library and by numpy, and the per-chunk multiply (forced by raising the
+    tables' threshold)."""
+    if request.param == "numpy-tables":
+        monkeypatch.setattr(fp8_tables, "cpu", _WithoutNativeLibrary)
     if request.param == "per-chunk":
         monkeypatch.setattr(fp8_tables, "MIN_BLOCK_ELEMENTS", 1 << 40)
 

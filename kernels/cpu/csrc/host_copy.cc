@@ -1,6 +1,7 @@
 // Host-side copies for weight loading: a strided 2-D copy into a row-major array, fast for the
-// transposed views a checkpoint's [out, in] weights become in expertd's [in, out] layout. Plain C
-// entry points for ctypes (no XLA FFI); ctypes releases the GIL for the call.
+// transposed views a checkpoint's [out, in] weights become in expertd's [in, out] layout; and a
+// per-block table look-up that decodes 8-bit codes (FP8 weights with block scales). Plain C entry
+// points for ctypes (no XLA FFI); ctypes releases the GIL for the call.
 #include <emmintrin.h>  // SSE2: part of the x86-64 baseline, no target attribute needed
 
 #include <cstdint>
@@ -97,6 +98,23 @@ void StridedCopy2D(const char* src, int64_t rs, int64_t cs, T* dst, int64_t rows
   }
 }
 
+// dst[r, c] = tables[((r / bm) * block_cols + c / bn) * 256 + codes[r * code_stride + c]].
+template <typename T>
+void BlockLookup(const uint8_t* codes, int64_t rows, int64_t cols, int64_t code_stride, const T* tables, int64_t bm,
+                 int64_t bn, T* dst) {
+  const int64_t block_cols = (cols + bn - 1) / bn;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* in = codes + r * code_stride;
+    const T* row_tables = tables + (r / bm) * block_cols * 256;
+    T* out = dst + r * cols;
+    for (int64_t c0 = 0; c0 < cols; c0 += bn) {
+      const T* table = row_tables + (c0 / bn) * 256;
+      const int64_t c1 = c0 + bn < cols ? c0 + bn : cols;
+      for (int64_t c = c0; c < c1; ++c) out[c] = table[in[c]];
+    }
+  }
+}
+
 }  // namespace
 }  // namespace expertd
 
@@ -111,6 +129,26 @@ extern "C" int expertd_strided_copy_2d(const void* src, int64_t src_row_stride, 
     case 2: expertd::StridedCopy2D(s, src_row_stride, src_col_stride, static_cast<uint16_t*>(dst), rows, cols); return 0;
     case 4: expertd::StridedCopy2D(s, src_row_stride, src_col_stride, static_cast<uint32_t*>(dst), rows, cols); return 0;
     case 8: expertd::StridedCopy2D(s, src_row_stride, src_col_stride, static_cast<uint64_t*>(dst), rows, cols); return 0;
+    default: return -1;
+  }
+}
+
+// dst [rows, cols] (row-major, elements of elem_bytes: 2 or 4) = the entry of each code of codes
+// [rows, cols] (rows code_row_stride bytes apart) in its block's table: tables [ceil(rows / bm),
+// ceil(cols / bn), 256] of elem_bytes each, block (i, j) covering rows i*bm.. and columns j*bn...
+// Returns 0, or -1 for another element size or a block size below 1.
+extern "C" int expertd_block_lookup(const uint8_t* codes, int64_t rows, int64_t cols, int64_t code_row_stride,
+                                    const void* tables, int64_t bm, int64_t bn, void* dst, int64_t elem_bytes) {
+  if (bm < 1 || bn < 1) return -1;
+  switch (elem_bytes) {
+    case 2:
+      expertd::BlockLookup(codes, rows, cols, code_row_stride, static_cast<const uint16_t*>(tables), bm, bn,
+                           static_cast<uint16_t*>(dst));
+      return 0;
+    case 4:
+      expertd::BlockLookup(codes, rows, cols, code_row_stride, static_cast<const uint32_t*>(tables), bm, bn,
+                           static_cast<uint32_t*>(dst));
+      return 0;
     default: return -1;
   }
 }

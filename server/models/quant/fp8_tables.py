@@ -2,14 +2,17 @@
 `codecs.dequantize_fp8_block` for blocks of MIN_BLOCK_ELEMENTS or more (DeepSeek's 128x128).
 
 Each block's 256 possible values (code x the block's scale, rounded once to the output dtype) are
-tabulated; a block row's tables lie side by side, so one `np.take` over a chunk of rows indexes
-them by `code + 256 * column block`. Few, large look-ups, which run outside the GIL: the loader's
-threads dequantise in parallel. Pure numpy; nothing here knows tensor names.
+tabulated; the native CPU library looks each code up in its block's table (`kernels.cpu.
+block_lookup`), or, without it, a block row's tables lie side by side and one `np.take` over a
+chunk of rows indexes them by `code + 256 * column block`. Both run outside the GIL: the loader's
+threads dequantise in parallel. Nothing here knows tensor names.
 """
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+
+from expertd.kernels import cpu
 
 MIN_BLOCK_ELEMENTS = 1024  # smaller blocks: more tables than a chunk has codes; the per-chunk path
 CHUNK_ELEMENTS = 1 << 16  # codes per look-up (its intp index: 512 KiB)
@@ -37,6 +40,15 @@ def dequantize_into(codes, block_scales, bm: int, bn: int, out) -> bool:
     block_rows, block_cols = block_scales.shape
     tables = np.zeros((block_rows, block_cols, 256), out.dtype)
     tables[..., _E4M3_FINITE] = table
+    if not (codes.strides[1] == 1 and out.flags.c_contiguous and cpu.block_lookup(out, codes, tables, bm, bn)):
+        lookup_numpy(codes, tables, bm, bn, out)
+    return True
+
+
+def lookup_numpy(codes, tables, bm: int, bn: int, out) -> None:
+    """`out[r, c] = tables[r // bm, c // bn, codes[r, c]]` in numpy (the path without the native
+    library): `tables` `[ceil(R/bm), ceil(C/bn), 256]` of out's dtype."""
+    block_rows, block_cols, _ = tables.shape
     bits = _INTEGER_VIEWS[out.dtype.itemsize]  # look-ups move the values as same-size integers
     tables, out = tables.view(bits).reshape(block_rows, block_cols * 256), out.view(bits)
     rows, cols = codes.shape
@@ -48,7 +60,6 @@ def dequantize_into(codes, block_scales, bm: int, bn: int, out) -> bool:
             r1 = min(r0 + step, i * bm + bm, rows)
             np.add(codes[r0:r1], column_base, out=index[:r1 - r0])
             np.take(tables[i], index[:r1 - r0], out=out[r0:r1], mode="clip")  # in range: no checks
-    return True
 
 
 def has_nan_code(codes) -> bool:
