@@ -30,12 +30,17 @@ from expertd.server import offload, requests
 from expertd.server.batcher import Batcher
 from expertd.server.description import ModelDescription
 from expertd.server.eplb import Rebalancer
-from expertd.server.errors import InvalidRequest, run_unary, status_of
+from expertd.server.errors import DeadlineExpired, InvalidRequest, run_unary, status_of
 from expertd.server.metrics import Metrics
 from expertd.server.shared_memory import SharedMemoryRegistry
 
 # ForwardStream: messages read ahead of the oldest unanswered one (bounds memory per stream).
 STREAM_WINDOW = 64
+
+
+ADMITTED_MESSAGE_WAIT_S = 5.0
+"""How long a Forward admitted from its metadata waits for its message: the admission holds a place
+in the queue, so a client that declares a request and withholds its body cannot keep it."""
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
@@ -72,7 +77,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     async def _forward_early(self, metadata, request_iterator, deadline: float | None) -> expert_pb2.ForwardResponse:
         declared = requests.admission_header(metadata, self.model)
         with self.batcher.admit(declared, deadline) as ticket:
-            message = await anext(aiter(request_iterator), None)
+            try:  # the admission holds a place in the queue: its message must come promptly
+                message = await asyncio.wait_for(anext(aiter(request_iterator), None), ADMITTED_MESSAGE_WAIT_S)
+            except TimeoutError:
+                raise DeadlineExpired(f"the ForwardRequest message did not arrive within {ADMITTED_MESSAGE_WAIT_S:g} "
+                                      "s of the call's admission from its metadata") from None
             if message is None:
                 raise InvalidRequest("request", "the call ended before its ForwardRequest message")
             header = requests.forward_header(message, self.model)

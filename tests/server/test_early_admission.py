@@ -2,6 +2,7 @@
 ``expertd-admission`` metadata is admitted or refused from it before its message is read, through
 the real server on loopback; ExpertClient sends it with large bodies only."""
 import asyncio
+import threading
 import time
 
 import grpc
@@ -14,6 +15,7 @@ from expertd.client import AsyncExpertClient, ExpertClient, errors, messages
 from expertd.client.pb.v1 import expert_pb2_grpc
 from expertd.server.app import create_server
 from expertd.server.config import SecurityConfig
+from expertd.server.servicer import ADMITTED_MESSAGE_WAIT_S
 
 KEY = messages.ADMISSION_METADATA
 TOKEN = "early-admission-token"
@@ -112,6 +114,30 @@ def test_bad_or_disagreeing_metadata_names_the_key_and_the_server_keeps_serving(
             assert f"metadata {KEY!r}" in failed.value.details()
         assert stub.Forward(messages.forward_request(x, 1, False), timeout=60).output.shape[:] == [8, 64]
     assert registry.get_sample_value("expertd_pending_requests") == 0  # a failed call's ticket was released
+
+
+def test_a_declared_request_whose_body_never_comes_gives_its_place_back(busy_server):
+    handle, registry = busy_server
+    release = threading.Event()
+
+    def withheld():  # the call is open, its metadata sent; its message never is
+        release.wait(60)
+        return
+        yield
+
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        declare = channel.stream_unary("/expertd.v1.ExpertService/Forward",
+                                       request_serializer=lambda m: m.SerializeToString())
+        started = time.monotonic()
+        try:
+            with pytest.raises(grpc.RpcError) as dropped:
+                declare(withheld(), metadata=((KEY, "1,8"),), timeout=60)
+        finally:
+            release.set()
+    assert dropped.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert f"did not arrive within {ADMITTED_MESSAGE_WAIT_S:g} s" in dropped.value.details()
+    assert time.monotonic() - started < 30
+    assert registry.get_sample_value("expertd_pending_requests") == 0
 
 
 def test_the_token_is_checked_before_the_metadata(tmp_path_factory):
