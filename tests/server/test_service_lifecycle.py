@@ -59,13 +59,16 @@ def token(seed=0):
     return np.random.default_rng(seed).standard_normal((1, H)).astype(np.float32)
 
 
-def raw_forward(port: int, timeout: float = 10.0) -> tuple[grpc.StatusCode, str]:
-    """(code, details) of one Forward sent on a plain channel (no health checking, no retries)."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            expert_pb2_grpc.ExpertServiceStub(channel).Forward(forward_request(token(), 0, False), timeout=timeout)
-        except grpc.RpcError as error:
-            return error.code(), error.details()
+def raw_forward(port: int, timeout: float = 10.0, channel: grpc.Channel | None = None) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of one Forward sent on a plain channel (no health checking, no retries): a
+    new one, or ``channel``."""
+    if channel is None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return raw_forward(port, timeout, channel)
+    try:
+        expert_pb2_grpc.ExpertServiceStub(channel).Forward(forward_request(token(), 0, False), timeout=timeout)
+    except grpc.RpcError as error:
+        return error.code(), error.details()
     return grpc.StatusCode.OK, ""
 
 
@@ -255,9 +258,11 @@ def test_drain_ends_idle_streams_and_watches_and_answers_late_calls_unavailable(
     idle = IdleCalls(handle.port)
     busy_items: queue.Queue = queue.Queue()
     busy = expert_pb2_grpc.ExpertServiceStub(idle.channel).ForwardStream(iter(busy_items.get, None))
+    late_channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
     try:
         busy_items.put(stream_request(7, token(7), 0, False))  # waits in the queue for the bucket to fill
         wait_until(lambda: handle.batcher.pending == 1)
+        grpc.channel_ready_future(late_channel).result(timeout=30)  # connected now: late calls are quick
         started = time.monotonic()
         handle.request_stop(grace=grace)
         assert next(idle.watch).status == NOT_SERVING  # the Watch hears it at once ...
@@ -267,7 +272,7 @@ def test_drain_ends_idle_streams_and_watches_and_answers_late_calls_unavailable(
         # Calls that arrive while the drain lingers get UNAVAILABLE from the server, none CANCELLED.
         late = []
         while time.monotonic() - started < 0.6:
-            late.append(raw_forward(handle.port, timeout=5))
+            late.append(raw_forward(handle.port, timeout=5, channel=late_channel))
         assert len(late) >= 3 and {code for code, _ in late} == {grpc.StatusCode.UNAVAILABLE}
         assert all("draining" in details for _, details in late)
         # The busy stream's accepted message is answered, then the stream ends the same way.
@@ -282,6 +287,7 @@ def test_drain_ends_idle_streams_and_watches_and_answers_late_calls_unavailable(
     finally:
         busy_items.put(None)
         idle.close()
+        late_channel.close()
         handle.stop(grace=0)
 
 
