@@ -10,11 +10,15 @@ DeepSeek ships it). Per format:
   cold: wall time, and the process's peak RSS above its RSS before loading (after imports);
 - the ratios load / read (goal: <= 2) and peak RSS / served weights (goal: <= 1.5).
 
+Both formats are written first; then ``--rounds`` (3) rounds each read and load both formats cold,
+alternating, and the table gives every round and each format's range (a read right after a large
+write runs slower on some virtual disks: the rounds show it).
+
 Cold means: the files' pages are evicted from the page cache before each run with
 `posix_fadvise(POSIX_FADV_DONTNEED)` after an `fsync` (clean pages are dropped; a page another
 process maps stays). The table says whether eviction was possible. `--warm` also runs both warm.
 
-Run: `.venv/bin/python benchmarks/load.py [--quick] [--experts N] [--dir DIR] [--workers N]`
+Run: `.venv/bin/python benchmarks/load.py [--quick] [--experts N] [--rounds N] [--dir DIR] [--workers N]`
   --quick: 4 experts (about 0.4 GB bf16) to prove the script works; the full run writes about
   34 GB (22.6 GB bf16 + 11.3 GB FP8) and needs as much free disk and ~24 GB of memory for the bf16
   load. Writes benchmarks/results/load.json (load_quick.json with --quick).
@@ -164,6 +168,22 @@ def load_run(path: pathlib.Path, workers: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def measure(path: pathlib.Path, fmt: str, mode: str, experts: int, file_bytes: int, workers: int) -> dict:
+    """One read and one load of the checkpoint at ``path``, both cold (evicted first) or both warm."""
+    cold = mode == "cold"
+    evicted = evict(path) if cold else False
+    read = read_seconds(path)
+    if cold:
+        evict(path)
+    loaded = load_run(path, workers)
+    peak = loaded["peak_rss"] - loaded["rss_before"]
+    return {"format": fmt, "mode": mode, "evicted": evicted, "experts": experts, "file_bytes": file_bytes,
+            "served_bytes": loaded["served_bytes"], "read_s": read, "load_s": loaded["seconds"],
+            "load_over_read": loaded["seconds"] / read, "peak_rss_bytes": peak,
+            "peak_over_served": peak / loaded["served_bytes"], "read_gb_s": file_bytes / read / 1e9,
+            "load_gb_s": file_bytes / loaded["seconds"] / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 experts: prove the script works")
@@ -171,6 +191,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     parser.add_argument("--workers", type=int, default=None, help="loader threads (default: the loader's)")
     parser.add_argument("--warm", action="store_true", help="also time warm (cached) read and load")
+    parser.add_argument("--rounds", type=int, default=3, help="cold read-and-load rounds, formats alternating "
+                        "(default 3; the table gives each and the range)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     from expertd.server.checkpoint import DEFAULT_WORKERS
@@ -182,29 +204,28 @@ def main() -> None:
     experts = args.experts or (4 if args.quick else 256)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        for fmt, quantized in (("bf16", False), ("fp8-128x128", True)):
+        paths = {}
+        for fmt, quantized in (("bf16", False), ("fp8-128x128", True)):  # both written before any is timed
             path = pathlib.Path(tmp) / fmt
-            file_bytes = write_checkpoint(path, experts, quantized)
-            runs = [("cold", True)] + ([("warm", False)] if args.warm else [])
-            for mode, cold in runs:
-                evicted = evict(path) if cold else False
-                read = read_seconds(path)
-                if cold:
-                    evict(path)
-                loaded = load_run(path, workers)
-                peak = loaded["peak_rss"] - loaded["rss_before"]
-                rows.append({"format": fmt, "mode": mode, "evicted": evicted, "experts": experts,
-                             "file_bytes": file_bytes, "served_bytes": loaded["served_bytes"], "read_s": read,
-                             "load_s": loaded["seconds"], "load_over_read": loaded["seconds"] / read,
-                             "peak_rss_bytes": peak, "peak_over_served": peak / loaded["served_bytes"],
-                             "read_gb_s": file_bytes / read / 1e9, "load_gb_s": file_bytes / loaded["seconds"] / 1e9})
+            paths[fmt] = path, write_checkpoint(path, experts, quantized)
+        runs = [("cold", r) for r in range(args.rounds)] + ([("warm", 0)] if args.warm else [])
+        for mode, round_ in runs:  # the formats alternate within each round
+            for fmt, (path, file_bytes) in paths.items():
+                rows.append({"round": round_, **measure(path, fmt, mode, experts, file_bytes, workers)})
+        for path, _ in paths.values():
             (path / "config.json").unlink()
-    print(f"{'format':>12} {'mode':>5} {'files GB':>9} {'served GB':>9} {'read s':>8} {'load s':>8} "
+    print(f"{'format':>12} {'mode':>5} {'round':>5} {'files GB':>9} {'served GB':>9} {'read s':>8} {'load s':>8} "
           f"{'load/read':>9} {'peak GB':>8} {'peak/served':>11}")
     for r in rows:
-        print(f"{r['format']:>12} {r['mode']:>5} {r['file_bytes'] / 1e9:9.3f} {r['served_bytes'] / 1e9:9.3f} "
-              f"{r['read_s']:8.3f} {r['load_s']:8.3f} {r['load_over_read']:9.2f} {r['peak_rss_bytes'] / 1e9:8.3f} "
-              f"{r['peak_over_served']:11.2f}" + ("" if r["evicted"] or r["mode"] == "warm" else "  (not evicted)"))
+        print(f"{r['format']:>12} {r['mode']:>5} {r['round']:>5} {r['file_bytes'] / 1e9:9.3f} "
+              f"{r['served_bytes'] / 1e9:9.3f} {r['read_s']:8.3f} {r['load_s']:8.3f} {r['load_over_read']:9.2f} "
+              f"{r['peak_rss_bytes'] / 1e9:8.3f} {r['peak_over_served']:11.2f}"
+              + ("" if r["evicted"] or r["mode"] == "warm" else "  (not evicted)"))
+    for fmt in paths:
+        cold = [r for r in rows if r["format"] == fmt and r["mode"] == "cold"]
+        print(f"{fmt:>12} cold, {len(cold)} rounds: " + ", ".join(
+            f"{key} {min(r[key] for r in cold):.2f}-{max(r[key] for r in cold):.2f}"
+            for key in ("read_s", "load_s", "load_over_read", "peak_over_served")))
     print("goals: load/read <= 2, peak/served <= 1.5")
     result = {"benchmark": "load", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": f"{os.cpu_count()}-core {platform.processor() or platform.machine()}, Python "
