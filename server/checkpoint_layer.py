@@ -33,7 +33,6 @@ from expertd.server.models import quant
 from expertd.server.models.family import LayerTensors
 from expertd.server.models.stored import StoredError, StoredTensors
 
-TILE = 256  # rows and columns of the blocks a transposing copy moves at a time
 HUGE_ALLOCATION = 16 << 20  # outputs at least this large get their own huge-page mapping
 
 
@@ -215,18 +214,12 @@ def _copy(array, dtype) -> np.ndarray:
 
 
 def copy_into(out: np.ndarray, src: np.ndarray) -> None:
-    """`out[...] = src` for 2-D arrays of any strides (a transposed view), cast to out's dtype.
-
-    Equal dtypes move by `expertd.kernels.cpu.copy_2d` (cache-blocked register transposes where
-    the native CPU library is built); a cast is copied TILE x TILE at a time, so reads and writes
-    both stay in cache."""
+    """`out[...] = src` for 2-D arrays of any strides (a transposed view), cast to out's dtype:
+    equal dtypes by `expertd.kernels.cpu.copy_2d` (cache-blocked register transposes where the
+    native CPU library is built), a cast by its numpy path (cache blocks)."""
     if src.ndim != 2 or src.flags.c_contiguous:
         out[...] = src
-        return
-    if src.dtype == out.dtype:
+    elif src.dtype == out.dtype:
         cpu.copy_2d(out, src)
-        return
-    rows, cols = out.shape
-    for r in range(0, rows, TILE):
-        for c in range(0, cols, TILE):
-            out[r:r + TILE, c:c + TILE] = src[r:r + TILE, c:c + TILE]
+    else:
+        cpu.copy_2d_numpy(out, src)

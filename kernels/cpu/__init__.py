@@ -38,7 +38,13 @@ from expertd.kernels.cpu.build import (
     unavailable_reason,
 )
 from expertd.kernels.cpu.ffi import combine, grouped_matmul, grouped_matmul_reference, layout
-from expertd.kernels.cpu.host_copy import block_lookup, block_lookup_reference, copy_2d, copy_2d_reference
+from expertd.kernels.cpu.host_copy import (
+    block_lookup,
+    block_lookup_reference,
+    copy_2d,
+    copy_2d_numpy,
+    copy_2d_reference,
+)
 from expertd.kernels.cpu.layer import (
     PREPARING_BACKENDS,
     dense_weights,
@@ -63,8 +69,8 @@ from expertd.kernels.cpu.policy import choose_backend, compiler_options
 __all__ = [
     "BuildOptions", "ISA_LEVELS", "PANEL_WIDTHS", "PATHS", "PREPARING_BACKENDS", "PanelWeights", "TRACE_FIELDS",
     "available", "block_lookup", "block_lookup_reference", "build_log", "choose_backend", "combine",
-    "compiler_options", "configure", "copy_2d", "copy_2d_reference", "dense_weights", "describe", "grouped_ffn",
-    "grouped_matmul", "grouped_matmul_reference", "isa", "layout", "limit_isa", "options", "panel_columns",
-    "parallel_for_trace", "path_items", "prepare_params", "routed_experts", "supported_isas", "to_panels",
-    "unavailable_reason", "vectorized",
+    "compiler_options", "configure", "copy_2d", "copy_2d_numpy", "copy_2d_reference", "dense_weights", "describe",
+    "grouped_ffn", "grouped_matmul", "grouped_matmul_reference", "isa", "layout", "limit_isa", "options",
+    "panel_columns", "parallel_for_trace", "path_items", "prepare_params", "routed_experts", "supported_isas",
+    "to_panels", "unavailable_reason", "vectorized",
 ]

@@ -54,6 +54,14 @@ CXXFLAGS = ("-O3", "-DNDEBUG", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=
 TRACE_DEFINE = "-DEXPERTD_TRACE_PARALLEL_FOR"  # the trace build (csrc/parallel.h)
 COMPILERS = ("c++", "g++", "clang++")  # looked up on PATH in this order when no compiler is given
 DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/expertd")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# The library's plain C entry points, called through ctypes: symbol -> (restype, argtypes or None).
+C_SIGNATURES = {
+    "expertd_native_cpu_path_items": (_I64, None),
+    "expertd_parallel_for_trace": (_I64, (ctypes.POINTER(_I64), _I64)),
+    "expertd_strided_copy_2d": (ctypes.c_int, (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64)),
+    "expertd_block_lookup": (ctypes.c_int, (_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64)),
+}
 ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")  # csrc/simd.h Isa, lowest first
 BUILD_TIMEOUT_S = 300
 
@@ -163,21 +171,12 @@ def register(path: pathlib.Path, targets: dict[str, str]) -> ctypes.CDLL:
     """Load a built library and register its handlers with XLA:CPU, `{target name: symbol}`
     (benchmarks/native_cpu_kernel.py registers a variant of the matmul under another name)."""
     lib = ctypes.cdll.LoadLibrary(str(path))
-    if hasattr(lib, "expertd_native_cpu_path_items"):  # (benchmark variants of older sources lack it)
-        lib.expertd_native_cpu_path_items.restype = ctypes.c_int64
-    if hasattr(lib, "expertd_parallel_for_trace"):
-        trace = lib.expertd_parallel_for_trace
-        trace.restype, trace.argtypes = ctypes.c_int64, (ctypes.POINTER(ctypes.c_int64), ctypes.c_int64)
-    if hasattr(lib, "expertd_strided_copy_2d"):
-        copy = lib.expertd_strided_copy_2d
-        copy.restype = ctypes.c_int
-        copy.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                         ctypes.c_int64, ctypes.c_int64)
-    if hasattr(lib, "expertd_block_lookup"):
-        lookup = lib.expertd_block_lookup
-        lookup.restype = ctypes.c_int
-        lookup.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+    for symbol, (restype, argtypes) in C_SIGNATURES.items():
+        if hasattr(lib, symbol):  # (benchmark variants of older sources lack some)
+            function = getattr(lib, symbol)
+            function.restype = restype
+            if argtypes is not None:
+                function.argtypes = argtypes
     for target, symbol in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib

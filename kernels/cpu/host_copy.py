@@ -7,7 +7,7 @@
       elements of a transposed view move as 8 x 8 / 4 x 4 register transposes in cache blocks
       (csrc/host_copy.cc, no GIL held); without it (or for other views), numpy copies cache
       blocks of TILE x TILE. Either way the bits are those of ``out[...] = src``.
-  copy_2d_numpy(out, src): the path without the native library.
+  copy_2d_numpy(out, src): the path without the native library (it also casts, as assignment does).
   copy_2d_reference(out, src): ``out[...] = src``, what both paths are tested against.
   block_lookup(out, codes, tables, bm, bn) -> bool: ``out [R, C]`` (2- or 4-byte elements) = each
       code of ``codes [R, C]`` uint8 looked up in its (bm x bn) block's 256-entry table, ``tables
@@ -47,9 +47,11 @@ def copy_2d(out: np.ndarray, src: np.ndarray) -> None:
 
 
 def copy_2d_numpy(out: np.ndarray, src: np.ndarray) -> None:
-    """`copy_2d`'s path without the native library (arguments as `copy_2d` has checked them)."""
+    """``out[...] = src`` for 2-D arrays of one shape, TILE x TILE at a time so that reads and
+    writes both stay in cache: `copy_2d`'s path without the native library, and a casting copy
+    (``src`` of another dtype) for anyone."""
     size = out.dtype.itemsize
-    if size in _SAME_SIZE_INTEGERS:  # numpy's strided loop for ml_dtypes' bfloat16 is slow; integers are not
+    if src.dtype == out.dtype and size in _SAME_SIZE_INTEGERS:  # numpy's strided bfloat16 loop is slow
         out, src = out.view(_SAME_SIZE_INTEGERS[size]), src.view(_SAME_SIZE_INTEGERS[size])
     rows, cols = out.shape
     for r in range(0, rows, TILE):
