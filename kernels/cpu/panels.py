@@ -20,8 +20,8 @@ half: the AVX-512 kernel widens both rows of a 64-byte line (16 columns, a "stri
 AND and a shift, and its bf16 dot product (vdpbf16ps) multiplies the word as it lies, earlier row
 first (csrc/panel_layout.h, csrc/panel_stream_avx512.h).
 
-What it buys (BENCHMARKS.md "Panel-major expert weights", "AVX-512 and the bf16 dot product",
-"Panels of 64 columns"): every block reads its weights in place as sequential streams with its sums
+What it buys (BENCHMARKS.md "Weight layout on CPU", "Native CPU kernel"):
+every block reads its weights in place as sequential streams with its sums
 in registers; on AVX-512 CPUs one zmm is a strip's row (fp32) or pair row (bf16) and the kernel runs
 every row count from the panels in place (AVX2 CPUs: the packed path's strips are read in place up
 to 120 rows instead of re-packed each call); on AVX512_BF16 CPUs the pair rows are the bf16 dot

@@ -595,7 +595,7 @@ __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_
                                                    float* y) {
   // Panel-major weights on AVX-512 CPUs: every row count (its register blocks of up to 6 x 4 strips
   // streaming all of K are at least level with the packed path at every row count; BENCHMARKS.md
-  // "AVX-512 and the bf16 dot product"), bf16-valued rows on the bf16 dot product; the column tail
+  // "Native CPU kernel"), bf16-valued rows on the bf16 dot product; the column tail
   // included.
   if (w.Panels() && expertd::CpuIsa() >= expertd::Isa::kAvx512) {
     const uint32_t* const* pairs = nullptr;

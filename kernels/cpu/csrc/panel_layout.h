@@ -12,7 +12,7 @@
 // sequential stream of 256-byte rows instead of 4 streams 16-64 KB apart. AVX2 blocks cover at most
 // 4 rows x 1 strip or 1 row x 4 strips (16 ymm registers), so they would read a 64-column panel in
 // up to 4 strided passes; the rule (kernels/cpu/panels.py panel_columns): W = 64 where the kernels
-// run AVX-512, 16 elsewhere (BENCHMARKS.md "Panels of 64 columns" has the measurements).
+// run AVX-512, 16 elsewhere (BENCHMARKS.md "Weight layout on CPU" has the measurements).
 #pragma once
 
 #include <cstdint>

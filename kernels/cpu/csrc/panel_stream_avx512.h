@@ -21,7 +21,7 @@
 //   x pair (x[2j] high, x[2j+1] low), whose two roundings are the two FMAs' (simd.h Bf16DotIsFma).
 //   No widening, and 32 multiply-adds per instruction where an FMA does 16: the rule is to use it
 //   wherever it gives the FMAs' bits, because the FMA paths' blocks of 4+ rows are compute-bound
-//   (BENCHMARKS.md, "AVX-512 and the bf16 dot product"). AVX512_BF16 reads subnormal inputs as zero and flushes subnormal
+//   (BENCHMARKS.md, "Native CPU kernel"). AVX512_BF16 reads subnormal inputs as zero and flushes subnormal
 //   sums, which XLA:CPU does to every computation already (FTZ / DAZ), so nothing changes there.
 //
 // The functions carry the avx512bf16 target for the one loop that uses it; the others compile to

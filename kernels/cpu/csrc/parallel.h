@@ -71,7 +71,7 @@ class ParallelForState {
   // Spins up to kSpinNanos for the helpers' last tasks before sleeping on the condition variable:
   // the rule is that a helper still running when the caller ran out of tasks usually finishes
   // sooner than a wake-up from the condition variable takes, and the caller has nothing else to
-  // do (BENCHMARKS.md "Spinning before the wait" has the measurements). A helper that has not
+  // do (BENCHMARKS.md "ParallelFor trace" has the measurements). A helper that has not
   // started by the time the caller ran out of tasks is never waited for (it claims nothing), so the
   // spin only covers tasks already running.
   void Wait() {
