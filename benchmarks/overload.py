@@ -6,11 +6,14 @@ E 16, k 4, fp32 compute, as in benchmarks/serving.py); the load comes from a sep
 (``--load``: grpc.aio, pre-serialized bf16 requests, one connection) so the two never share a GIL.
 
 1. capacity: closed loop, ``--concurrency`` requests of ``--tokens`` (512) in flight: answered
-   requests per second.
-2. overload: open loop (Poisson arrivals) at 2x and 4x that capacity for ``--duration`` seconds,
-   every call with a ``--deadline`` (2 s); each load twice, alternating: with the admission
-   metadata ExpertClient sends with requests this large (the server refuses from it, before the
-   body is read) and without (as a bare gRPC or KServe client: refused once the body is read).
+   requests per second, measured again before each overload phase (this VM drifts between minutes),
+   with the cores the server and the load process use.
+2. overload: open loop (Poisson arrivals) at 2x and 4x the capacity just measured, for ``--duration`` s,
+   every call with a ``--deadline`` (2 s); each load three times, alternating the client's way of
+   sending: ``expertd`` as ExpertClient sends requests this large (the admission metadata, and while
+   the server pushes back the body held until the call is admitted: ``expertd.client.admission``),
+   ``eager`` (the metadata, the body at once: refused before the body is read, after it was sent)
+   and ``bare`` (neither, as a bare gRPC or KServe client: refused once the body is read).
    Reported: goodput (requests answered OK, all within their deadline, per second, over the
    capacity), the share of sent requests answered, p50 / p99 latency of the answered ones,
    RESOURCE_EXHAUSTED share and its latency p50 / p99 (how fast a refusal comes back),
@@ -42,6 +45,7 @@ import numpy as np
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "overload.json"
 FORWARD = "/expertd.v1.ExpertService/Forward"
+CLIENTS = ("expertd", "eager", "bare")  # how the load sends its calls (module docstring)
 MID_HF_CONFIG = {  # the same layer as benchmarks/serving.py's "mid"
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 512,
     "intermediate_size": 1024, "moe_intermediate_size": 256, "num_hidden_layers": 1, "num_experts": 16,
@@ -54,11 +58,10 @@ MID_HF_CONFIG = {  # the same layer as benchmarks/serving.py's "mid"
 
 def _requests(hidden: int, tokens: int, variants: int, seed: int, hint: bool) -> list[tuple[bytes, tuple]]:
     """Serialized ForwardRequests of ``tokens`` bf16 rows (a few different ones), each with the call
-    metadata ExpertClient sends with it (``hint``: its admission metadata; else none, as a client
-    that does not know it, e.g. a bare gRPC stub)."""
+    metadata ExpertClient sends with it (``hint``: its admission metadata; else none)."""
     import ml_dtypes
 
-    from expertd.client import codec, messages
+    from expertd.client import admission, codec
     from expertd.client.pb.v1 import expert_pb2
 
     rng = np.random.default_rng(seed)
@@ -66,27 +69,38 @@ def _requests(hidden: int, tokens: int, variants: int, seed: int, hint: bool) ->
     for _ in range(variants):
         request = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(
             rng.standard_normal((tokens, hidden), np.float32).astype(ml_dtypes.bfloat16)))
-        out.append((request.SerializeToString(), messages.admission_metadata(request) if hint else ()))
+        out.append((request.SerializeToString(), admission.admission_metadata(request) if hint else ()))
     return out
 
 
 async def _load(spec: dict) -> dict:
-    """Run one load phase against ``spec["target"]``; every call as (send offset s, latency s, code)."""
+    """Run one load phase against ``spec["target"]``; every call as (send offset s, latency s, code).
+    ``spec["client"]``: how calls are sent (``expertd``, ``eager`` or ``bare``: module docstring)."""
     import grpc
+
+    from expertd.client import admission
 
     channel = grpc.aio.insecure_channel(spec["target"], options=[("grpc.max_send_message_length", -1),
                                                                  ("grpc.max_receive_message_length", -1)])
     call = channel.unary_unary(FORWARD)
+    held = channel.stream_unary(FORWARD)  # bytes in, bytes out, as `call`
+    mode = spec.get("client", "expertd")
+    pushback = admission.Pushback() if mode == "expertd" else None
     rng = np.random.default_rng(spec.get("seed", 0))
     results: dict[str, list] = {}
 
     async def one(stream: str, payload: tuple[bytes, tuple], started: float, timeout: float | None) -> None:
         sent = time.perf_counter()
         try:
-            await call(payload[0], timeout=timeout, metadata=payload[1])
+            if pushback is not None and payload[1] and pushback.active():
+                await admission.call_after_admission(held, payload[0], timeout=timeout, metadata=payload[1])
+            else:
+                await call(payload[0], timeout=timeout, metadata=payload[1])
             code = "OK"
         except grpc.aio.AioRpcError as error:
             code = error.code().name
+            if pushback is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                pushback.refused()
         results.setdefault(stream, []).append((sent - started, time.perf_counter() - sent, code))
 
     async def closed(stream: str, payloads: list, concurrency: int, until: float, started: float,
@@ -113,11 +127,12 @@ async def _load(spec: dict) -> dict:
         await asyncio.gather(*tasks)
 
     await channel.channel_ready()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     until = started + spec["duration"]
     jobs = []
     for stream in spec["streams"]:
-        payloads = _requests(spec["hidden"], stream["tokens"], 4, spec.get("seed", 0), spec.get("hint", True))
+        payloads = _requests(spec["hidden"], stream["tokens"], 4, spec.get("seed", 0),
+                             spec.get("client", "expertd") != "bare")
         timeout = stream.get("deadline")
         if stream.get("rate"):
             jobs.append(opened(stream["name"], payloads, stream["rate"], until, started, timeout))
@@ -125,7 +140,7 @@ async def _load(spec: dict) -> dict:
             jobs.append(closed(stream["name"], payloads, stream["concurrency"], until, started, timeout))
     await asyncio.gather(*jobs)
     await channel.close()
-    return {"duration": time.perf_counter() - started, "calls": results}
+    return {"duration": time.perf_counter() - started, "calls": results, "cpu_s": time.process_time() - cpu_started}
 
 
 def run_load(spec: dict) -> dict:
@@ -232,23 +247,36 @@ def main(argv=None) -> int:
     return 0
 
 
-def overload_phases(report: dict, base: dict, args, duration: float, handle) -> None:
-    """Phases 1 and 2: capacity, then 2x and 4x of it."""
+def measure_capacity(base: dict, args) -> dict:
+    """Phase 1: answered requests per second of a closed loop of ``--concurrency`` calls in flight,
+    and the cores the server (this process's threads; run_load waits on its child) and the load used."""
+    server_cpu = time.process_time()
     run = run_load({**base, "duration": 2.0 if args.quick else 5.0, "streams": [
         {"name": "capacity", "tokens": args.tokens, "concurrency": args.concurrency, "deadline": 30.0}]})
-    calls = run["calls"]["capacity"]
-    capacity = sum(code == "OK" for _, _, code in calls) / run["duration"]
-    report["capacity_per_s"] = capacity
-    report["overload"] = []
-    # Each load as ExpertClient sends it (admission metadata) and as a client without it, alternating.
-    for factor, hint in ((2, True), (2, False), (4, False), (4, True)):
-        before = server_counters(handle)
-        run = run_load({**base, "duration": duration, "hint": hint, "streams": [
-            {"name": "open", "tokens": args.tokens, "rate": factor * capacity, "deadline": args.deadline}]})
-        row = overload_summary(run["calls"]["open"], run["duration"], capacity, factor * capacity, args.deadline)
-        row.update(factor=factor, admission_metadata=hint, server=delta(server_counters(handle), before))
+    answered = sum(code == "OK" for _, _, code in run["calls"]["capacity"])
+    seconds = run["duration"]
+    return {"per_s": answered / seconds,
+            "cores": {"server": (time.process_time() - server_cpu) / seconds, "load": run["cpu_s"] / seconds}}
+
+
+def overload_phases(report: dict, base: dict, args, duration: float, handle) -> None:
+    """Phases 1 and 2: each overload phase (2x, 4x) at a multiple of the capacity measured just
+    before it (this VM's speed drifts between minutes), each load sent the three ways, alternating."""
+    report["overload"], capacities = [], []
+    for factor, client in ((2, "expertd"), (2, "eager"), (2, "bare"), (4, "bare"), (4, "eager"), (4, "expertd")):
+        capacity = measure_capacity(base, args)
+        capacities.append(capacity["per_s"])
+        before, server_cpu = server_counters(handle), time.process_time()
+        run = run_load({**base, "duration": duration, "client": client, "streams": [
+            {"name": "open", "tokens": args.tokens, "rate": factor * capacity["per_s"], "deadline": args.deadline}]})
+        row = overload_summary(run["calls"]["open"], run["duration"], capacity["per_s"], factor * capacity["per_s"],
+                               args.deadline)
+        row.update(factor=factor, client=client, capacity=capacity, server=delta(server_counters(handle), before),
+                   cores={"server": (time.process_time() - server_cpu) / run["duration"],
+                          "load": run["cpu_s"] / run["duration"]})
         report["overload"].append(row)
         time.sleep(args.deadline)  # let the last admitted calls finish
+    report["capacity_per_s"] = {"min": min(capacities), "max": max(capacities)}
 
 
 def fairness_phase(base: dict, quick: bool, handle) -> dict:
@@ -284,18 +312,21 @@ def print_table(report: dict) -> None:
 
 
 def print_overload(report: dict) -> None:
-    print(f"capacity: {report['capacity_per_s']:.1f} req/s of {report['tokens']} tokens"
-          + (" (quick)" if report["quick"] else ""))
-    print("| load | admission metadata | sent | goodput / capacity | answered | answered p50 / p99 ms | "
-          "RESOURCE_EXHAUSTED | its p50 / p99 ms | DEADLINE_EXCEEDED |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in sorted(report["overload"], key=lambda r: (r["factor"], not r["admission_metadata"])):
-        codes = row["codes"]
+    span = report["capacity_per_s"]
+    print(f"capacity: {span['min']:.1f}-{span['max']:.1f} req/s of {report['tokens']} tokens, measured before each "
+          "phase" + (" (quick)" if report["quick"] else ""))
+    print("| load | client | capacity req/s | sent | goodput / capacity | answered | answered p50 / p99 ms | "
+          "RESOURCE_EXHAUSTED | its p50 / p99 ms | DEADLINE_EXCEEDED | cores: server / load (at capacity) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in sorted(report["overload"], key=lambda r: (r["factor"], CLIENTS.index(r["client"]))):
+        codes, cores, at_capacity = row["codes"], row["cores"], row["capacity"]["cores"]
         ans, ref = row["answered_ms"], row["resource_exhausted_ms"]
-        print(f"| {row['factor']}x | {'yes' if row['admission_metadata'] else 'no'} | {row['sent']} | "
+        print(f"| {row['factor']}x | {row['client']} | {row['capacity']['per_s']:.1f} | {row['sent']} | "
               f"{row['goodput_of_capacity']:.2f} | {row['answered_share']:.2f} | "
               f"{_ms(ans['p50'])} / {_ms(ans['p99'])} | {codes.get('RESOURCE_EXHAUSTED', 0)} | "
-              f"{_ms(ref['p50'])} / {_ms(ref['p99'])} | {codes.get('DEADLINE_EXCEEDED', 0)} |")
+              f"{_ms(ref['p50'])} / {_ms(ref['p99'])} | {codes.get('DEADLINE_EXCEEDED', 0)} | "
+              f"{cores['server']:.2f} / {cores['load']:.2f} "
+              f"({at_capacity['server']:.2f} / {at_capacity['load']:.2f}) |")
 
 
 def _ms(value) -> str:

@@ -58,8 +58,8 @@ class AsyncExpertClient(ClientBase):
                       token_ids=None, out=None):
         """``y [T, H]`` for ``x [T, H]``, or a ForwardResult (output + routing) with ``return_routing``."""
         request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
-        result = messages.forward_result(await self._unary(self._stub.Forward, request, timeout,
-                                                           metadata=messages.admission_metadata(request)), out)
+        method, metadata = self._forward_call(request)
+        result = messages.forward_result(await self._unary(method, request, timeout, metadata=metadata), out)
         return result if return_routing else result.output
 
     async def route(
@@ -181,6 +181,8 @@ class AsyncExpertClient(ClientBase):
                 return await method(request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as rpc_error:
                 error = errors.from_rpc_error(rpc_error)
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self._pushback.refused()
             if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it
                 raise error
             await asyncio.sleep(self._backoff.delay(attempt, error.retry_delay))

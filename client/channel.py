@@ -22,6 +22,7 @@ must reach servers that are not SERVING.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import json
 import pathlib
@@ -31,7 +32,8 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from expertd.client.pb.v1 import expert_pb2_grpc
+from expertd.client import admission
+from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 
 # Large enough for a 256 MiB request or response; the server enforces its own, smaller limit.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -257,6 +259,7 @@ class ClientBase:
     ``_channel``: balanced over the healthy replicas, UNAVAILABLE retried by gRPC (module
     docstring). ``probe()``: the health stub on a second channel, opened on first use, with no
     health checking and no retries, so that health reaches servers that are not SERVING.
+    ``_forward_call(request)``: how a Forward goes (``expertd.client.admission``).
     """
 
     def __init__(
@@ -284,6 +287,12 @@ class ClientBase:
         self._backoff = backoff
         self._metadata = auth_metadata(token)
         self._stub = expert_pb2_grpc.ExpertServiceStub(self._channel)
+        self._pushback = admission.Pushback()
+        held = self._channel.stream_unary("/expertd.v1.ExpertService/Forward",
+                                          request_serializer=expert_pb2.ForwardRequest.SerializeToString,
+                                          response_deserializer=expert_pb2.ForwardResponse.FromString)
+        self._forward_held = functools.partial(
+            admission.call_after_admission if aio else admission.call_after_admission_blocking, held)
         self._probe_channel = None
         self._health: health_pb2_grpc.HealthStub | None = None
 
@@ -293,6 +302,14 @@ class ClientBase:
             self._probe_channel = open_channel(self.target, aio=self._aio, tls=self._tls, health_checked=False)
             self._health = health_pb2_grpc.HealthStub(self._probe_channel)
         return self._health
+
+    def _forward_call(self, request: expert_pb2.ForwardRequest):
+        """(method, metadata) for a Forward: the unary stub with the admission metadata its size calls
+        for, or, while the server pushes back, the call that holds its large body until admitted."""
+        metadata = admission.admission_metadata(request)
+        if metadata and self._pushback.active():
+            return self._forward_held, metadata
+        return self._stub.Forward, metadata
 
     def _channels(self) -> list:
         return [self._channel] + ([self._probe_channel] if self._probe_channel is not None else [])

@@ -11,7 +11,9 @@ The target is one server or its replicas (``"host:port"``, ``"host1:port,host2:p
 replicas whose health is SERVING. Unary calls are retried with exponential backoff on UNAVAILABLE
 (by gRPC's retry policy, on another replica: at most 4 retries) and on RESOURCE_EXHAUSTED (by the
 client, honouring the server's RetryInfo hint); every other failure raises at once. Failures raise
-the typed exceptions of :mod:`expertd.client.errors`, carrying the server's message.
+the typed exceptions of :mod:`expertd.client.errors`, carrying the server's message. A large
+Forward declares its size in its metadata, and while the server pushes back its body waits until
+the call is admitted (:mod:`expertd.client.admission`).
 """
 from __future__ import annotations
 
@@ -84,8 +86,8 @@ class ExpertClient(ClientBase):
         the server writes the output into (then returned: ``out.array``); docs/shared-memory.md.
         """
         request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
-        result = messages.forward_result(self._unary(self._stub.Forward, request, timeout,
-                                                     metadata=messages.admission_metadata(request)), out)
+        method, metadata = self._forward_call(request)
+        result = messages.forward_result(self._unary(method, request, timeout, metadata=metadata), out)
         return result if return_routing else result.output
 
     def route(
@@ -208,6 +210,8 @@ class ExpertClient(ClientBase):
                 return method(request, timeout=timeout, metadata=metadata)
             except grpc.RpcError as rpc_error:
                 error = errors.from_rpc_error(rpc_error)
+            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self._pushback.refused()
             if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it
                 raise error
             time.sleep(self._backoff.delay(attempt, error.retry_delay))

@@ -80,24 +80,6 @@ def forward_request(x: np.ndarray | SharedTensor, layer: int, return_routing: bo
     return request
 
 
-ADMISSION_METADATA = "expertd-admission"
-"""Call metadata ``"<layer>,<tokens>"`` of a Forward: the server admits the call from it before it
-reads the message, so a refused call's body is never read (docs/overload.md). The message must
-agree (INVALID_ARGUMENT otherwise)."""
-ADMISSION_MIN_BYTES = 256 * 1024
-"""Forward bodies from this size carry ADMISSION_METADATA; a smaller one costs the server less to
-read than the early path's second read costs it (BENCHMARKS.md, Overload)."""
-
-
-def admission_metadata(request: expert_pb2.ForwardRequest) -> tuple[tuple[str, str], ...]:
-    """``((ADMISSION_METADATA, "<layer>,<tokens>"),)`` for a Forward whose tensor body is at least
-    ADMISSION_MIN_BYTES (not in shared memory), else ``()``."""
-    tensor = request.hidden_states
-    if len(tensor.data) < ADMISSION_MIN_BYTES or not tensor.shape:
-        return ()
-    return ((ADMISSION_METADATA, f"{request.layer},{tensor.shape[0]}"),)
-
-
 def set_tensor(field: expert_pb2.Tensor, x: np.ndarray | SharedTensor, name: str) -> np.ndarray:
     """Fill a request's (empty) Tensor ``field`` with ``x [T, W]`` in place, its bytes written once (a
     Tensor built first would be copied in whole), or (a SharedTensor) with a reference to its bytes;

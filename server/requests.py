@@ -30,7 +30,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from expertd.client import codec, messages
+from expertd.client import admission, codec
 from expertd.client.pb.v1 import expert_pb2
 from expertd.server import steps
 from expertd.server.description import ModelDescription
@@ -151,20 +151,33 @@ MAX_ADMISSION_CHARS = 32  # "<layer>,<tokens>": two decimal integers
 
 
 def admission_header(metadata, model: ModelDescription) -> Header:
-    """The Header a Forward call's ``messages.ADMISSION_METADATA`` declares, ``"<layer>,<tokens>"``
+    """The Header a Forward call's ``admission.ADMISSION_METADATA`` declares, ``"<layer>,<tokens>"``
     (the first such entry of ``metadata``): NOT_FOUND for a layer not served, InvalidRequest naming
     the key for anything else but two decimal integers with 1 <= tokens <= max_request_tokens."""
-    value = next((v for k, v in metadata or () if k == messages.ADMISSION_METADATA), "")
+    value = next((v for k, v in metadata or () if k == admission.ADMISSION_METADATA), "")
     value = value.decode("latin-1") if isinstance(value, bytes) else value
     layer, _, tokens = value.partition(",")
     if len(value) > MAX_ADMISSION_CHARS or not all(part.isascii() and part.isdigit() for part in (layer, tokens)):
-        raise InvalidRequest(f"metadata {messages.ADMISSION_METADATA!r}", "must be '<layer>,<tokens>' (two decimal "
+        raise InvalidRequest(f"metadata {admission.ADMISSION_METADATA!r}", "must be '<layer>,<tokens>' (two decimal "
                              f"integers), got {value[:MAX_ADMISSION_CHARS]!r}")
     cfg = model.layer(int(layer))
     if not 1 <= int(tokens) <= model.max_request_tokens:
-        raise InvalidRequest(f"metadata {messages.ADMISSION_METADATA!r}", f"tokens must be in [1, "
+        raise InvalidRequest(f"metadata {admission.ADMISSION_METADATA!r}", f"tokens must be in [1, "
                              f"{model.max_request_tokens}], got {tokens}")
     return Header(int(layer), steps.FORWARD, int(tokens), int(tokens) * cfg.hidden_size)
+
+
+def expects_admission(metadata) -> bool:
+    """Whether a Forward call holds its message until told it is admitted (``admission.EXPECT_METADATA``);
+    InvalidRequest naming the key for a value the server does not know."""
+    key, wanted = admission.EXPECT_METADATA
+    value = next((v for k, v in metadata or () if k == key), None)
+    if value is None:
+        return False
+    value = value.decode("latin-1") if isinstance(value, bytes) else value
+    if value != wanted:
+        raise InvalidRequest(f"metadata {key!r}", f"must be {wanted!r}, got {value[:MAX_ADMISSION_CHARS]!r}")
+    return True
 
 
 def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, deadline: float | None,

@@ -24,7 +24,7 @@ import time
 
 import grpc
 
-from expertd.client import codec, messages
+from expertd.client import admission, codec, messages
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server import offload, requests
 from expertd.server.batcher import Batcher
@@ -68,15 +68,20 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return await self._forward_answer(message, result, slot)
 
     async def ForwardAdmittedEarly(self, request_iterator, context):
-        """Forward for a call that carries ``messages.ADMISSION_METADATA``: admitted from it before
+        """Forward for a call that carries ``admission.ADMISSION_METADATA``: admitted from it before
         its message is read (a refused call's body is never read), then served as Forward once the
-        message agrees with it. Registered with ``early_handlers``."""
-        return await run_unary(context, self._forward_early(context.invocation_metadata(), request_iterator,
-                                                            _deadline(context)))
+        message agrees with it; a call that also sends ``admission.EXPECT_METADATA`` is told of its
+        admission (initial metadata ``admission.ADMITTED_METADATA``) before it sends the message.
+        Registered with ``early_handlers``."""
+        return await run_unary(context, self._forward_early(context, request_iterator, _deadline(context)))
 
-    async def _forward_early(self, metadata, request_iterator, deadline: float | None) -> expert_pb2.ForwardResponse:
+    async def _forward_early(self, context, request_iterator, deadline: float | None) -> expert_pb2.ForwardResponse:
+        metadata = context.invocation_metadata()
         declared = requests.admission_header(metadata, self.model)
+        expects = requests.expects_admission(metadata)
         with self.batcher.admit(declared, deadline) as ticket:
+            if expects:
+                await context.send_initial_metadata((admission.ADMITTED_METADATA,))
             try:  # the admission holds a place in the queue: its message must come promptly
                 message = await asyncio.wait_for(anext(aiter(request_iterator), None), ADMITTED_MESSAGE_WAIT_S)
             except TimeoutError:
@@ -86,7 +91,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 raise InvalidRequest("request", "the call ended before its ForwardRequest message")
             header = requests.forward_header(message, self.model)
             if (header.layer, header.tokens) != (declared.layer, declared.tokens):
-                raise InvalidRequest(f"metadata {messages.ADMISSION_METADATA!r}", f"declares layer {declared.layer} "
+                raise InvalidRequest(f"metadata {admission.ADMISSION_METADATA!r}", f"declares layer {declared.layer} "
                                      f"with {declared.tokens} tokens; the message has layer {header.layer} with "
                                      f"{header.tokens}")
             result, slot = await self._forward_admitted(message, header, ticket, deadline)
@@ -98,7 +103,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         handler = grpc.stream_unary_rpc_method_handler(
             self.ForwardAdmittedEarly, request_deserializer=expert_pb2.ForwardRequest.FromString,
             response_serializer=expert_pb2.ForwardResponse.SerializeToString)
-        return {"/expertd.v1.ExpertService/Forward": (messages.ADMISSION_METADATA, handler)}
+        return {"/expertd.v1.ExpertService/Forward": (admission.ADMISSION_METADATA, handler)}
 
     async def _forward_admitted(self, message, header, ticket, deadline: float | None):
         """(result, output slot or None) of an admitted Forward; large bodies and answers off the loop."""

@@ -2,6 +2,7 @@
 ``expertd-admission`` metadata is admitted or refused from it before its message is read, through
 the real server on loopback; ExpertClient sends it with large bodies only."""
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -11,13 +12,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from service_support import reference_forward, server_config
 
-from expertd.client import AsyncExpertClient, ExpertClient, errors, messages
-from expertd.client.pb.v1 import expert_pb2_grpc
+from expertd.client import AsyncExpertClient, ExpertClient, admission, errors, messages
+from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server.app import create_server
 from expertd.server.config import SecurityConfig
 from expertd.server.servicer import ADMITTED_MESSAGE_WAIT_S
 
-KEY = messages.ADMISSION_METADATA
+KEY = admission.ADMISSION_METADATA
 TOKEN = "early-admission-token"
 
 
@@ -159,11 +160,11 @@ def test_the_token_is_checked_before_the_metadata(tmp_path_factory):
 
 
 def test_the_client_sends_the_metadata_with_large_bodies_only(busy_server):
-    big_rows = messages.ADMISSION_MIN_BYTES // (64 * 4)
+    big_rows = admission.ADMISSION_MIN_BYTES // (64 * 4)
     big = messages.forward_request(np.zeros((big_rows, 64), np.float32), 1, False)
-    assert messages.admission_metadata(big) == ((KEY, f"1,{big_rows}"),)
+    assert admission.admission_metadata(big) == ((KEY, f"1,{big_rows}"),)
     small = messages.forward_request(np.zeros((big_rows - 1, 64), np.float32), 1, False)
-    assert messages.admission_metadata(small) == ()
+    assert admission.admission_metadata(small) == ()
     handle, registry = busy_server
     target = f"127.0.0.1:{handle.port}"
     with ExpertClient(target, timeout=60, retries=0) as client, grpc.insecure_channel(target) as channel:
@@ -187,3 +188,144 @@ def test_the_client_sends_the_metadata_with_large_bodies_only(busy_server):
         assert _received(registry) == before + 1
         _cancel(waiting, registry)
         assert client.forward(np.ones((big_rows, 64), np.float32), layer=1).shape == (big_rows, 64)
+
+
+def _counting_forward(channel, sent: list, aio: bool):
+    """Forward as a stream-unary call whose serializer records each message it sends."""
+    def serialize(message):
+        sent.append(message.layer)
+        return message.SerializeToString()
+
+    return channel.stream_unary("/expertd.v1.ExpertService/Forward", request_serializer=serialize,
+                                response_deserializer=expert_pb2.ForwardResponse.FromString)
+
+
+def test_a_held_body_is_sent_only_once_admitted_and_never_when_refused(busy_server):
+    handle, registry = busy_server
+    target = f"127.0.0.1:{handle.port}"
+    x = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32)
+    request = messages.forward_request(x, 1, False)
+    declared = ((KEY, "1,8"),)
+    sent: list = []
+    with grpc.insecure_channel(target) as channel:
+        held = _counting_forward(channel, sent, aio=False)
+        admitted = admission.call_after_admission_blocking(held, request, timeout=60, metadata=declared)
+        assert sent == [1]
+        plain = expert_pb2_grpc.ExpertServiceStub(channel).Forward(request, timeout=60)
+        np.testing.assert_array_equal(messages.forward_result(admitted, None).output,
+                                      messages.forward_result(plain, None).output)
+        waiting = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
+            messages.forward_request(x[:2], 1, False), timeout=60)
+        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
+        before = _received(registry)
+        with pytest.raises(grpc.RpcError) as refused:
+            admission.call_after_admission_blocking(held, request, timeout=30, metadata=declared)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert errors.from_rpc_error(refused.value).retry_delay > 0
+
+        async def async_refused():
+            async with grpc.aio.insecure_channel(target) as achannel:
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await admission.call_after_admission(_counting_forward(achannel, sent, aio=True), request,
+                                                         timeout=30, metadata=declared)
+                return failed.value.code()
+
+        assert asyncio.run(async_refused()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert sent == [1] and _received(registry) == before  # neither refused body left the client
+        _cancel(waiting, registry)
+
+    async def async_admitted():
+        async with grpc.aio.insecure_channel(target) as achannel:
+            return await admission.call_after_admission(_counting_forward(achannel, sent, aio=True), request,
+                                                        timeout=60, metadata=declared)
+
+    np.testing.assert_array_equal(messages.forward_result(asyncio.run(async_admitted()), None).output,
+                                  messages.forward_result(admitted, None).output)
+    assert sent == [1, 1]
+
+
+@pytest.mark.parametrize("value", ["100-continue", "", "admission " * 10])
+def test_an_unknown_expectation_names_the_key(busy_server, value):
+    handle, _ = busy_server
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        with pytest.raises(grpc.RpcError) as failed:
+            expert_pb2_grpc.ExpertServiceStub(channel).Forward(
+                messages.forward_request(np.ones((8, 64), np.float32), 1, False), timeout=30,
+                metadata=((KEY, "1,8"), (admission.EXPECT_METADATA[0], value)))
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"metadata {admission.EXPECT_METADATA[0]!r}" in failed.value.details()
+    assert "must be 'admission'" in failed.value.details()
+
+
+def test_pushback_holds_for_its_window_after_each_refusal():
+    now = [100.0]
+    pushback = admission.Pushback(hold_s=1.0, clock=lambda: now[0])
+    assert not pushback.active()
+    pushback.refused()
+    now[0] += 0.9
+    assert pushback.active()
+    pushback.refused()  # a later refusal extends the window
+    now[0] += 0.9
+    assert pushback.active()
+    now[0] += 0.2
+    assert not pushback.active()
+
+
+@contextlib.contextmanager
+def _queue_full(target, registry):
+    """The server's one place held by a waiting call until the block ends."""
+    with grpc.insecure_channel(target) as channel:
+        waiting = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
+            messages.forward_request(np.ones((2, 64), np.float32), 1, False), timeout=60)
+        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
+        try:
+            yield
+        finally:
+            _cancel(waiting, registry)
+
+
+def _big_and_small(seed):
+    rows = admission.ADMISSION_MIN_BYTES // (64 * 4)
+    x = np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32)
+    return x, messages.forward_request(x, 1, False), messages.forward_request(x[:4], 1, False)
+
+
+def test_expert_client_holds_large_bodies_while_the_server_pushes_back(busy_server, monkeypatch):
+    """After a refusal, large Forwards go with the expectation (the body held until admitted) and
+    answer as the plain call does; small ones stay plain unary calls."""
+    monkeypatch.setattr(admission, "PUSHBACK_HOLD_S", 120.0)  # the window outlasts a slow machine
+    handle, registry = busy_server
+    target = f"127.0.0.1:{handle.port}"
+    x, big, small = _big_and_small(3)
+    with ExpertClient(target, timeout=60, retries=0) as client:
+        want = client.forward(x, layer=1)
+        assert client._forward_call(big) == (client._stub.Forward, admission.admission_metadata(big))
+        with _queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
+            client.forward(x, layer=1)
+        assert client._forward_call(big)[0] is client._forward_held
+        assert client._forward_call(small) == (client._stub.Forward, ())
+        np.testing.assert_array_equal(client.forward(x, layer=1), want)
+        with _queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError) as refused:
+            client.forward(x, layer=1)  # held and refused: raised as the unary call's refusal is
+        assert refused.value.retry_delay > 0
+
+
+def test_async_client_holds_large_bodies_while_the_server_pushes_back(busy_server, monkeypatch):
+    monkeypatch.setattr(admission, "PUSHBACK_HOLD_S", 120.0)
+    handle, registry = busy_server
+    target = f"127.0.0.1:{handle.port}"
+    x, big, small = _big_and_small(4)
+
+    async def run():
+        async with AsyncExpertClient(target, timeout=60, retries=0) as client:
+            want = await client.forward(x, layer=1)
+            assert client._forward_call(big)[0] is client._stub.Forward
+            with _queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
+                await client.forward(x, layer=1)
+            assert client._forward_call(big)[0] is client._forward_held
+            assert client._forward_call(small) == (client._stub.Forward, ())
+            np.testing.assert_array_equal(await client.forward(x, layer=1), want)
+            with _queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
+                await client.forward(x, layer=1)
+
+    asyncio.run(run())
