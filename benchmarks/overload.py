@@ -22,6 +22,8 @@ E 16, k 4, fp32 compute, as in benchmarks/serving.py); the load comes from a sep
    stream of 8,192-token requests (two in flight); its p50 / p99 both ways, and the step time of
    a full step (what one step of the other client's work costs), and each side's answered requests
    per second. ``--fairness-only`` runs this phase alone.
+4. refusal cost: a server whose one queue place is held refuses every call; each way of sending,
+   alternating: refusals per second and the CPU one refused call costs the server and the client.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/overload.py [--quick]
 
@@ -177,7 +179,7 @@ def overload_summary(calls: list, duration: float, capacity: float, rate: float,
 
 # ---------------------------------------------------------------------- the server side
 
-def build_server(buckets=None):
+def build_server(buckets=None, **batching_overrides):
     from expertd.server.app import create_server
     from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
     from expertd.server.model import LoadedLayer, SeededParams
@@ -185,7 +187,9 @@ def build_server(buckets=None):
 
     cfg = moe_config_from_hf(MID_HF_CONFIG)
     layers = [LoadedLayer(0, cfg, SeededParams(cfg, layer_index=0, seed=0, dtype="float32"), source="benchmark mid")]
-    batching = BatchingConfig() if buckets is None else BatchingConfig(bucket_sizes=buckets)
+    if buckets is not None:
+        batching_overrides["bucket_sizes"] = buckets
+    batching = BatchingConfig(**batching_overrides)
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=ModelConfig(dtype="float32", num_devices=1),
                           batching=batching)
     handle = create_server(config, layers=layers)
@@ -240,6 +244,8 @@ def main(argv=None) -> int:
         report["fairness"] = fairness_phase(base, args.quick, handle)
     finally:
         handle.stop(grace=5)
+    if not args.fairness_only:
+        report["refusal_cost"] = refusal_cost_phase(args)
     report["loadavg_after"] = os.getloadavg()
     print_table(report)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -301,9 +307,52 @@ def fairness_phase(base: dict, quick: bool, handle) -> dict:
     }
 
 
+def refusal_cost_phase(args) -> list[dict]:
+    """Phase 4: what one refused call costs each side. A server whose only queue place is held (no
+    step runs) refuses every call; a closed loop of 8 calls in flight sends ``--tokens``-row
+    requests each of the three ways, alternating, twice: refusals per second, CPU microseconds per
+    refused call of the server (this process) and of the load process, refusal latency."""
+    import grpc
+
+    from expertd.client import messages
+    from expertd.client.pb.v1 import expert_pb2_grpc
+
+    handle, hidden = build_server(max_queue_size=1, max_queue_delay_ms=600000, inline_step_max_ms=0)
+    rows = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            holder = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
+                messages.forward_request(np.ones((2, hidden), np.float32), 0, False), timeout=600)
+            while handle.registry.get_sample_value("expertd_pending_requests") != 1:
+                time.sleep(0.01)
+            for client in CLIENTS * 2:
+                server_cpu = time.process_time()
+                run = run_load({"target": f"127.0.0.1:{handle.port}", "hidden": hidden, "client": client,
+                                "duration": 1.0 if args.quick else 3.0, "streams": [
+                                    {"name": "refused", "tokens": args.tokens, "concurrency": 8, "deadline": 30.0}]})
+                calls = run["calls"]["refused"]
+                refused = sum(code == "RESOURCE_EXHAUSTED" for _, _, code in calls)
+                rows.append({"client": client, "calls": len(calls), "refused": refused,
+                             "per_s": len(calls) / run["duration"],
+                             "server_cpu_us": (time.process_time() - server_cpu) / len(calls) * 1e6,
+                             "load_cpu_us": run["cpu_s"] / len(calls) * 1e6,
+                             "latency_ms": percentiles([lat for _, lat, _ in calls])})
+            holder.cancel()
+    finally:
+        handle.stop(grace=5)
+    return rows
+
+
 def print_table(report: dict) -> None:
     if "capacity_per_s" in report:
         print_overload(report)
+    if report.get("refusal_cost"):
+        print("refusal cost (every call refused; two rounds each way):")
+        print("| client | refused per s | server CPU us / call | load CPU us / call | latency p50 / p99 ms |")
+        print("|---|---|---|---|---|")
+        for row in sorted(report["refusal_cost"], key=lambda r: CLIENTS.index(r["client"])):
+            print(f"| {row['client']} | {row['per_s']:.0f} | {row['server_cpu_us']:.0f} | {row['load_cpu_us']:.0f} | "
+                  f"{_ms(row['latency_ms']['p50'])} / {_ms(row['latency_ms']['p99'])} |")
     fair = report["fairness"]
     print(f"fairness: 1-token p50 / p99 alone {_ms(fair['alone_ms']['p50'])} / {_ms(fair['alone_ms']['p99'])} ms, "
           f"beside 8192-token requests {_ms(fair['beside_8192_ms']['p50'])} / {_ms(fair['beside_8192_ms']['p99'])} "
