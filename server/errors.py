@@ -11,7 +11,7 @@ failures are logged.
 | any other ValueError | INVALID_ARGUMENT | - |
 | anything else | INTERNAL, generic message (the traceback goes to the server log only) | - |
 
-``status_of(exc)`` is the mapping, ``abort`` ends a call with it and ``run_unary`` runs a unary
+``status_of(exc)`` is the mapping, ``set_status`` gives a call its status and ``run_unary`` runs a unary
 handler's work under it; both front ends (expertd.v1 and KServe) use them.
 
 Rules for messages and logs:
@@ -122,19 +122,24 @@ def status_of(exc: BaseException) -> Status:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); details are in the server log", []
 
 
-async def abort(context: grpc.aio.ServicerContext, status: Status) -> None:
-    """End the call with ``status`` (from ``status_of``), BadRequest / RetryInfo details included."""
+def set_status(context: grpc.aio.ServicerContext, status: Status) -> None:
+    """Give the call ``status`` (from ``status_of``), BadRequest / RetryInfo details included, for
+    gRPC to send when the handler returns (its response, if any, is then discarded)."""
     code, message, details = status
     packed_status = status_pb2.Status(code=code.value[0], message=message)
     for detail in details:
         packed = any_pb2.Any()
         packed.Pack(detail)
         packed_status.details.append(packed)
-    await context.abort_with_status(rpc_status.to_status(packed_status))
+    grpc_status = rpc_status.to_status(packed_status)
+    context.set_trailing_metadata(grpc_status.trailing_metadata)
+    context.set_code(grpc_status.code)
+    context.set_details(grpc_status.details)
 
 
 async def run_unary(context: grpc.aio.ServicerContext, work):
-    """Await ``work`` (a unary handler's coroutine); a failure ends the call with its status.
+    """Await ``work`` (a unary handler's coroutine); a failure gives the call its status and no
+    response (the status set, not raised: an abort unwinds through every wrapper for the same answer).
 
     Counting, timing and logging the call is the ``grpc_server_*`` wrapper's job
     (``expertd.server.interceptors``), not this one's.
@@ -142,7 +147,8 @@ async def run_unary(context: grpc.aio.ServicerContext, work):
     try:
         return await work
     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-        await abort(context, status_of(exc))
+        set_status(context, status_of(exc))
+        return None
 
 
 # ---------------------------------------------------------------------- logging client errors

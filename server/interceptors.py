@@ -206,7 +206,7 @@ def _behavior(method: str, handler: grpc.RpcMethodHandler, series: GrpcMethodMet
                 response = inner(begin(request), context)
                 if is_async or inspect.isawaitable(response):
                     response = await response
-                if not response_streaming:
+                if not response_streaming and response is not None:
                     series.sent.inc()
                 return response
             except RefusedMessage as exc:

@@ -22,9 +22,9 @@ KEY = admission.ADMISSION_METADATA
 TOKEN = "early-admission-token"
 
 
-def _received(registry) -> float:
+def _received(registry, direction="received") -> float:
     labels = {"grpc_type": "unary", "grpc_service": "expertd.v1.ExpertService", "grpc_method": "Forward"}
-    return registry.get_sample_value("grpc_server_msg_received_total", labels) or 0.0
+    return registry.get_sample_value(f"grpc_server_msg_{direction}_total", labels) or 0.0
 
 
 def _poll(condition, timeout=60.0):
@@ -60,13 +60,14 @@ def test_a_refused_call_with_the_metadata_is_never_read(busy_server):
         stub = expert_pb2_grpc.ExpertServiceStub(channel)
         waiting = stub.Forward.future(messages.forward_request(x[:2], 1, False), timeout=60)
         _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
-        before = _received(registry)
+        before, sent = _received(registry), _received(registry, "sent")
         with pytest.raises(grpc.RpcError) as early:
             stub.Forward(request, metadata=((KEY, "1,8"),), timeout=30)
         assert _received(registry) == before  # refused from the metadata: the message was not read
         with pytest.raises(grpc.RpcError) as late:
             stub.Forward(request, timeout=30)
         assert _received(registry) == before + 1  # the same call without it: read, then refused
+        assert _received(registry, "sent") == sent  # a refusal sends a status, no response message
         _cancel(waiting, registry)
     for refused in (early.value, late.value):
         error = errors.from_rpc_error(refused)
