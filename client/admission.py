@@ -10,8 +10,9 @@ body until the server's initial metadata carries ADMITTED_METADATA, as HTTP's
 ``Expect: 100-continue`` does: a refused call then costs a header frame each way, an admitted one a
 round trip more before its body leaves. Otherwise bodies go at once (no round trip added).
 
-The expectation needs a server of this release or later: an older one answers its initial
-metadata only with the response, so a call that waits for it would wait until its deadline.
+A server from before the expectation never answers it (it sends its initial metadata with the
+response): after VERDICT_WAIT_S without a verdict the body goes anyway, which is always safe (a
+server that admitted the call reads it; one that refused it has ended the call).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ ADMITTED_METADATA = ("expertd-admitted", "1")
 """The server's initial metadata for a call it admitted that sent EXPECT_METADATA: send the message."""
 PUSHBACK_HOLD_S = 1.0
 """How long after a RESOURCE_EXHAUSTED the clients keep holding large bodies until admission."""
+VERDICT_WAIT_S = 0.25
+"""How long a held body waits for the server's verdict before it is sent regardless."""
 
 
 def admission_metadata(request: expert_pb2.ForwardRequest) -> tuple[tuple[str, str], ...]:
@@ -77,11 +80,15 @@ async def call_after_admission(multicallable: grpc.aio.StreamUnaryMultiCallable,
     ``metadata`` must carry ADMISSION_METADATA. Returns the response; a refusal or any other failure
     raises the call's ``grpc.aio.AioRpcError``, as the unary call would."""
     call = multicallable(timeout=timeout, metadata=tuple(metadata) + (EXPECT_METADATA,))
-    if _admitted(await call.initial_metadata()):
+    try:
+        send = _admitted(await asyncio.wait_for(asyncio.shield(call.initial_metadata()), VERDICT_WAIT_S))
+    except TimeoutError:  # no verdict: a server from before the expectation
+        send = True
+    if send:
         try:
             await call.write(request)
             await call.done_writing()
-        except asyncio.InvalidStateError:  # the call ended meanwhile (deadline, cancellation)
+        except asyncio.InvalidStateError:  # the call ended meanwhile (deadline, cancellation, refusal)
             pass
     return await call  # an ended call raises its status here
 
@@ -89,15 +96,19 @@ async def call_after_admission(multicallable: grpc.aio.StreamUnaryMultiCallable,
 def call_after_admission_blocking(multicallable: grpc.StreamUnaryMultiCallable, request, *,
                                   timeout: float | None, metadata) -> object:
     """The blocking twin of ``call_after_admission``: raises the call's ``grpc.RpcError``."""
-    started = threading.Event()
-    calls = []
+    started, verdict = threading.Event(), []
+
+    def await_verdict():  # initial_metadata() takes no timeout: a thread of its own waits for it
+        started.wait()
+        verdict.append(_admitted(call.initial_metadata()))
 
     def message():  # consumed on gRPC's own thread: waits for the verdict, then sends or half-closes
-        started.wait()
-        if _admitted(calls[0].initial_metadata()):
+        waiter = threading.Thread(target=await_verdict, name="expertd-admission-verdict", daemon=True)
+        waiter.start()
+        waiter.join(VERDICT_WAIT_S)
+        if verdict[:1] != [False]:  # admitted, or no verdict (a server from before the expectation)
             yield request
 
     call = multicallable.future(message(), timeout=timeout, metadata=tuple(metadata) + (EXPECT_METADATA,))
-    calls.append(call)
     started.set()
     return call.result()

@@ -330,3 +330,43 @@ def test_async_client_holds_large_bodies_while_the_server_pushes_back(busy_serve
                 await client.forward(x, layer=1)
 
     asyncio.run(run())
+
+
+@contextlib.contextmanager
+def _server_before_the_expectation():
+    """A stand-in for a server from before ``expertd-expect``: Forward's early handler reads the
+    message and answers it, its initial metadata sent only with the response."""
+    from concurrent import futures
+
+    def forward(request_iterator, context):
+        message = next(request_iterator)
+        return expert_pb2.ForwardResponse(request_id=message.request_id)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("expertd.v1.ExpertService", {
+        "Forward": grpc.stream_unary_rpc_method_handler(
+            forward, request_deserializer=expert_pb2.ForwardRequest.FromString,
+            response_serializer=expert_pb2.ForwardResponse.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_held_body_is_sent_without_a_verdict_from_a_server_that_gives_none():
+    request = messages.forward_request(np.ones((8, 64), np.float32), 1, False, request_id="old-server")
+    declared = ((KEY, "1,8"),)
+    with _server_before_the_expectation() as target:
+        with grpc.insecure_channel(target) as channel:
+            held = _counting_forward(channel, [], aio=False)
+            answer = admission.call_after_admission_blocking(held, request, timeout=30, metadata=declared)
+        assert answer.request_id == "old-server"  # not DEADLINE_EXCEEDED after 30 s
+
+        async def run():
+            async with grpc.aio.insecure_channel(target) as achannel:
+                return await admission.call_after_admission(_counting_forward(achannel, [], aio=True), request,
+                                                            timeout=30, metadata=declared)
+
+        assert asyncio.run(run()).request_id == "old-server"
