@@ -157,9 +157,12 @@ class _Call:
             client_errors.note(code, f"{self.method}: {self.context.details() or _ENDED.get(code, code)}")
 
 
-async def _refuse(context, refused: Refused, metrics: Metrics) -> None:
+def _refuse(context, refused: Refused, metrics: Metrics) -> None:
+    """Give the call the refusal's status, sent when the handler returns (set, not raised: as
+    ``errors.run_unary``)."""
     metrics.observe_refused_call(refused.reason)
-    await context.abort(refused.code, refused.message)
+    context.set_code(refused.code)
+    context.set_details(refused.message)
 
 
 def _behavior(method: str, handler: grpc.RpcMethodHandler, series: GrpcMethodMetrics, metrics: Metrics):
@@ -189,7 +192,7 @@ def _behavior(method: str, handler: grpc.RpcMethodHandler, series: GrpcMethodMet
                     series.sent.inc()
                     yield response
             except RefusedMessage as exc:
-                await _refuse(context, exc.refused, metrics)
+                _refuse(context, exc.refused, metrics)
             except BaseException as exc:
                 error = exc
                 raise
@@ -210,7 +213,7 @@ def _behavior(method: str, handler: grpc.RpcMethodHandler, series: GrpcMethodMet
                     series.sent.inc()
                 return response
             except RefusedMessage as exc:
-                await _refuse(context, exc.refused, metrics)
+                _refuse(context, exc.refused, metrics)
             except BaseException as exc:
                 error = exc
                 raise
@@ -227,10 +230,9 @@ def _deny(method: str, handler: grpc.RpcMethodHandler, series: GrpcMethodMetrics
     async def deny(request_iterator, context):
         call = _Call(series, method, context)
         metrics.observe_refused_call("unauthenticated")
-        try:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-        finally:
-            call.end(None)
+        context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+        context.set_details(UNAUTHENTICATED_MESSAGE)
+        call.end(None)
 
     factory = grpc.stream_stream_rpc_method_handler if handler.response_streaming \
         else grpc.stream_unary_rpc_method_handler
