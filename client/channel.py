@@ -44,6 +44,9 @@ IDEMPOTENT_METHODS = (
     ("inference.GRPCInferenceService", "ModelInfer"), ("inference.GRPCInferenceService", "ModelMetadata"),
     ("inference.GRPCInferenceService", "ModelConfig"),
 )
+# What gRPC may hold per call to retry it: it keeps a call's sent messages until the call commits
+# (its response, or its messages passing this size); gRPC's own 256 MiB bounds a channel's calls.
+RETRY_BUFFER_BYTES = 64 * 1024 * 1024
 # gRPC makes at most 5 attempts of a call whatever maxAttempts says (gRFC A6).
 GRPC_MAX_ATTEMPTS = 5
 # Retried by the clients' own loop (the server's RetryInfo hint says when): any replica's queue may be full.
@@ -193,6 +196,9 @@ def channel_options(max_message_bytes: int, tls: TlsOptions | None, *, retries: 
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.service_config", json.dumps(config)),
         ("grpc.enable_retries", 1),
+        # A call is retried only while gRPC still holds what it sent (256 KiB by default): up to
+        # RETRY_BUFFER_BYTES, so large Forwards are retried on another replica as small ones are.
+        ("grpc.per_rpc_retry_buffer_size", min(max_message_bytes, RETRY_BUFFER_BYTES)),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
         ("grpc.dns_min_time_between_resolutions_ms", DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS),
     ]

@@ -46,3 +46,17 @@ def test_a_killed_replica_costs_no_retried_call_and_throughput_recovers(tmp_path
     assert result["answered_by_replica"][victim] > 0  # the restarted process itself answered calls
     assert result["calls_per_s_after_rejoin"] >= 0.5 * result["calls_per_s_before_kill"], result
     assert sum(result["bins"]["failed"]) == retrying["failed"] + plain["failed"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_large_calls_on_a_killed_replica_are_retried_too(tmp_path_factory):
+    """512 KiB Forwards (2,048 tokens x H 64 fp32): past gRPC's default per-call retry buffer (256
+    KiB) a call would commit as it is sent, and one in flight on the killed replica would fail."""
+    failover = failover_benchmark()
+    config = failover.ChaosConfig(concurrency=4, tokens=2048, before_s=2.0, down_s=1.0, after_s=2.0,
+                                  startup_timeout_s=240, cache_dir=str(cache_dir(tmp_path_factory)))
+    retrying = failover.run_chaos(config, log=lambda *_: None)["clients"]["retries"]
+    assert retrying["sent_in_window"] >= 20, retrying
+    assert retrying["failed"] == 0, retrying
+
