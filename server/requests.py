@@ -154,8 +154,7 @@ def admission_header(metadata, model: ModelDescription) -> Header:
     """The Header a Forward call's ``admission.ADMISSION_METADATA`` declares, ``"<layer>,<tokens>"``
     (the first such entry of ``metadata``): NOT_FOUND for a layer not served, InvalidRequest naming
     the key for anything else but two decimal integers with 1 <= tokens <= max_request_tokens."""
-    value = next((v for k, v in metadata or () if k == admission.ADMISSION_METADATA), "")
-    value = value.decode("latin-1") if isinstance(value, bytes) else value
+    value = _metadata_value(metadata, admission.ADMISSION_METADATA) or ""
     layer, _, tokens = value.partition(",")
     if len(value) > MAX_ADMISSION_CHARS or not all(part.isascii() and part.isdigit() for part in (layer, tokens)):
         raise InvalidRequest(f"metadata {admission.ADMISSION_METADATA!r}", "must be '<layer>,<tokens>' (two decimal "
@@ -171,13 +170,18 @@ def expects_admission(metadata) -> bool:
     """Whether a Forward call holds its message until told it is admitted (``admission.EXPECT_METADATA``);
     InvalidRequest naming the key for a value the server does not know."""
     key, wanted = admission.EXPECT_METADATA
-    value = next((v for k, v in metadata or () if k == key), None)
+    value = _metadata_value(metadata, key)
     if value is None:
         return False
-    value = value.decode("latin-1") if isinstance(value, bytes) else value
     if value != wanted:
         raise InvalidRequest(f"metadata {key!r}", f"must be {wanted!r}, got {value[:MAX_ADMISSION_CHARS]!r}")
     return True
+
+
+def _metadata_value(metadata, key: str) -> str | None:
+    """The value of the first ``key`` entry of a call's metadata (bytes read as latin-1), or None."""
+    value = next((v for k, v in metadata or () if k == key), None)
+    return value.decode("latin-1") if isinstance(value, bytes) else value
 
 
 def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, deadline: float | None,

@@ -191,7 +191,7 @@ def test_the_client_sends_the_metadata_with_large_bodies_only(busy_server):
         assert client.forward(np.ones((big_rows, 64), np.float32), layer=1).shape == (big_rows, 64)
 
 
-def _counting_forward(channel, sent: list, aio: bool):
+def _counting_forward(channel, sent: list):
     """Forward as a stream-unary call whose serializer records each message it sends."""
     def serialize(message):
         sent.append(message.layer)
@@ -209,7 +209,7 @@ def test_a_held_body_is_sent_only_once_admitted_and_never_when_refused(busy_serv
     declared = ((KEY, "1,8"),)
     sent: list = []
     with grpc.insecure_channel(target) as channel:
-        held = _counting_forward(channel, sent, aio=False)
+        held = _counting_forward(channel, sent)
         admitted = admission.call_after_admission_blocking(held, request, timeout=60, metadata=declared)
         assert sent == [1]
         plain = expert_pb2_grpc.ExpertServiceStub(channel).Forward(request, timeout=60)
@@ -227,7 +227,7 @@ def test_a_held_body_is_sent_only_once_admitted_and_never_when_refused(busy_serv
         async def async_refused():
             async with grpc.aio.insecure_channel(target) as achannel:
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
-                    await admission.call_after_admission(_counting_forward(achannel, sent, aio=True), request,
+                    await admission.call_after_admission(_counting_forward(achannel, sent), request,
                                                          timeout=30, metadata=declared)
                 return failed.value.code()
 
@@ -237,7 +237,7 @@ def test_a_held_body_is_sent_only_once_admitted_and_never_when_refused(busy_serv
 
     async def async_admitted():
         async with grpc.aio.insecure_channel(target) as achannel:
-            return await admission.call_after_admission(_counting_forward(achannel, sent, aio=True), request,
+            return await admission.call_after_admission(_counting_forward(achannel, sent), request,
                                                         timeout=60, metadata=declared)
 
     np.testing.assert_array_equal(messages.forward_result(asyncio.run(async_admitted()), None).output,
@@ -360,13 +360,13 @@ def test_a_held_body_is_sent_without_a_verdict_from_a_server_that_gives_none():
     declared = ((KEY, "1,8"),)
     with _server_before_the_expectation() as target:
         with grpc.insecure_channel(target) as channel:
-            held = _counting_forward(channel, [], aio=False)
+            held = _counting_forward(channel, [])
             answer = admission.call_after_admission_blocking(held, request, timeout=30, metadata=declared)
         assert answer.request_id == "old-server"  # not DEADLINE_EXCEEDED after 30 s
 
         async def run():
             async with grpc.aio.insecure_channel(target) as achannel:
-                return await admission.call_after_admission(_counting_forward(achannel, [], aio=True), request,
+                return await admission.call_after_admission(_counting_forward(achannel, []), request,
                                                             timeout=30, metadata=declared)
 
         assert asyncio.run(run()).request_id == "old-server"
