@@ -11,9 +11,10 @@ E 16, k 4, fp32 compute, as in benchmarks/serving.py); the load comes from a sep
 2. overload: open loop (Poisson arrivals) at 2x and 4x the capacity just measured, for ``--duration`` s,
    every call with a ``--deadline`` (2 s); each load three times, alternating the client's way of
    sending: ``expertd`` as ExpertClient sends requests this large (the admission metadata, and while
-   the server pushes back the body held until the call is admitted: ``expertd.client.admission``),
-   ``eager`` (the metadata, the body at once: refused before the body is read, after it was sent)
-   and ``bare`` (neither, as a bare gRPC or KServe client: refused once the body is read).
+   the server pushes back the body held until the call is admitted: ``expertd.client.admission``;
+   client-side throttling: ``expertd.client.throttle``, its refusals counted as THROTTLED), ``eager``
+   (the metadata, the body at once: refused before the body is read, after it was sent; no
+   throttling) and ``bare`` (neither, as a bare gRPC or KServe client: refused once the body is read).
    Reported: goodput (requests answered OK, all within their deadline, per second, over the
    capacity), the share of sent requests answered, p50 / p99 latency of the answered ones,
    RESOURCE_EXHAUSTED share and its latency p50 / p99 (how fast a refusal comes back),
@@ -22,8 +23,9 @@ E 16, k 4, fp32 compute, as in benchmarks/serving.py); the load comes from a sep
    stream of 8,192-token requests (two in flight); its p50 / p99 both ways, and the step time of
    a full step (what one step of the other client's work costs), and each side's answered requests
    per second. ``--fairness-only`` runs this phase alone.
-4. refusal cost: a server whose one queue place is held refuses every call; each way of sending,
-   alternating: refusals per second and the CPU one refused call costs the server and the client.
+4. refusal cost: a server whose one queue place is held refuses every call; each way of sending
+   (never throttled: every call reaches the server), alternating: refusals per second and the CPU
+   one refused call costs the server and the client.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/overload.py [--quick]
 
@@ -81,6 +83,7 @@ async def _load(spec: dict) -> dict:
     import grpc
 
     from expertd.client import admission
+    from expertd.client.throttle import AdaptiveThrottle
 
     channel = grpc.aio.insecure_channel(spec["target"], options=[("grpc.max_send_message_length", -1),
                                                                  ("grpc.max_receive_message_length", -1)])
@@ -88,11 +91,15 @@ async def _load(spec: dict) -> dict:
     held = channel.stream_unary(FORWARD)  # bytes in, bytes out, as `call`
     mode = spec.get("client", "expertd")
     pushback = admission.Pushback() if mode == "expertd" else None
+    throttle = AdaptiveThrottle() if mode == "expertd" and spec.get("throttle", True) else None
     rng = np.random.default_rng(spec.get("seed", 0))
     results: dict[str, list] = {}
 
     async def one(stream: str, payload: tuple[bytes, tuple], started: float, timeout: float | None) -> None:
         sent = time.perf_counter()
+        if throttle is not None and not throttle.allow():
+            results.setdefault(stream, []).append((sent - started, 0.0, "THROTTLED"))
+            return
         try:
             if pushback is not None and payload[1] and pushback.active():
                 await admission.call_after_admission(held, payload[0], timeout=timeout, metadata=payload[1])
@@ -103,6 +110,8 @@ async def _load(spec: dict) -> dict:
             code = error.code().name
             if pushback is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 pushback.refused()
+        if throttle is not None and code != "RESOURCE_EXHAUSTED":
+            throttle.accepted()
         results.setdefault(stream, []).append((sent - started, time.perf_counter() - sent, code))
 
     async def closed(stream: str, payloads: list, concurrency: int, until: float, started: float,
@@ -328,6 +337,7 @@ def refusal_cost_phase(args) -> list[dict]:
             for client in CLIENTS * 2:
                 server_cpu = time.process_time()
                 run = run_load({"target": f"127.0.0.1:{handle.port}", "hidden": hidden, "client": client,
+                                "throttle": False,  # every call reaches the server: its cost is measured
                                 "duration": 1.0 if args.quick else 3.0, "streams": [
                                     {"name": "refused", "tokens": args.tokens, "concurrency": 8, "deadline": 30.0}]})
                 calls = run["calls"]["refused"]
@@ -365,15 +375,17 @@ def print_overload(report: dict) -> None:
     print(f"capacity: {span['min']:.1f}-{span['max']:.1f} req/s of {report['tokens']} tokens, measured before each "
           "phase" + (" (quick)" if report["quick"] else ""))
     print("| load | client | capacity req/s | sent | goodput / capacity | answered | answered p50 / p99 ms | "
-          "RESOURCE_EXHAUSTED | its p50 / p99 ms | DEADLINE_EXCEEDED | cores: server / load (at capacity) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "RESOURCE_EXHAUSTED | its p50 / p99 ms | THROTTLED | DEADLINE_EXCEEDED | "
+          "cores: server / load (at capacity) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in sorted(report["overload"], key=lambda r: (r["factor"], CLIENTS.index(r["client"]))):
         codes, cores, at_capacity = row["codes"], row["cores"], row["capacity"]["cores"]
         ans, ref = row["answered_ms"], row["resource_exhausted_ms"]
         print(f"| {row['factor']}x | {row['client']} | {row['capacity']['per_s']:.1f} | {row['sent']} | "
               f"{row['goodput_of_capacity']:.2f} | {row['answered_share']:.2f} | "
               f"{_ms(ans['p50'])} / {_ms(ans['p99'])} | {codes.get('RESOURCE_EXHAUSTED', 0)} | "
-              f"{_ms(ref['p50'])} / {_ms(ref['p99'])} | {codes.get('DEADLINE_EXCEEDED', 0)} | "
+              f"{_ms(ref['p50'])} / {_ms(ref['p99'])} | {codes.get('THROTTLED', 0)} | "
+              f"{codes.get('DEADLINE_EXCEEDED', 0)} | "
               f"{cores['server']:.2f} / {cores['load']:.2f} "
               f"({at_capacity['server']:.2f} / {at_capacity['load']:.2f}) |")
 

@@ -18,10 +18,12 @@ from expertd.client.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    ThrottledError,
     UnauthenticatedError,
     UnavailableError,
 )
 from expertd.client.messages import ExpertLoad, ForwardResult, RouteResult, Routing, StreamResult
+from expertd.client.throttle import Throttle
 
 __all__ = [
     "AsyncExpertClient",
@@ -39,6 +41,8 @@ __all__ = [
     "RouteResult",
     "Routing",
     "StreamResult",
+    "Throttle",
+    "ThrottledError",
     "TlsOptions",
     "UnauthenticatedError",
     "UnavailableError",

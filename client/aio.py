@@ -27,6 +27,7 @@ from expertd.client.channel import (
     TlsOptions,
 )
 from expertd.client.pb.v1 import expert_pb2
+from expertd.client.throttle import DEFAULT_THROTTLE, AdaptiveThrottle, Throttle
 
 
 class AsyncExpertClient(ClientBase):
@@ -42,6 +43,7 @@ class AsyncExpertClient(ClientBase):
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         backoff: Backoff = DEFAULT_BACKOFF,
+        throttle: Throttle | AdaptiveThrottle | None = DEFAULT_THROTTLE,
     ):
         super().__init__(
             target,
@@ -52,6 +54,7 @@ class AsyncExpertClient(ClientBase):
             token=token,
             max_message_bytes=max_message_bytes,
             backoff=backoff,
+            throttle=throttle,
         )
 
     async def forward(self, x: np.ndarray, *, layer: int, return_routing: bool = False, timeout: float | None = None,
@@ -59,7 +62,8 @@ class AsyncExpertClient(ClientBase):
         """``y [T, H]`` for ``x [T, H]``, or a ForwardResult (output + routing) with ``return_routing``."""
         request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
         method, metadata = self._forward_call(request)
-        result = messages.forward_result(await self._unary(method, request, timeout, metadata=metadata), out)
+        response = await self._unary(method, request, timeout, metadata=metadata, throttled=True)
+        result = messages.forward_result(response, out)
         return result if return_routing else result.output
 
     async def route(
@@ -74,7 +78,7 @@ class AsyncExpertClient(ClientBase):
     ) -> messages.RouteResult:
         """The router's decisions for ``hidden_states [T, H]`` or for router ``logits= [T, E]``."""
         request = messages.route_request(hidden_states, logits, layer, aux_loss_coeff, token_ids)
-        return messages.route_result(await self._unary(self._stub.Route, request, timeout))
+        return messages.route_result(await self._unary(self._stub.Route, request, timeout, throttled=True))
 
     async def forward_stream(
         self,
@@ -171,18 +175,25 @@ class AsyncExpertClient(ClientBase):
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-    async def _unary(self, method, request, timeout: float | None, *, retry: bool = True, metadata=()):
+    async def _unary(self, method, request, timeout: float | None, *, retry: bool = True, metadata=(),
+                throttled: bool = False):
+        """One unary call, RESOURCE_EXHAUSTED retried; ``throttled``: a call the server admits by
+        cost, subject to client-side throttling (``ClientBase._refused_here``)."""
         timeout = self._timeout if timeout is None else timeout
         metadata = self._metadata + metadata if metadata else self._metadata
         retries = self._retries if retry else 0
         attempt = 0
         while True:
-            try:
-                return await method(request, timeout=timeout, metadata=metadata)
-            except grpc.RpcError as rpc_error:
-                error = errors.from_rpc_error(rpc_error)
-            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._pushback.refused()
+            error = self._refused_here(attempt) if throttled else None
+            if error is None:
+                try:
+                    response = await method(request, timeout=timeout, metadata=metadata)
+                except grpc.RpcError as rpc_error:
+                    error = errors.from_rpc_error(rpc_error)
+                if throttled:
+                    self._answered(error)
+                if error is None:
+                    return response
             if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it
                 raise error
             await asyncio.sleep(self._backoff.delay(attempt, error.retry_delay))

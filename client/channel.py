@@ -32,8 +32,9 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from expertd.client import admission
+from expertd.client import admission, errors
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+from expertd.client.throttle import AdaptiveThrottle, Throttle
 
 # Large enough for a 256 MiB request or response; the server enforces its own, smaller limit.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -266,6 +267,8 @@ class ClientBase:
     docstring). ``probe()``: the health stub on a second channel, opened on first use, with no
     health checking and no retries, so that health reaches servers that are not SERVING.
     ``_forward_call(request)``: how a Forward goes (``expertd.client.admission``).
+    ``_refused_here(attempt)`` before and ``_answered(error)`` after each attempt of a throttled call
+    (Forward, Route): client-side throttling (``expertd.client.throttle``) and the pushback.
     """
 
     def __init__(
@@ -279,6 +282,7 @@ class ClientBase:
         token: str | None,
         max_message_bytes: int,
         backoff: Backoff,
+        throttle: Throttle | AdaptiveThrottle | None,
     ):
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
@@ -294,6 +298,7 @@ class ClientBase:
         self._metadata = auth_metadata(token)
         self._stub = expert_pb2_grpc.ExpertServiceStub(self._channel)
         self._pushback = admission.Pushback()
+        self._throttle = AdaptiveThrottle(throttle) if isinstance(throttle, Throttle) else throttle
         held = self._channel.stream_unary("/expertd.v1.ExpertService/Forward",
                                           request_serializer=expert_pb2.ForwardRequest.SerializeToString,
                                           response_deserializer=expert_pb2.ForwardResponse.FromString)
@@ -316,6 +321,25 @@ class ClientBase:
         if metadata and self._pushback.active():
             return self._forward_held, metadata
         return self._stub.Forward, metadata
+
+    def _refused_here(self, attempt: int) -> errors.ThrottledError | None:
+        """The error of a first attempt (``attempt`` 0) this client refuses itself (client-side
+        throttling), or None: send it. Retries always go out, counted."""
+        if self._throttle is None:
+            return None
+        if attempt > 0:
+            self._throttle.count()
+            return None
+        return None if self._throttle.allow() else self._throttle.refusal()
+
+    def _answered(self, error: errors.ExpertError | None) -> None:
+        """Count a throttled call's attempt the server answered (``error`` None: OK)."""
+        if error is not None and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._pushback.refused()
+            if self._throttle is not None:
+                self._throttle.refused(error.retry_delay)
+        elif self._throttle is not None:
+            self._throttle.accepted()
 
     def _channels(self) -> list:
         return [self._channel] + ([self._probe_channel] if self._probe_channel is not None else [])

@@ -13,7 +13,8 @@ replicas whose health is SERVING. Unary calls are retried with exponential backo
 client, honouring the server's RetryInfo hint); every other failure raises at once. Failures raise
 the typed exceptions of :mod:`expertd.client.errors`, carrying the server's message. A large
 Forward declares its size in its metadata, and while the server pushes back its body waits until
-the call is admitted (:mod:`expertd.client.admission`).
+the call is admitted (:mod:`expertd.client.admission`). While the server refuses more than half of
+the Forward and Route calls, the client refuses some itself, unsent (:mod:`expertd.client.throttle`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from expertd.client.channel import (
     TlsOptions,
 )
 from expertd.client.pb.v1 import expert_pb2
+from expertd.client.throttle import DEFAULT_THROTTLE, AdaptiveThrottle, Throttle
 
 
 class ExpertClient(ClientBase):
@@ -51,6 +53,9 @@ class ExpertClient(ClientBase):
       token: bearer token sent as ``authorization: Bearer <token>`` on every call.
       max_message_bytes: largest message sent or received.
       backoff: retry backoff schedule.
+      throttle: client-side throttling of Forward and Route while the server refuses most of them:
+        its settings (:class:`~expertd.client.throttle.Throttle`), an ``AdaptiveThrottle`` shared
+        with other clients, or None (no throttling).
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class ExpertClient(ClientBase):
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         backoff: Backoff = DEFAULT_BACKOFF,
+        throttle: Throttle | AdaptiveThrottle | None = DEFAULT_THROTTLE,
     ):
         super().__init__(
             target,
@@ -73,6 +79,7 @@ class ExpertClient(ClientBase):
             token=token,
             max_message_bytes=max_message_bytes,
             backoff=backoff,
+            throttle=throttle,
         )
 
     def forward(self, x: np.ndarray, *, layer: int, return_routing: bool = False, timeout: float | None = None,
@@ -87,7 +94,7 @@ class ExpertClient(ClientBase):
         """
         request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
         method, metadata = self._forward_call(request)
-        result = messages.forward_result(self._unary(method, request, timeout, metadata=metadata), out)
+        result = messages.forward_result(self._unary(method, request, timeout, metadata=metadata, throttled=True), out)
         return result if return_routing else result.output
 
     def route(
@@ -103,7 +110,7 @@ class ExpertClient(ClientBase):
         """The router's decisions for ``hidden_states [T, H]`` or for router ``logits= [T, E]``
         (``token_ids [T]`` as in ``forward``)."""
         request = messages.route_request(hidden_states, logits, layer, aux_loss_coeff, token_ids)
-        return messages.route_result(self._unary(self._stub.Route, request, timeout))
+        return messages.route_result(self._unary(self._stub.Route, request, timeout, throttled=True))
 
     def forward_stream(
         self,
@@ -200,18 +207,25 @@ class ExpertClient(ClientBase):
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _unary(self, method, request, timeout: float | None, *, retry: bool = True, metadata=()):
+    def _unary(self, method, request, timeout: float | None, *, retry: bool = True, metadata=(),
+               throttled: bool = False):
+        """One unary call, RESOURCE_EXHAUSTED retried; ``throttled``: a call the server admits by
+        cost, subject to client-side throttling (``ClientBase._refused_here``)."""
         timeout = self._timeout if timeout is None else timeout
         metadata = self._metadata + metadata if metadata else self._metadata
         retries = self._retries if retry else 0
         attempt = 0
         while True:
-            try:
-                return method(request, timeout=timeout, metadata=metadata)
-            except grpc.RpcError as rpc_error:
-                error = errors.from_rpc_error(rpc_error)
-            if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._pushback.refused()
+            error = self._refused_here(attempt) if throttled else None
+            if error is None:
+                try:
+                    response = method(request, timeout=timeout, metadata=metadata)
+                except grpc.RpcError as rpc_error:
+                    error = errors.from_rpc_error(rpc_error)
+                if throttled:
+                    self._answered(error)
+                if error is None:
+                    return response
             if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it
                 raise error
             time.sleep(self._backoff.delay(attempt, error.retry_delay))

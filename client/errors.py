@@ -56,6 +56,14 @@ class ResourceExhaustedError(ExpertError):
     """RESOURCE_EXHAUSTED: the server's queue is full; retry with backoff."""
 
 
+class ThrottledError(ResourceExhaustedError):
+    """RESOURCE_EXHAUSTED decided by this client, the call never sent: the server refused most of
+    its recent calls (client-side throttling, :mod:`expertd.client.throttle`)."""
+
+    def __init__(self, message: str, *, retry_delay: float | None = None):
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_delay=retry_delay)
+
+
 class DeadlineExceededError(ExpertError, TimeoutError):
     """DEADLINE_EXCEEDED: the call's deadline passed before the answer came."""
 

@@ -10,7 +10,7 @@ errors by gRPC status code; ``sent == ok + sum(errors)`` always holds for the me
 Either protocol: ``expertd`` (expertd.v1 Forward through :class:`AsyncExpertClient`) or ``kserve``
 (inference.GRPCInferenceService/ModelInfer on model ``moe-layer-<layer>``). The target takes every
 form the client does (one server or replicas: ``expertd.client.channel``), balanced the same way;
-``retries`` (default 0: every failure counts) turns on the client's retries.
+``retries`` (default 0: every failure counts) turns on the client's retries; no client-side throttling.
 
 Shapes: every request is ``x [T, H]``, T drawn from the token distribution, H the server's.
 """
@@ -321,7 +321,7 @@ class _Target:
         self._inputs: np.ndarray | None = None
         if config.protocol == "expertd":
             self._client = AsyncExpertClient(config.target, timeout=config.timeout, retries=config.retries,
-                                             tls=config.tls, token=config.token)
+                                             tls=config.tls, token=config.token, throttle=None)
         else:
             self._channel = open_channel(config.target, aio=True, tls=normalize_tls(config.tls),
                                          retries=config.retries)
