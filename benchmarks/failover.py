@@ -210,10 +210,7 @@ def run_chaos(config: ChaosConfig, log=print) -> dict:
     cache_dir = config.cache_dir or os.path.join(tempfile.gettempdir(), "expertd-failover-jax-cache")
     replicas = [Replica(i, port, cache_dir) for i, port in enumerate(free_ports(config.replicas))]
     try:
-        for replica in replicas:
-            replica.start()
-        for replica in replicas:
-            replica.wait_ready(config.startup_timeout_s)
+        _start_all(replicas, config.startup_timeout_s)
         target = ",".join(f"127.0.0.1:{replica.port}" for replica in replicas)
         log(f"{config.replicas} replicas ready: {target}")
         calls, events = asyncio.run(_scenario(config, replicas, target))
@@ -225,6 +222,24 @@ def run_chaos(config: ChaosConfig, log=print) -> dict:
     result["target"] = target
     result["answered_by_replica"] = answered
     return result
+
+
+def _start_all(replicas: list[Replica], timeout: float, attempts: int = 3) -> None:
+    """Start every replica and wait until it is ready. ``free_ports`` hands out ports that were free
+    when asked: a replica that finds its port taken since (``expertd serve`` says "cannot listen
+    on") starts again on another."""
+    for replica in replicas:
+        replica.start()
+    for replica in replicas:
+        for attempt in range(attempts):
+            try:
+                replica.wait_ready(timeout)
+                break
+            except RuntimeError:
+                if attempt == attempts - 1 or not any("cannot listen on" in line for line in replica.lines):
+                    raise
+                replica.port = free_ports(1)[0]
+                replica.start()
 
 
 def summarize(calls: list, events: dict[str, float], config: ChaosConfig) -> dict:

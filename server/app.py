@@ -47,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import eplb, kserve, startup, warmup
+from expertd.server import eplb, kserve, listen, startup, warmup
 from expertd.server.batcher import Batcher
 from expertd.server.config import ServerConfig
 from expertd.server.config.credentials import Credentials, TlsMaterial
@@ -227,17 +227,21 @@ class ServerHandle:
         if config.reflection:
             enable_reflection(registrar, (*services, HEALTH_SERVICE))
         address = f"{config.host}:{config.port}"
-        self.port = server.add_secure_port(address, _server_credentials(credentials.tls)) if credentials.tls \
-            else server.add_insecure_port(address)
+        try:
+            self.port = server.add_secure_port(address, _server_credentials(credentials.tls)) if credentials.tls \
+                else server.add_insecure_port(address)
+        except RuntimeError:  # gRPC's "Failed to bind", without the reason
+            raise listen.bind_error(address, "--host, --port", "the address is in use or not on this host") from None
         await server.start()
         endpoint = MetricsEndpoint(self.registry, token=credentials.token if config.metrics_auth else None,
                                    ssl_context=credentials.tls.server_context() if config.metrics_tls else None)
         try:
             self.metrics_port = await endpoint.start(config.metrics_bind_host, config.metrics_port)
-        except OSError:
+        except OSError as exc:
             await server.stop(0)
             await endpoint.close()
-            raise
+            raise listen.bind_error(f"{config.metrics_bind_host}:{config.metrics_port}", "--metrics-host, "
+                                    "--metrics-port", exc.strerror or str(exc)) from exc
         host = config.metrics_bind_host
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host
         self.metrics_url = f"{endpoint.scheme}://{host}:{self.metrics_port}/metrics"
@@ -308,6 +312,9 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     """Build the model (``startup.build``), start serving (health NOT_SERVING) and begin warm-up;
     returns at once.
 
+    Raises OSError naming the flag when a port is taken (before the model is built, where it can
+    tell; else when the listener binds), ValueError for a configuration it cannot serve.
+
     Args:
       config: the parsed configuration (ports may be 0: the handle has the bound ones).
       registry: Prometheus registry for the metrics (default: a fresh one).
@@ -320,6 +327,8 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
         (multi-host: waits for the group); a failure there is a warm-up failure.
     """
     disable_created_metrics()  # the *_created series only add noise to every scrape
+    listen.check_free(config.host, config.port, "--port")  # before the model loads: OSError naming the flag
+    listen.check_free(config.metrics_bind_host, config.metrics_port, "--metrics-port")
     served = startup.build(config, layers)
     runner = None if step_runner is None else step_runner(served.engine)
     handle = ServerHandle(config, served, registry or CollectorRegistry(), progress, runner, on_warm)

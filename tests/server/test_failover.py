@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import socket
 import sys
 
 import pytest
@@ -60,3 +61,19 @@ def test_large_calls_on_a_killed_replica_are_retried_too(tmp_path_factory):
     assert retrying["sent_in_window"] >= 20, retrying
     assert retrying["failed"] == 0, retrying
 
+
+
+def test_a_replica_whose_port_was_taken_starts_on_another(tmp_path_factory):
+    """The ports are free when picked, not necessarily when a replica binds: one that finds its
+    port taken says so ("cannot listen on") and starts again on another."""
+    failover = failover_benchmark()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        replica = failover.Replica(0, held.getsockname()[1], str(cache_dir(tmp_path_factory)))
+        try:
+            failover._start_all([replica], timeout=300)
+            assert replica.port != held.getsockname()[1]
+            assert replica.answered() == 0  # up and answering its metrics on the new port
+        finally:
+            replica.stop()
