@@ -44,7 +44,7 @@ class Throttle:
       quiet window say little)."""
 
     k: float = 2.0
-    window_s: float = 2.0
+    window_s: float = 1.0
     max_probability: float = 0.9
     min_requests: int = 20
 

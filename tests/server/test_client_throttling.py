@@ -96,6 +96,27 @@ def test_nothing_is_refused_before_the_window_holds_min_requests():
     assert throttle.allow() and not throttle.allow()
 
 
+@pytest.mark.parametrize("rate", [50, 1000])
+def test_refusals_stop_within_two_windows_of_the_server_recovering(rate):
+    """The default settings, a client sending ``rate`` calls a second: the server refuses every
+    attempt for 5 s, then accepts every one; the client's own refusals thin out and stop."""
+    clock = _Clock()
+    throttle = AdaptiveThrottle(Throttle(), clock=clock, rand=random.Random(0).random)
+    refused_after = []
+    for n in range(10 * rate):
+        clock.now = 1000.0 + n / rate
+        sent = throttle.allow()
+        if n < 5 * rate:
+            if sent:
+                throttle.refused(0.01)
+        elif sent:
+            throttle.accepted()
+        else:
+            refused_after.append(n / rate - 5.0)
+    assert refused_after and max(refused_after) < 2 * Throttle().window_s, max(refused_after)
+    assert sum(t < 0.5 for t in refused_after) > sum(1.0 <= t < 1.5 for t in refused_after)  # thinning out
+
+
 def test_some_attempts_always_go_out():
     throttle, _clock = _throttle(rand=0.95, max_probability=0.9)
     for _ in range(1000):
