@@ -268,19 +268,21 @@ def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: 
 
 
 def run_model(model: str, duration: float, queue_delay_ms: float,
-              inline_step_max_ms: float = BatchingConfig.inline_step_max_ms) -> tuple[list[dict], list[dict], dict]:
+              inline_step_max_ms: float = BatchingConfig.inline_step_max_ms,
+              event_loop: str = "auto") -> tuple[list[dict], list[dict], dict]:
     """(rows, gRPC-floor rows, the thin-hop summary) for one model."""
     from prometheus_client import CollectorRegistry
 
     from expertd.server.app import create_server
     from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
 
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0,
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, event_loop=event_loop,
                           model=ModelConfig(dtype="float32", num_devices=1),
                           batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=queue_delay_ms,
                                                   inline_step_max_ms=inline_step_max_ms))
     server = create_server(config, registry=CollectorRegistry(), layers=build_layers(model))
     server.wait_ready(timeout=900)
+    print(f"{model}: event loop {server.event_loop}", flush=True)
     cfg = server.engine.layers[0].cfg
     rows, floor = [], []
     try:
@@ -335,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="results JSON (default: %(default)s)")
     parser.add_argument("--max-queue-delay-ms", type=float, default=BatchingConfig.max_queue_delay_ms,
                         help="the server's batching delay (default: expertd serve's default)")
+    parser.add_argument("--event-loop", default="auto", help="the server's event loop (default: expertd serve's)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, floor, hops = [], [], []
     for model in args.models.split(","):
         model_rows, model_floor, hop = run_model(model, args.duration, args.max_queue_delay_ms,
-                                                 args.inline_step_max_ms)
+                                                 args.inline_step_max_ms, args.event_loop)
         rows += model_rows
         floor += model_floor
         hops.append(hop)
@@ -364,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
                     "device": str(jax.devices()[0]), "note": "shared development box; compare ratios only"},
         "buckets": list(BUCKETS), "max_queue_delay_ms": args.max_queue_delay_ms, "duration_s": args.duration,
-        "inline_step_max_ms": args.inline_step_max_ms,
+        "inline_step_max_ms": args.inline_step_max_ms, "event_loop": args.event_loop,
         "rows": rows,
         "grpc_floor": floor,
         "thin_hop": hops,

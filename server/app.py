@@ -47,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import eplb, kserve, listen, startup, warmup
+from expertd.server import eplb, event_loop, kserve, listen, startup, warmup
 from expertd.server.batcher import Batcher
 from expertd.server.config import ServerConfig
 from expertd.server.config.credentials import Credentials, TlsMaterial
@@ -89,11 +89,13 @@ class ServerHandle:
     Attributes: ``port`` and ``metrics_port`` (the bound ports), ``metrics_url``, ``config``,
     ``credentials`` (what start-up read: token, TLS material), ``served`` (what start-up built:
     ``served.info()``, ``served.notes()``), ``engine`` (its Engine), ``model`` (the
-    ModelDescription the front ends see), ``metrics`` (the Metrics on ``registry``), ``registry``.
+    ModelDescription the front ends see), ``metrics`` (the Metrics on ``registry``), ``registry``,
+    ``event_loop`` (which loop serves: "uvloop 0.23.0", "asyncio"; ``expertd.server.event_loop``).
     """
 
     def __init__(self, config: ServerConfig, served: startup.Served, registry: CollectorRegistry,
-                 progress: Callable | None, step_runner=None, on_warm: Callable[[], None] | None = None):
+                 progress: Callable | None, step_runner=None, on_warm: Callable[[], None] | None = None,
+                 loop: tuple[Callable, str] | None = None):
         self.config = config
         self.served = served
         self.engine = served.engine
@@ -119,6 +121,7 @@ class ServerHandle:
         self._stop_requested: asyncio.Event | None = None
         self._grace = config.drain_grace_s
         self._linger = config.drain_linger_s
+        self._loop_factory, self.event_loop = loop or event_loop.loop_factory(config.event_loop)
         self._thread = threading.Thread(target=self._run, name="expertd-grpc", daemon=True)
 
     # -- control (any thread) -----------------------------------------------------------------
@@ -175,7 +178,8 @@ class ServerHandle:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._main())
+            with asyncio.Runner(loop_factory=self._loop_factory) as runner:
+                runner.run(self._main())
         except BaseException as exc:  # noqa: BLE001 - reported to the threads waiting on the handle
             self._failure = self._failure or exc
             self._started.set()
@@ -329,9 +333,10 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     disable_created_metrics()  # the *_created series only add noise to every scrape
     listen.check_free(config.host, config.port, "--port")  # before the model loads: OSError naming the flag
     listen.check_free(config.metrics_bind_host, config.metrics_port, "--metrics-port")
+    loop = event_loop.loop_factory(config.event_loop)  # ValueError for a loop that is not installed
     served = startup.build(config, layers)
     runner = None if step_runner is None else step_runner(served.engine)
-    handle = ServerHandle(config, served, registry or CollectorRegistry(), progress, runner, on_warm)
+    handle = ServerHandle(config, served, registry or CollectorRegistry(), progress, runner, on_warm, loop)
     handle._start()
     return handle
 

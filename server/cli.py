@@ -102,7 +102,8 @@ def serve(argv: list[str]) -> int:
         say(f"error: {exc}")
         return 1
     host = config.host
-    say(f"gRPC listening on {host}:{handle.port}" + (" (TLS)" if config.security.tls_cert else ""))
+    say(f"gRPC listening on {host}:{handle.port}" + (" (TLS)" if config.security.tls_cert else "")
+        + f", event loop {handle.event_loop}")
     say(f"metrics on {handle.metrics_url}")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: handle.request_stop())

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -51,13 +52,22 @@ class LayerQueue:
         self.gather_until = 0.0  # while the scheduler waits for company: until when (monotonic)
         self.big_owed = False  # the last step was sized for small requests: the next one is full
         self.expiry: asyncio.TimerHandle | None = None  # fires at the earliest queued deadline
+        self._expiry_at = 0.0
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
 
     @property
     def expiry_at(self) -> float:
-        """When the deadline timer fires (monotonic), 0 when none is armed."""
-        return self.expiry.when() if self.expiry is not None else 0.0
+        """When the deadline timer fires (``time.monotonic``), 0 when none is armed."""
+        return self._expiry_at if self.expiry is not None else 0.0
+
+    def arm_expiry(self, deadline: float, callback) -> None:
+        """``callback(self)`` at ``deadline`` (``time.monotonic``, as request deadlines are: the event
+        loop's own clock may differ, uvloop's does), replacing the timer armed before."""
+        if self.expiry is not None:
+            self.expiry.cancel()
+        self._expiry_at = deadline
+        self.expiry = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), callback, self)
 
     @property
     def queued(self) -> int:
@@ -137,11 +147,9 @@ class Queues:
 
     def _expire_by(self, queue: LayerQueue, deadline: float) -> None:
         """Arm ``queue``'s timer for ``deadline`` (monotonic) unless it fires no later already."""
-        if queue.expiry is not None:
-            if queue.expiry.when() <= deadline:
-                return
-            queue.expiry.cancel()
-        queue.expiry = asyncio.get_running_loop().call_at(deadline, self._expire_queued, queue)
+        if queue.expiry is not None and queue.expiry_at <= deadline:
+            return
+        queue.arm_expiry(deadline, self._expire_queued)
 
     def close(self) -> None:
         """Cancel every queue's deadline timer (the batcher is closing)."""
@@ -153,7 +161,7 @@ class Queues:
     def _expire_queued(self, queue: LayerQueue) -> None:
         """The timer: expire the queued requests past their deadline, re-arm for the earliest left."""
         queue.expiry = None
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         earliest = None
         for fifo in (queue.small, queue.big):
             for request in fifo:  # expiring ends a request; it leaves its FIFO at the next ``head``

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from expertd.server.config.credentials import Credentials, check_token, load_tls, read_token_file
+from expertd.server.event_loop import EVENT_LOOPS
 
 AUTH_TOKEN_ENV = "EXPERTD_AUTH_TOKEN"
 DTYPES = ("auto", "float32", "bfloat16")
@@ -322,10 +323,9 @@ class ServerConfig:
     metrics_auth: bool = option(False, "require the bearer token on /metrics ('Authorization: Bearer <token>')")
     drain_grace_s: float = option(30.0, "on SIGTERM: seconds to finish accepted requests before exiting",
                                   parse=float, metavar="SECONDS")
-    drain_linger_s: float = option(2.0, "on SIGTERM, after accepted requests finish: keep answering new calls "
-                                   "UNAVAILABLE while they still arrive, up to this many seconds after the drain "
-                                   "began (clients move to other replicas before the port closes); within the "
-                                   "grace", parse=float, metavar="SECONDS")
+    drain_linger_s: float = option(2.0, "on SIGTERM, once accepted requests are done: answer new calls UNAVAILABLE "
+                                   "while they arrive, up to this long after the drain began (clients move to other "
+                                   "replicas before the port closes); within the grace", parse=float, metavar="SECONDS")
     compile_cache_dir: str | None = option(os.path.join("~", ".cache", "expertd", "jax"),
                                            "JAX persistent compilation cache ('' disables it)", parse=optional_str,
                                            metavar="DIR")
@@ -334,10 +334,11 @@ class ServerConfig:
                                         "(KServe system_shared_memory, expertd.v1 RegisterSharedMemory; "
                                         "docs/shared-memory.md); 0 turns shared memory off", parse=int)
     retain_freed_memory: bool = option(False, "on CPU, keep freed host buffers for reuse (glibc malloc: one arena, "
-                                       "no mmap'd blocks): large buckets stop page-faulting their buffers every "
-                                       "step, small requests pay for the shared arena and resident memory stays "
-                                       "at its peak (BENCHMARKS.md)")
+                                       "no mmap'd blocks): large buckets stop page-faulting their buffers each step, "
+                                       "small requests pay for the shared arena, resident memory stays at its peak")
     aux_loss_coeff: float = option(1e-2, "default load-balancing aux-loss coefficient of Route", parse=float)
+    event_loop: str = option("auto", "the gRPC server's event loop: uvloop, asyncio (the standard library's), or "
+                             "auto: uvloop where it is installed", metavar="|".join(EVENT_LOOPS))
     ld_preload: str = from_environment("", "LD_PRELOAD", "libraries preloaded into this process (a malloc other "
                                        "than glibc's makes --retain-freed-memory refuse)")
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -355,12 +356,11 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be between 0 and 65535, got {value}")
         if self.port == self.metrics_port != 0:
             raise ValueError(f"--port and --metrics-port must differ, both are {self.port}")
-        if self.shared_memory_regions < 0:
-            raise ValueError(f"--shared-memory-regions must be >= 0, got {self.shared_memory_regions}")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
-        if self.drain_linger_s < 0:
-            raise ValueError(f"--drain-linger-s must be >= 0, got {self.drain_linger_s}")
+        for name in ("shared_memory_regions", "drain_grace_s", "drain_linger_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
         if self.metrics_host is not None and not self.metrics_host.strip():
             raise ValueError("--metrics-host is set but empty: give an address, or leave it unset")
         if self.metrics_tls and self.security.tls_cert is None:
