@@ -12,6 +12,7 @@ import functools
 import pathlib
 import re
 import subprocess
+import time
 import urllib.request
 
 import jax
@@ -153,3 +154,49 @@ def make_pki(directory: pathlib.Path) -> Pki:
             "-days", "1", "-out", f"{name}.pem", *extra)
     return Pki(directory / "ca.pem", directory / "server.pem", directory / "server.key", directory / "client.pem",
                directory / "client.key", directory / "other-ca.pem")
+
+
+def poll(condition, timeout: float = 60.0) -> None:
+    """Wait until ``condition()`` holds (AssertionError after ``timeout`` s): never a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the server"
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def queue_full(target: str, registry, hidden: int = 64, layer: int = 1):
+    """A server started with ``max_queue_size=1`` and a long gather (``max_queue_delay_ms``, no
+    idle fast path) has its one place held by a waiting 2-token call until the block ends: every
+    other request is refused meanwhile. The waiting call is cancelled (dropped at once) at the end."""
+    import grpc
+
+    from expertd.client.messages import forward_request
+    from expertd.client.pb.v1 import expert_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        waiting = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
+            forward_request(np.ones((2, hidden), np.float32), layer, False), timeout=60)
+        poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
+        try:
+            yield
+        finally:
+            waiting.cancel()
+            poll(lambda: registry.get_sample_value("expertd_pending_requests") == 0)
+
+
+@contextlib.contextmanager
+def one_place_server(tmp_path_factory):
+    """(handle, registry) of a started server with one queue place (``max_queue_size=1``) and a
+    30 s gather for a step less than full (no idle fast path): while ``queue_full`` holds the
+    place every other request is refused; a full step (the largest bucket's rows) runs at once."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    config = server_config(tmp_path_factory, max_queue_size=1, max_queue_delay_ms=30000, inline_step_max_ms=0)
+    handle = create_server(config, registry=registry)
+    try:
+        handle.wait_ready(timeout=300)
+        yield handle, registry
+    finally:
+        handle.stop(grace=5)

@@ -3,7 +3,6 @@ client's Forward and Route calls, ExpertClient and AsyncExpertClient refuse some
 unsent; the counts and the decision rule of ``expertd.client.throttle``, and the clients against
 the real server on loopback (its refusal counter shows which refusals it paid for)."""
 import asyncio
-import contextlib
 import itertools
 import random
 import time
@@ -11,9 +10,8 @@ import time
 import grpc
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 from service_support import BUCKETS as TOKEN_BUCKETS
-from service_support import server_config
+from service_support import one_place_server, queue_full
 
 from expertd.client import (
     AsyncExpertClient,
@@ -22,12 +20,9 @@ from expertd.client import (
     ResourceExhaustedError,
     Throttle,
     ThrottledError,
-    messages,
 )
 from expertd.client.loadtest import LoadTestConfig, _Target
-from expertd.client.pb.v1 import expert_pb2_grpc
 from expertd.client.throttle import BUCKETS, AdaptiveThrottle
-from expertd.server.app import create_server
 
 # ------------------------------------------------------------------ the rule, on a clock of its own
 
@@ -174,38 +169,12 @@ def _seeded(seed=0, **settings) -> AdaptiveThrottle:
 
 @pytest.fixture(scope="module")
 def busy_server(tmp_path_factory):
-    """One request pending at most; while a waiting call holds that place (no idle fast path, a
-    30 s gather for a step less than full), every other request is refused."""
-    registry = CollectorRegistry()
-    config = server_config(tmp_path_factory, max_queue_size=1, max_queue_delay_ms=30000, inline_step_max_ms=0)
-    handle = create_server(config, registry=registry)
-    handle.wait_ready(timeout=300)
-    yield handle, registry
-    handle.stop(grace=5)
+    with one_place_server(tmp_path_factory) as server:  # service_support: one queue place, a long gather
+        yield server
 
 
 def _refused_by_server(registry) -> float:
     return registry.get_sample_value("expertd_rejected_requests_total", {"reason": "queue_size"}) or 0.0
-
-
-def _poll(condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the server"
-        time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def _queue_full(target, registry):
-    with grpc.insecure_channel(target) as channel:
-        waiting = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
-            messages.forward_request(np.ones((2, 64), np.float32), 1, False), timeout=60)
-        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
-        try:
-            yield
-        finally:
-            waiting.cancel()
-            _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 0)
 
 
 def _outcomes(call) -> tuple[int, int, int]:
@@ -228,7 +197,7 @@ def test_expert_client_refuses_calls_itself_while_the_server_refuses_them(busy_s
     x = np.random.default_rng(0).standard_normal((ROWS, 64)).astype(np.float32)
     with ExpertClient(target, timeout=60, retries=0, throttle=_seeded()) as client:
         want = client.forward(x, layer=1)
-        with _queue_full(target, registry):
+        with queue_full(target, registry):
             before = _refused_by_server(registry)
             answered, server, here = _outcomes(lambda: client.forward(x, layer=1))
             assert answered == 0 and server + here == CALLS
@@ -253,7 +222,7 @@ def test_without_throttling_the_server_refuses_every_call(busy_server):
     handle, registry = busy_server
     target = f"127.0.0.1:{handle.port}"
     x = np.ones((ROWS, 64), np.float32)
-    with ExpertClient(target, timeout=60, retries=0, throttle=None) as client, _queue_full(target, registry):
+    with ExpertClient(target, timeout=60, retries=0, throttle=None) as client, queue_full(target, registry):
         before = _refused_by_server(registry)
         assert _outcomes(lambda: client.forward(x, layer=1)) == (0, CALLS, 0)
         assert _refused_by_server(registry) - before == CALLS
@@ -277,7 +246,7 @@ def test_async_client_refuses_calls_itself_too(busy_server):
                     pass
             return answered, here
 
-    with _queue_full(target, registry):
+    with queue_full(target, registry):
         answered, here = asyncio.run(run())
     assert answered == 0 and here >= CALLS // 4
 
@@ -294,7 +263,7 @@ def test_a_call_refused_here_is_retried_after_the_servers_delay_and_answered(bus
     fast = Backoff(initial=0.001, maximum=0.002)
     with ExpertClient(target, timeout=60, retries=0, throttle=shared) as refused, \
             ExpertClient(target, timeout=60, retries=1, throttle=shared, backoff=fast) as retrying:
-        with _queue_full(target, registry):
+        with queue_full(target, registry):
             with pytest.raises(ResourceExhaustedError) as by_server:
                 refused.forward(x, layer=1)
             assert not isinstance(by_server.value, ThrottledError) and by_server.value.retry_delay > 0

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
-from service_support import reference_forward, server_config
+from service_support import one_place_server, poll, queue_full, reference_forward, server_config
 
 from expertd.client import AsyncExpertClient, ExpertClient, admission, errors, messages
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
@@ -27,29 +27,16 @@ def _received(registry, direction="received") -> float:
     return registry.get_sample_value(f"grpc_server_msg_{direction}_total", labels) or 0.0
 
 
-def _poll(condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the server"
-        time.sleep(0.01)
-
-
 def _cancel(call, registry):
     """Cancel the call holding the one place; it is dropped from the queue at once."""
     call.cancel()
-    _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 0)
+    poll(lambda: registry.get_sample_value("expertd_pending_requests") == 0)
 
 
 @pytest.fixture(scope="module")
 def busy_server(tmp_path_factory):
-    """One request pending at most (--max-queue-size 1); a 2-token request gathers for 30 s (no
-    idle fast path), so while one waits (until the test cancels it) every other request is refused."""
-    registry = CollectorRegistry()
-    config = server_config(tmp_path_factory, max_queue_size=1, max_queue_delay_ms=30000, inline_step_max_ms=0)
-    handle = create_server(config, registry=registry)
-    handle.wait_ready(timeout=300)
-    yield handle, registry
-    handle.stop(grace=5)
+    with one_place_server(tmp_path_factory) as server:  # service_support: one queue place, a long gather
+        yield server
 
 
 def test_a_refused_call_with_the_metadata_is_never_read(busy_server):
@@ -59,7 +46,7 @@ def test_a_refused_call_with_the_metadata_is_never_read(busy_server):
     with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
         stub = expert_pb2_grpc.ExpertServiceStub(channel)
         waiting = stub.Forward.future(messages.forward_request(x[:2], 1, False), timeout=60)
-        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
+        poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
         before, sent = _received(registry), _received(registry, "sent")
         with pytest.raises(grpc.RpcError) as early:
             stub.Forward(request, metadata=((KEY, "1,8"),), timeout=30)
@@ -171,7 +158,7 @@ def test_the_client_sends_the_metadata_with_large_bodies_only(busy_server):
     with ExpertClient(target, timeout=60, retries=0) as client, grpc.insecure_channel(target) as channel:
         waiting = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
             messages.forward_request(np.ones((2, 64), np.float32), 1, False), timeout=60)
-        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
+        poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
         before = _received(registry)
         for rows in (big_rows, big_rows - 1):  # refused, the first from its metadata
             with pytest.raises(errors.ExpertError) as refused:
@@ -217,7 +204,7 @@ def test_a_held_body_is_sent_only_once_admitted_and_never_when_refused(busy_serv
                                       messages.forward_result(plain, None).output)
         waiting = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
             messages.forward_request(x[:2], 1, False), timeout=60)
-        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
+        poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
         before = _received(registry)
         with pytest.raises(grpc.RpcError) as refused:
             admission.call_after_admission_blocking(held, request, timeout=30, metadata=declared)
@@ -272,19 +259,6 @@ def test_pushback_holds_for_its_window_after_each_refusal():
     assert not pushback.active()
 
 
-@contextlib.contextmanager
-def _queue_full(target, registry):
-    """The server's one place held by a waiting call until the block ends."""
-    with grpc.insecure_channel(target) as channel:
-        waiting = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
-            messages.forward_request(np.ones((2, 64), np.float32), 1, False), timeout=60)
-        _poll(lambda: registry.get_sample_value("expertd_pending_requests") == 1)
-        try:
-            yield
-        finally:
-            _cancel(waiting, registry)
-
-
 def _big_and_small(seed):
     rows = admission.ADMISSION_MIN_BYTES // (64 * 4)
     x = np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32)
@@ -301,12 +275,12 @@ def test_expert_client_holds_large_bodies_while_the_server_pushes_back(busy_serv
     with ExpertClient(target, timeout=60, retries=0) as client:
         want = client.forward(x, layer=1)
         assert client._forward_call(big) == (client._stub.Forward, admission.admission_metadata(big))
-        with _queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
+        with queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
             client.forward(x, layer=1)
         assert client._forward_call(big)[0] is client._forward_held
         assert client._forward_call(small) == (client._stub.Forward, ())
         np.testing.assert_array_equal(client.forward(x, layer=1), want)
-        with _queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError) as refused:
+        with queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError) as refused:
             client.forward(x, layer=1)  # held and refused: raised as the unary call's refusal is
         assert refused.value.retry_delay > 0
 
@@ -321,12 +295,12 @@ def test_async_client_holds_large_bodies_while_the_server_pushes_back(busy_serve
         async with AsyncExpertClient(target, timeout=60, retries=0) as client:
             want = await client.forward(x, layer=1)
             assert client._forward_call(big)[0] is client._stub.Forward
-            with _queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
+            with queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
                 await client.forward(x, layer=1)
             assert client._forward_call(big)[0] is client._forward_held
             assert client._forward_call(small) == (client._stub.Forward, ())
             np.testing.assert_array_equal(await client.forward(x, layer=1), want)
-            with _queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
+            with queue_full(target, registry), pytest.raises(errors.ResourceExhaustedError):
                 await client.forward(x, layer=1)
 
     asyncio.run(run())
