@@ -33,7 +33,8 @@ setup() {
   site=$(mktemp -d)
   # The server's gRPC family is not on the machine's image: carry it as wheels (the device tool's
   # `carry: [".whl"]`), fetched here with pip download for cp312 manylinux (pyproject's pins:
-  # grpcio, grpcio-status, grpcio-health-checking, grpcio-reflection, protobuf, googleapis-common-protos).
+  # grpcio, grpcio-status, grpcio-health-checking, grpcio-reflection, protobuf, googleapis-common-protos;
+  # uvloop too, or the server runs on asyncio's own loop: --event-loop auto falls back).
   if compgen -G ".whl/*.whl" > /dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
       || echo "gpu_session: the wheels in .whl did not install for $($PY -V); the server's steps may fail" >&2
