@@ -312,6 +312,7 @@ def test_sigterm_drains_accepted_requests_and_exits_zero(tmp_path_factory):
         if sys.platform.startswith("linux"):
             assert "host memory: freed buffers kept for reuse" in output, output
         port = int(re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", output).group(1))
+        assert re.search(r"gRPC listening on 127\.0\.0\.1:\d+, event loop uvloop \d", output), output  # the default
         metrics_port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", output).group(1))
         assert f"security: TLS off, mTLS off, auth off; metrics: http://127.0.0.1:{metrics_port}/metrics " \
                "(TLS off, auth off)" in output, output
