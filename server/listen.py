@@ -24,7 +24,11 @@ def check_free(host: str, port: int, flag: str) -> None:
                                                                  flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError):
         return
-    with socket.socket(family, kind, proto) as probe:
+    try:
+        probe = socket.socket(family, kind, proto)
+    except OSError:  # no such family here (an IPv6 wildcard on a host without IPv6)
+        return
+    with probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6 and bare in ("", "::"):
             try:

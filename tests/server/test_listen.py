@@ -24,20 +24,35 @@ def _listening(host="127.0.0.1", family=socket.AF_INET):
         yield held.getsockname()[1]
 
 
+def _has_ipv6() -> bool:
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_a_port_held_by_a_listener_is_named_with_its_flag():
+    hosts = ("127.0.0.1", "0.0.0.0") + (("[::]",) if _has_ipv6() else ())
     with _listening() as port:
-        for host in ("127.0.0.1", "0.0.0.0", "[::]"):  # the wildcard "[::]" listens dual-stack, as gRPC does
+        for host in hosts:  # the wildcard "[::]" listens dual-stack, as gRPC does
             with pytest.raises(OSError, match=rf"cannot listen on {host.replace('[', '.').replace(']', '.')}:{port} "
                                r"\(--port\): another process is listening there"):
                 listen.check_free(host, port, "--port")
 
 
-def test_free_ports_and_ports_left_by_a_closed_listener_pass():
+def test_free_ports_and_ports_left_by_a_closed_listener_pass(monkeypatch):
     listen.check_free("127.0.0.1", 0, "--port")  # 0: the system picks one
     with _listening() as port:
         pass
     listen.check_free("127.0.0.1", port, "--port")  # closed (TIME_WAIT or free): the real bind may take it
     listen.check_free("no-such-host.invalid", 8001, "--port")  # left to the real bind, which names it
+
+    def no_such_family(*args, **kwargs):
+        raise OSError(97, "Address family not supported by protocol")
+
+    monkeypatch.setattr(listen.socket, "socket", no_such_family)  # a host without IPv6, say
+    listen.check_free("[::]", port, "--port")  # left to the real bind (gRPC falls back to IPv4)
 
 
 def test_create_server_refuses_a_taken_grpc_port_before_building_the_model(tmp_path_factory):
