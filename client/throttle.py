@@ -72,7 +72,7 @@ class AdaptiveThrottle:
         self.settings = settings
         self._bucket_s = settings.window_s / BUCKETS
         self._clock, self._rand = clock, rand
-        self._lock = threading.RLock()  # allow() counts through count()
+        self._lock = threading.Lock()
         self._index = [-1] * BUCKETS  # which bucket of time each slot counts
         self._requests = [0] * BUCKETS
         self._accepts = [0] * BUCKETS
@@ -95,11 +95,12 @@ class AdaptiveThrottle:
     def allow(self) -> bool:
         """Count a first attempt; False when this client refuses it itself."""
         with self._lock:
-            self._slot()  # forget what left the window first
+            slot = self._slot()  # what left the window is forgotten first
             refuse = self._total_requests - self.settings.k * self._total_accepts
             probability = min(refuse / (self._total_requests + 1), self.settings.max_probability) \
                 if refuse > 0 and self._total_requests >= self.settings.min_requests else 0.0
-            self.count()
+            self._requests[slot] += 1
+            self._total_requests += 1
         return probability <= 0.0 or self._rand() >= probability
 
     def count(self) -> None:

@@ -94,8 +94,8 @@ class ServerHandle:
     """
 
     def __init__(self, config: ServerConfig, served: startup.Served, registry: CollectorRegistry,
-                 progress: Callable | None, step_runner=None, on_warm: Callable[[], None] | None = None,
-                 loop: tuple[Callable, str] | None = None):
+                 progress: Callable | None, step_runner, on_warm: Callable[[], None] | None,
+                 loop: tuple[Callable, str]):
         self.config = config
         self.served = served
         self.engine = served.engine
@@ -121,7 +121,7 @@ class ServerHandle:
         self._stop_requested: asyncio.Event | None = None
         self._grace = config.drain_grace_s
         self._linger = config.drain_linger_s
-        self._loop_factory, self.event_loop = loop or event_loop.loop_factory(config.event_loop)
+        self._loop_factory, self.event_loop = loop  # event_loop.loop_factory's (factory, description)
         self._thread = threading.Thread(target=self._run, name="expertd-grpc", daemon=True)
 
     # -- control (any thread) -----------------------------------------------------------------

@@ -20,9 +20,7 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 def loop_factory(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop], str]:
     """(a new-loop factory, its description) for ``--event-loop choice`` (module docstring)."""
-    if choice not in EVENT_LOOPS:
-        raise ValueError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}, got {choice!r}")
-    if choice != "asyncio":
+    if choice != "asyncio":  # ServerConfig has checked it is one of EVENT_LOOPS
         try:
             import uvloop
         except ImportError:
