@@ -19,9 +19,11 @@ Reported: rpc / in-process throughput, and the speed-up of 64 single-token clien
 (goals: >= 0.9 at saturation, i.e. C=64 with T=256; >= 10x for C=64, T=1). The thin hop
 (``hop_summary``): single-token Forward p50 minus the in-process step p50 against the Check p50
 (goal <= 1.3x), 64 single-token clients' requests/s against 64 Check callers' (goal >= 0.85), and
-ForwardStream's per-message cost (lock-step round trip; pipelined, 64 in flight on one stream). Both sides share the
-box, so the client's own CPU time counts against the server: on a 2-core machine that is a real
-handicap for the RPC side.
+ForwardStream's per-message cost (lock-step round trip; pipelined, 64 in flight on one stream). Beside
+it, where one client's single-token call goes, from the server's own histograms read around each
+load (means): Forward's handling time and its step in the server, and the Check's handling time.
+Both sides share the box, so the client's own CPU time counts against the server: on a 2-core
+machine that is a real handicap for the RPC side.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/serving.py [--duration 3]
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -205,14 +208,51 @@ def with_server_cpu(result: dict, sampler: CpuSampler) -> dict:
     return result
 
 
-def grpc_floor(port: int, concurrency: int, duration: float) -> dict:
-    """Health Check calls at ``concurrency`` against the server, in their own process."""
+def server_totals(registry) -> dict[str, tuple[float, float]]:
+    """``{"step": (seconds, steps), method: (seconds, calls)}`` so far, from the server's own
+    histograms: its Forward engine steps (``expertd_compute_duration_seconds``) and each gRPC
+    method's handling time (``grpc_server_handling_seconds``, e.g. "Forward", "Check")."""
+    totals: dict[str, tuple[float, float]] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if family.name == "expertd_compute_duration_seconds" and sample.labels.get("kind") == "forward":
+                key = "step"
+            elif family.name == "grpc_server_handling_seconds":
+                key = sample.labels["grpc_method"]
+            else:
+                continue
+            seconds, count = totals.get(key, (0.0, 0.0))
+            if sample.name.endswith("_sum"):
+                totals[key] = (seconds + sample.value, count)
+            elif sample.name.endswith("_count"):
+                totals[key] = (seconds, count + sample.value)
+    return totals
+
+
+def server_means(before: dict, after: dict, method: str) -> dict:
+    """Mean in-server milliseconds between two ``server_totals``: ``method``'s handling (from its
+    request read to its answer) and, for Forward, its engine step."""
+    def mean_ms(key: str) -> float | None:
+        (s0, c0), (s1, c1) = before.get(key, (0.0, 0.0)), after.get(key, (0.0, 0.0))
+        return (s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else None
+    means = {"server_handling_ms_mean": mean_ms(method)}
+    if method == "Forward":
+        means["server_step_ms_mean"] = mean_ms("step")
+    return means
+
+
+def grpc_floor(port: int, concurrency: int, duration: float, totals=None) -> dict:
+    """Health Check calls at ``concurrency`` against the server, in their own process;
+    ``totals``: the server's ``server_totals`` (a zero-argument callable), for its in-server means."""
     sampler = CpuSampler()
+    before = totals() if totals else {}
     with sampler:
         out = subprocess.run([sys.executable, "-c", GRPC_FLOOR_SCRIPT, f"127.0.0.1:{port}", str(concurrency), "1.0",
                               f"{duration:.1f}"], check=True, capture_output=True, text=True).stdout
     report = json.loads(out)
     report["requests"] = report.pop("ok")
+    if totals:
+        report.update(server_means(before, totals(), "Check"))
     return with_server_cpu(report, sampler)
 
 
@@ -235,7 +275,11 @@ def hop_summary(model: str, rows: list[dict], floor: list[dict], stream: dict) -
             "check_p50_ms": check[1]["p50_ms"], "hop_over_check": hop_ms / check[1]["p50_ms"],
             "forward_64_requests_per_s": many["rpc"]["requests_per_s"],
             "check_64_requests_per_s": check[64]["requests_per_s"],
-            "throughput_over_check": many["rpc"]["requests_per_s"] / check[64]["requests_per_s"], "stream": stream}
+            "throughput_over_check": many["rpc"]["requests_per_s"] / check[64]["requests_per_s"], "stream": stream,
+            # where the single-token call's time goes, from the server's own histograms (means)
+            "in_server": {"forward_handling_ms": one["rpc"].get("server_handling_ms_mean"),
+                          "forward_step_ms": one["rpc"].get("server_step_ms_mean"),
+                          "check_handling_ms": check[1].get("server_handling_ms_mean")}}
 
 
 def print_hop(summary: dict) -> None:
@@ -247,20 +291,30 @@ def print_hop(summary: dict) -> None:
           f"{summary['throughput_over_check']:.2f} (goal >= 0.85); ForwardStream lock-step p50 "
           f"{stream['lockstep_p50_ms']:.3f} ms, pipelined {stream['pipelined_us_per_message']:.0f} us/message",
           flush=True)
+    inside = summary["in_server"]
+    if None not in inside.values():
+        print(f"{summary['model']}: in the server (one client, means): Forward handled in "
+              f"{inside['forward_handling_ms']:.3f} ms, its step {inside['forward_step_ms']:.3f} ms (in-process "
+              f"back to back {summary['step_p50_ms']:.3f} ms p50); Check handled in "
+              f"{inside['check_handling_ms']:.3f} ms",
+              flush=True)
 
 
-def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: float) -> dict:
-    """``expertd loadtest`` in its own process (its CPU time is not the server's GIL)."""
+def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: float, totals=None) -> dict:
+    """``expertd loadtest`` in its own process (its CPU time is not the server's GIL); ``totals``
+    as for ``grpc_floor``."""
     command = [sys.executable, "-c", "import sys; from expertd.client.cli import main; sys.exit(main(sys.argv[1:]))",
                "loadtest", "--target", f"127.0.0.1:{port}", "--layer", "0", "--concurrency", str(concurrency),
                "--tokens", str(tokens), "--dtype", "float32", "--duration", f"{duration:.1f}",
                "--warmup", f"{warmup:.1f}",
                "--timeout", "60", "--json", "--no-progress"]
     sampler = CpuSampler()
+    before = totals() if totals else {}
     with sampler:
         report = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     step = report["steps"][0]
-    return with_server_cpu({
+    means = server_means(before, totals(), "Forward") if totals else {}
+    return with_server_cpu({**means,
         "requests": step["ok"], "errors": step["errors"], "tokens_per_s": step["tokens_per_s"],
         "requests_per_s": step["requests_per_s"], "p50_ms": step["latency_ms"]["p50"],
         "p99_ms": step["latency_ms"]["p99"], "window_unix_s": step.get("window_unix_s"),
@@ -280,15 +334,18 @@ def run_model(model: str, duration: float, queue_delay_ms: float,
                           model=ModelConfig(dtype="float32", num_devices=1),
                           batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=queue_delay_ms,
                                                   inline_step_max_ms=inline_step_max_ms))
-    server = create_server(config, registry=CollectorRegistry(), layers=build_layers(model))
+    registry = CollectorRegistry()
+    server = create_server(config, registry=registry, layers=build_layers(model))
     server.wait_ready(timeout=900)
+    totals = functools.partial(server_totals, registry)
     print(f"{model}: event loop {server.event_loop}", flush=True)
     cfg = server.engine.layers[0].cfg
     rows, floor = [], []
     try:
         stream = stream_cost(server.port, cfg.hidden_size, duration)
         for concurrency in CONCURRENCY:
-            floor.append({"model": model, "clients": concurrency, **grpc_floor(server.port, concurrency, duration)})
+            floor.append({"model": model, "clients": concurrency, **grpc_floor(server.port, concurrency, duration,
+                                                                                   totals)})
             print_floor(floor[-1])
         for tokens in TOKENS:
             for concurrency in CONCURRENCY:
@@ -297,7 +354,7 @@ def run_model(model: str, duration: float, queue_delay_ms: float,
                 # A closed loop needs a few full rounds of C requests in the window to mean anything.
                 round_s = concurrency * tokens / local["tokens_per_s"]
                 remote = over_rpc(server.port, tokens, concurrency, min(max(duration, 3 * round_s), 60.0),
-                                  warmup=min(max(1.0, round_s), 20.0))
+                                  warmup=min(max(1.0, round_s), 20.0), totals=totals)
                 rows.append({"model": model, "H": cfg.hidden_size, "E": cfg.num_experts, "k": cfg.topk,
                              "tokens_per_request": tokens, "clients": concurrency, "in_process": local, "rpc": remote,
                              "rpc_over_in_process": remote["tokens_per_s"] / local["tokens_per_s"]})

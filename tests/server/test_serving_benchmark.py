@@ -1,0 +1,61 @@
+"""benchmarks/serving.py's in-server view: the means it reads from a real server's own histograms.
+
+The benchmark splits a single-token call's time with the server's ``grpc_server_handling_seconds``
+(per method) and ``expertd_compute_duration_seconds`` (its Forward steps); here a real server
+answers a known number of Forward and health Check calls and the means must count exactly those.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+from service_support import server_config
+
+from expertd.client import ExpertClient
+from expertd.server.app import create_server
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def serving_benchmark():
+    spec = importlib.util.spec_from_file_location("serving_benchmark", ROOT / "benchmarks" / "serving.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_in_server_means_count_the_calls_between_two_readings(tmp_path_factory):
+    serving = serving_benchmark()
+    registry = CollectorRegistry()
+    handle = create_server(server_config(tmp_path_factory), registry=registry)
+    try:
+        handle.wait_ready(timeout=300)
+        target = f"127.0.0.1:{handle.port}"
+        hidden = handle.engine.layers[0].cfg.hidden_size
+        with ExpertClient(target) as client, grpc.insecure_channel(target) as channel:
+            client.forward(np.ones((1, hidden), np.float32), layer=handle.engine.layers[0].index)  # not counted
+            before = serving.server_totals(registry)
+            for _ in range(3):
+                client.forward(np.ones((1, hidden), np.float32), layer=handle.engine.layers[0].index)
+            check = health_pb2_grpc.HealthStub(channel).Check
+            for _ in range(2):
+                check(health_pb2.HealthCheckRequest())
+            after = serving.server_totals(registry)
+    finally:
+        handle.stop(grace=5)
+
+    def calls(key):
+        return after[key][1] - before.get(key, (0.0, 0.0))[1]
+
+    assert (calls("Forward"), calls("step"), calls("Check")) == (3, 3, 2)  # one lone call, one step
+    forward, check = serving.server_means(before, after, "Forward"), serving.server_means(before, after, "Check")
+    assert 0 < forward["server_step_ms_mean"] < forward["server_handling_ms_mean"]
+    assert check["server_handling_ms_mean"] > 0 and "server_step_ms_mean" not in check
+    assert serving.server_means(after, after, "Forward") == {"server_handling_ms_mean": None,
+                                                             "server_step_ms_mean": None}
