@@ -160,14 +160,13 @@ class ServerHandle:
         return self._parts.batcher
 
     def security_summary(self) -> str:
-        """``security: TLS on, mTLS off, auth on (...); metrics: https://...:8002/metrics (TLS on,
-        auth off)``: what the start-up log states."""
-        config = self.config
-        metrics = (f"metrics: {self.metrics_url} (TLS {'on' if config.metrics_tls else 'off'}, "
-                   f"auth {'on' if config.metrics_auth else 'off'}")
-        if config.metrics_host is None and config.security.auth_enabled and not config.metrics_auth:
-            metrics += "; loopback only: auth is on and --metrics-auth is not, give --metrics-host to change"
-        return f"security: {self.credentials.describe()}; {metrics})"
+        """What the start-up log states of security (``app.security_summary``)."""
+        return security_summary(self.config, self.credentials, self.metrics_url)
+
+    def listening_summary(self) -> str:
+        """``gRPC listening on 127.0.0.1:8001 (TLS), event loop uvloop 0.23.0``: what ``expertd serve`` says."""
+        return (f"gRPC listening on {self.config.host}:{self.port}" + (" (TLS)" if self.credentials.tls else "")
+                + f", event loop {self.event_loop}")
 
     # -- server thread --------------------------------------------------------------------------
     def _start(self) -> None:
@@ -232,13 +231,12 @@ class ServerHandle:
             enable_reflection(registrar, (*services, HEALTH_SERVICE))
         address = f"{config.host}:{config.port}"
         try:
-            self.port = server.add_secure_port(address, _server_credentials(credentials.tls)) if credentials.tls \
+            self.port = server.add_secure_port(address, grpc_server_credentials(credentials.tls)) if credentials.tls \
                 else server.add_insecure_port(address)
         except RuntimeError:  # gRPC's "Failed to bind", without the reason
             raise listen.bind_error(address, "--host, --port", "the address is in use or not on this host") from None
         await server.start()
-        endpoint = MetricsEndpoint(self.registry, token=credentials.token if config.metrics_auth else None,
-                                   ssl_context=credentials.tls.server_context() if config.metrics_tls else None)
+        endpoint = metrics_endpoint(config, credentials, self.registry)
         try:
             self.metrics_port = await endpoint.start(config.metrics_bind_host, config.metrics_port)
         except OSError as exc:
@@ -246,9 +244,7 @@ class ServerHandle:
             await endpoint.close()
             raise listen.bind_error(f"{config.metrics_bind_host}:{config.metrics_port}", "--metrics-host, "
                                     "--metrics-port", exc.strerror or str(exc)) from exc
-        host = config.metrics_bind_host
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        self.metrics_url = f"{endpoint.scheme}://{host}:{self.metrics_port}/metrics"
+        self.metrics_url = metrics_url(config, endpoint)
         return _Parts(asyncio.get_running_loop(), server, health, streams, batcher, tuple(services), endpoint)
 
     async def _warm_up(self) -> None:
@@ -341,7 +337,31 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     return handle
 
 
-def _server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
+def security_summary(config: ServerConfig, credentials: Credentials, metrics_url: str) -> str:
+    """``security: TLS on, mTLS off, auth on (...); metrics: https://...:8002/metrics (TLS on,
+    auth off)``: what the start-up log of a server (or a multi-host follower) states."""
+    metrics = (f"metrics: {metrics_url} (TLS {'on' if config.metrics_tls else 'off'}, "
+               f"auth {'on' if config.metrics_auth else 'off'}")
+    if config.metrics_host is None and config.security.auth_enabled and not config.metrics_auth:
+        metrics += "; loopback only: auth is on and --metrics-auth is not, give --metrics-host to change"
+    return f"security: {credentials.describe()}; {metrics})"
+
+
+def metrics_endpoint(config: ServerConfig, credentials: Credentials, registry: CollectorRegistry) -> MetricsEndpoint:
+    """The metrics endpoint ``config`` asks for: the token with ``--metrics-auth``, TLS with
+    ``--metrics-tls`` (start it at ``config.metrics_bind_host``)."""
+    return MetricsEndpoint(registry, token=credentials.token if config.metrics_auth else None,
+                           ssl_context=credentials.tls.server_context() if config.metrics_tls else None)
+
+
+def metrics_url(config: ServerConfig, endpoint: MetricsEndpoint) -> str:
+    """``http(s)://host:port/metrics`` of a started ``endpoint`` (IPv6 hosts in brackets)."""
+    host = config.metrics_bind_host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{endpoint.scheme}://{host}:{endpoint.port}/metrics"
+
+
+def grpc_server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
     """The gRPC port's TLS (mutual when a client CA was given) from the material read at start."""
     return grpc.ssl_server_credentials([(tls.private_key, tls.certificate_chain)], root_certificates=tls.client_ca,
                                        require_client_auth=tls.mutual)

@@ -84,8 +84,6 @@ def serve(argv: list[str]) -> int:
     from expertd.server import app, multihost, startup
     from expertd.server.checkpoint import CheckpointRefused  # as above: it loads JAX
 
-    if config.multihost.enabled:  # one process of a multi-host group (docs/deploy.md)
-        return multihost.serve(config)
     try:  # config.json and headers only: a checkpoint expertd does not serve is refused before loading
         dtype, why = startup.serving_dtype(config.model)
     except CheckpointRefused as exc:
@@ -95,15 +93,15 @@ def serve(argv: list[str]) -> int:
         say(f"error: {exc}")
         return 1
     say(f"loading {config.model.name} in {dtype} ({why})")
+    if config.multihost.enabled:  # one process of a multi-host group (docs/deploy.md)
+        return multihost.serve(config)
     started = time.perf_counter()
     try:
         handle = app.create_server(config, progress=print_progress)
     except (ValueError, OSError) as exc:
         say(f"error: {exc}")
         return 1
-    host = config.host
-    say(f"gRPC listening on {host}:{handle.port}" + (" (TLS)" if config.security.tls_cert else "")
-        + f", event loop {handle.event_loop}")
+    say(handle.listening_summary())
     say(f"metrics on {handle.metrics_url}")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: handle.request_stop())

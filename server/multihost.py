@@ -38,6 +38,7 @@ import time
 import jax
 import numpy as np
 
+from expertd.server import listen
 from expertd.server.app import create_server
 from expertd.server.config import MultihostConfig, ServerConfig
 from expertd.server.console import print_progress, say
@@ -108,18 +109,37 @@ def follow(engine, channel: FollowerChannel, metrics=None) -> None:
 # ---------------------------------------------------------------------- expertd serve
 
 def serve(config: ServerConfig) -> int:
-    """`expertd serve` as process `config.multihost.process_id` of a group; returns the exit status."""
+    """`expertd serve` as process `config.multihost.process_id` of a group; returns the exit status.
+    A port another process listens on is refused in one line (status 1) before the group is joined;
+    a bad setting or a port taken later, in one line after."""
     group = config.multihost
+    try:
+        check_ports(config)
+    except OSError as exc:
+        say(f"error: {exc}")
+        return 1
     initialize(group)
     lost = threading.Event()
     try:
         code = (_serve_leader if group.is_leader else _serve_follower)(config, group, lost)
+    except (ValueError, OSError) as exc:  # a bad setting, a port taken since the check: the cause alone
+        say(f"error: {exc}")
+        _exit_now(1)
     except Exception:  # noqa: BLE001 - JAX's exit hooks would wait for the others: leave at once
         log.exception("multi-host: process %d failed", group.process_id)
         _exit_now(1)
     if lost.is_set():
         _exit_now(EXIT_PEER_LOST)
     return code
+
+
+def check_ports(config: ServerConfig) -> None:
+    """OSError naming the flag when another process listens on a port this process would bind:
+    gRPC and metrics, and the leader's batch channel."""
+    listen.check_free(config.host, config.port, "--port")
+    listen.check_free(config.metrics_bind_host, config.metrics_port, "--metrics-port")
+    if config.multihost.is_leader:
+        listen.check_free(config.host, config.multihost.channel_port, "--multihost-port")
 
 
 def _serve_leader(config: ServerConfig, group: MultihostConfig, lost: threading.Event) -> int:
@@ -136,7 +156,7 @@ def _serve_leader(config: ServerConfig, group: MultihostConfig, lost: threading.
     # readiness means "the group is whole": after warm-up, wait for every follower to connect
     handle = create_server(config, progress=print_progress, step_runner=lambda engine: LeaderEngine(engine, channel),
                            on_warm=lambda: channel.accept(group.join_timeout_s))
-    say(f"gRPC listening on {config.host}:{handle.port}")
+    say(handle.listening_summary())
     say(f"metrics on {handle.metrics_url}")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: handle.request_stop())
@@ -158,8 +178,9 @@ def _serve_leader(config: ServerConfig, group: MultihostConfig, lost: threading.
 
 def _serve_follower(config: ServerConfig, group: MultihostConfig, lost: threading.Event) -> int:
     server = FollowerServer(config)
-    say(f"multi-host follower {group.process_id}: health on {config.host}:{server.port}, "
-         f"metrics on http://{config.host}:{server.metrics_port}/metrics")
+    say(f"multi-host follower {group.process_id}: health on {config.host}:{server.port}"
+        + (" (TLS)" if server.tls else "") + f", metrics on {server.metrics_url}")
+    log.info("%s", server.security)
 
     def on_lost(reason: str) -> None:
         server.mark_lost()

@@ -5,17 +5,25 @@ so the same global mesh) and runs the steps the leader sends (`expertd.server.mu
 It answers health on the gRPC port with the leader's service names ("", "liveness",
 "readiness"; Kubernetes probes are the same for every pod of a group) and exports the metrics
 that make sense without a front end: readiness, build info, compilations, steps and step time.
+
+Its listeners follow the leader's security settings: health over TLS with `--tls-cert` (mutual
+with `--tls-client-ca`), metrics at `--metrics-host` (loopback when auth is on and
+`--metrics-auth` is not) behind the token with `--metrics-auth` and TLS with `--metrics-tls`,
+served by the leader's endpoint (`expertd.server.metrics_http`) on an event loop of its own.
+Both ports are checked before the model loads (`expertd.server.listen`).
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import threading
 
 import grpc
 import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
-from expertd.server import startup
+from expertd.server import app, listen, startup
 from expertd.server.app import PROBE_SERVICES
 from expertd.server.config import ServerConfig
 from expertd.server.metrics import Metrics
@@ -28,27 +36,56 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class FollowerServer:
     """Loads the model and starts health + metrics at once (readiness NOT_SERVING until `set_ready`).
 
-    Attributes: `engine`, `metrics`, `port` (gRPC health) and `metrics_port`, as bound.
+    Raises ValueError for a bad security setting and OSError naming the flag for a port another
+    process listens on, both before the model loads.
+
+    Attributes: `engine`, `metrics`, `port` (gRPC health), `metrics_port` and `metrics_url`, as bound;
+    `security` (the start-up line, as the leader's `ServerHandle.security_summary`).
     """
 
     def __init__(self, config: ServerConfig):
         disable_created_metrics()
+        credentials = config.security.credentials()  # ValueError naming a bad option: fail closed
+        listen.check_free(config.host, config.port, "--port")
+        listen.check_free(config.metrics_bind_host, config.metrics_port, "--metrics-port")
         self.engine = startup.build(config).engine
         self.metrics = Metrics(CollectorRegistry(), token_buckets=self.engine.buckets)
         self.metrics.set_build_info(version=VERSION, jax_version=jax.__version__, grpc_version=grpc.__version__,
                                     platform=self.engine.platform)
         self.metrics.set_ready(False)
         self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
-        host = config.host.strip("[]")
-        self._httpd, _ = start_http_server(config.metrics_port, addr=host, registry=self.metrics.registry)
-        self.metrics_port = self._httpd.server_port
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="expertd-follower-metrics", daemon=True).start()
+        self._endpoint = app.metrics_endpoint(config, credentials, self.metrics.registry)
+        try:
+            self.metrics_port = self._on_loop(self._endpoint.start(config.metrics_bind_host, config.metrics_port))
+        except OSError as exc:
+            self._close_loop()
+            raise listen.bind_error(f"{config.metrics_bind_host}:{config.metrics_port}", "--metrics-host, "
+                                    "--metrics-port", exc.strerror or str(exc)) from exc
+        self.metrics_url = app.metrics_url(config, self._endpoint)
         self._health = health.HealthServicer()
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="expertd-health"))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        try:
+            self.port = self._server.add_secure_port(address, app.grpc_server_credentials(credentials.tls)) \
+                if credentials.tls else self._server.add_insecure_port(address)
+        except RuntimeError:  # gRPC's "Failed to bind", without the reason
+            self._close_loop()
+            raise listen.bind_error(address, "--host, --port", "the address is in use or not on this host") from None
+        self.tls = credentials.tls is not None
+        self.security = app.security_summary(config, credentials, self.metrics_url)
         self.set_ready(False)
         self._health.set("liveness", SERVING)
         self._server.start()
+
+    def _on_loop(self, coroutine, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def _close_loop(self) -> None:
+        self._on_loop(self._endpoint.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
     def set_ready(self, ready: bool) -> None:
         """Health "" and "readiness" (and the ready gauge) follow `ready`; "liveness" stays SERVING."""
@@ -65,5 +102,4 @@ class FollowerServer:
     def stop(self) -> None:
         self._health.enter_graceful_shutdown()
         self._server.stop(0)
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._close_loop()
