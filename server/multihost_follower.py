@@ -55,7 +55,9 @@ class FollowerServer:
         self.metrics.set_ready(False)
         self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
         self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="expertd-follower-metrics", daemon=True).start()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="expertd-follower-metrics",
+                                             daemon=True)
+        self._loop_thread.start()
         self._endpoint = app.metrics_endpoint(config, credentials, self.metrics.registry)
         try:
             self.metrics_port = self._on_loop(self._endpoint.start(config.metrics_bind_host, config.metrics_port))
@@ -84,8 +86,11 @@ class FollowerServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def _close_loop(self) -> None:
+        """Close the metrics endpoint, then its event loop and thread."""
         self._on_loop(self._endpoint.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(10)
+        self._loop.close()
 
     def set_ready(self, ready: bool) -> None:
         """Health "" and "readiness" (and the ready gauge) follow `ready`; "liveness" stays SERVING."""
