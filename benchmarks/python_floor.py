@@ -1,0 +1,274 @@
+"""The thin hop's floor in Python: expertd's server against the least a Python gRPC tensor handler does.
+
+Issue 26's thin-hop goals compare a single-token Forward with a bare ``grpc.health.v1`` Check on
+the same server: Forward p50 minus the step's over the Check p50 (goal <= 1.3) and 64 callers'
+Forward requests/s over their Check requests/s (goal >= 0.85). This runs the same two ratios
+against three servers, each in its own process, all on grpc.aio with uvloop and the same engine
+(serving.py's ``tiny`` layer, fp32, buckets 1/16/64/256):
+
+- ``expertd``: the real server (``create_server``, default settings).
+- ``bare``: a Forward handler that only decodes the tensor, checks it for NaN / Inf, runs the
+  engine step inline on the event loop and encodes the answer: no admission, batching, metrics,
+  interceptors, auth or error mapping.
+- ``bare-batched``: the same, with the requests of one loop turn merged into one inline step.
+
+Load: one process per measurement, C callers on one channel sending a prepared request (a raw stub
+for Forward, so no client library's cost is in it), warm-up then ``--duration`` s. Servers and
+rounds alternate; the table gives each server's range over ``--rounds``.
+
+    flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/python_floor.py [--rounds 3] [--duration 4]
+
+JSON in benchmarks/results/python_floor.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "python_floor.json"
+BUCKETS = (1, 16, 64, 256)
+SERVERS = ("expertd", "bare", "bare-batched")
+
+
+# ---------------------------------------------------------------------- the servers
+
+def _engine():
+    """serving.py's ``tiny`` layer on one CPU device, every bucket compiled."""
+    import numpy as np
+
+    from expertd.server.model import load_preset
+    from expertd.server.startup import build_engine
+
+    engine = build_engine(load_preset("tiny", num_layers=1, dtype="float32"), buckets=BUCKETS, dtype="float32",
+                          devices=1).engine
+    hidden = engine.layers[0].cfg.hidden_size
+    for bucket in BUCKETS:
+        engine.forward(0, np.zeros((bucket, hidden), np.float32), 1)
+    return engine, hidden
+
+
+async def _serve_bare(port: int, batched: bool) -> None:
+    import grpc
+    import numpy as np
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from expertd.client import codec
+    from expertd.client.pb.v1 import expert_pb2
+    from expertd.server.steps import pad_rows
+
+    engine, hidden = _engine()
+    pending: list[tuple[np.ndarray, asyncio.Future]] = []
+    wakeup = asyncio.Event()
+
+    def step(rows_list: list[np.ndarray]) -> np.ndarray:
+        rows = sum(len(x) for x in rows_list)
+        bucket = next(b for b in BUCKETS if b >= rows)
+        return np.asarray(engine.forward(0, pad_rows(rows_list, bucket), rows).output)
+
+    async def merge() -> None:  # bare-batched: one inline step for the requests of one loop turn
+        while True:
+            await wakeup.wait()
+            wakeup.clear()
+            await asyncio.sleep(0)
+            while pending:
+                batch, rows = [], 0
+                while pending and rows + len(pending[0][0]) <= BUCKETS[-1]:
+                    batch.append(pending.pop(0))
+                    rows += len(batch[-1][0])
+                output, start = step([x for x, _ in batch]), 0
+                for x, future in batch:
+                    future.set_result(output[start:start + len(x)])
+                    start += len(x)
+
+    async def forward(request, context):
+        x = np.frombuffer(request.hidden_states.data, np.float32).reshape(-1, hidden)
+        if not np.isfinite(x).all():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hidden_states contains NaN or Inf")
+        if batched:
+            future = asyncio.get_running_loop().create_future()
+            pending.append((x, future))
+            wakeup.set()
+            y = await future
+        else:
+            y = step([x])
+        return expert_pb2.ForwardResponse(request_id=request.request_id, output=codec.encode(y))
+
+    merger = asyncio.ensure_future(merge()) if batched else None
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("expertd.v1.ExpertService", {
+        "Forward": grpc.unary_unary_rpc_method_handler(
+            forward, request_deserializer=expert_pb2.ForwardRequest.FromString,
+            response_serializer=expert_pb2.ForwardResponse.SerializeToString)}),))
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("ready", flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        if merger is not None:
+            merger.cancel()
+
+
+def _serve_expertd(port: int) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from expertd.server.app import create_server
+    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
+    from expertd.server.model import load_preset
+
+    config = ServerConfig(host="127.0.0.1", port=port, metrics_port=0, model=ModelConfig(dtype="float32",
+                                                                                          num_devices=1),
+                          batching=BatchingConfig(bucket_sizes=BUCKETS))
+    server = create_server(config, registry=CollectorRegistry(), layers=load_preset("tiny", num_layers=1,
+                                                                                    dtype="float32"))
+    server.wait_ready(timeout=600)
+    print("ready", flush=True)
+    server.wait()
+
+
+def serve(kind: str, port: int) -> None:
+    """Run server ``kind`` on ``port`` until killed (the ``--serve`` entry point)."""
+    if kind == "expertd":
+        _serve_expertd(port)
+        return
+    import uvloop
+
+    uvloop.run(_serve_bare(port, batched=kind == "bare-batched"))
+
+
+# ---------------------------------------------------------------------- the load
+
+async def _load(target: str, method: str, concurrency: int, warmup: float, duration: float) -> dict:
+    import grpc
+    import numpy as np
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from expertd.client import codec
+    from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        if method == "Check":
+            call, request = health_pb2_grpc.HealthStub(channel).Check, health_pb2.HealthCheckRequest()
+        else:
+            call = expert_pb2_grpc.ExpertServiceStub(channel).Forward
+            request = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(np.ones((1, 64), np.float32)))
+        start = time.perf_counter()
+        measured_from, stop = start + warmup, start + warmup + duration
+        latencies: list[float] = []
+
+        async def caller() -> None:
+            while (now := time.perf_counter()) < stop:
+                await call(request)
+                if now >= measured_from:
+                    latencies.append(time.perf_counter() - now)
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    latencies.sort()
+    return {"requests_per_s": len(latencies) / duration, "p50_ms": latencies[len(latencies) // 2] * 1e3}
+
+
+def measure(port: int, method: str, concurrency: int, duration: float) -> dict:
+    """``_load`` in its own process (its CPU is not the server's)."""
+    out = subprocess.run([sys.executable, __file__, "--load", f"127.0.0.1:{port}", method, str(concurrency),
+                          str(duration)], check=True, capture_output=True, text=True, timeout=duration + 120).stdout
+    return json.loads(out)
+
+
+def in_process_step_ms(duration: float = 2.0) -> float:
+    """The single-token step's p50 back to back in-process (what the hop subtracts)."""
+    import numpy as np
+
+    from expertd.server.steps import pad_rows
+
+    engine, hidden = _engine()
+    x = np.ones((1, hidden), np.float32)
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < duration:
+        t0 = time.perf_counter()
+        engine.forward(0, pad_rows([x], 1), 1)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+# ---------------------------------------------------------------------- the run
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_server(kind: str, duration: float, step_ms: float) -> dict:
+    """One round against a fresh server of ``kind``: Check and Forward at 1 and 64 callers."""
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        if process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the {kind} server did not start")
+        row = {"server": kind}
+        for method in ("Check", "Forward"):
+            for concurrency in (1, 64):
+                row[f"{method}_{concurrency}"] = measure(port, method, concurrency, duration)
+    finally:
+        process.kill()
+        process.wait(30)
+    row["hop_over_check"] = (row["Forward_1"]["p50_ms"] - step_ms) / row["Check_1"]["p50_ms"]
+    row["throughput_over_check"] = row["Forward_64"]["requests_per_s"] / row["Check_64"]["requests_per_s"]
+    return row
+
+
+def _range(values) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds measured per load (after 1 s warm-up)")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    step_ms = in_process_step_ms()
+    print(f"in-process single-token step p50 {step_ms:.3f} ms", flush=True)
+    rows = []
+    for round_index in range(args.rounds):
+        for kind in SERVERS:
+            row = run_server(kind, args.duration, step_ms) | {"round": round_index}
+            rows.append(row)
+            print(f"round {round_index} {kind:>12}: Check p50 {row['Check_1']['p50_ms']:.3f} ms, Forward p50 "
+                  f"{row['Forward_1']['p50_ms']:.3f} ms: hop / Check {row['hop_over_check']:.2f}; 64 callers "
+                  f"{row['Forward_64']['requests_per_s']:.0f} / {row['Check_64']['requests_per_s']:.0f} req/s: "
+                  f"{row['throughput_over_check']:.2f}", flush=True)
+    print(f"\n{'server':>12} | hop / Check (goal <= 1.3) | 64 callers Forward / Check (goal >= 0.85)")
+    for kind in SERVERS:
+        mine = [r for r in rows if r["server"] == kind]
+        print(f"{kind:>12} | {_range([r['hop_over_check'] for r in mine]):>25} | "
+              f"{_range([r['throughput_over_check'] for r in mine])}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "python_floor", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
+        "duration_s": args.duration, "in_process_step_p50_ms": step_ms, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        serve(sys.argv[2], int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--load":
+        target, method, concurrency, duration = sys.argv[2:6]
+        print(json.dumps(asyncio.run(_load(target, method, int(concurrency), 1.0, float(duration)))))
+    else:
+        sys.exit(main())
