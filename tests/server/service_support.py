@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import pathlib
 import re
+import socket
 import subprocess
 import time
 import urllib.request
@@ -154,6 +155,16 @@ def make_pki(directory: pathlib.Path) -> Pki:
             "-days", "1", "-out", f"{name}.pem", *extra)
     return Pki(directory / "ca.pem", directory / "server.pem", directory / "server.key", directory / "client.pem",
                directory / "client.key", directory / "other-ca.pem")
+
+
+@contextlib.contextmanager
+def held_port(host: str = "127.0.0.1", family=socket.AF_INET):
+    """Another process's listener, as far as a server can tell: a listening socket on a free port
+    (yields the port)."""
+    with socket.socket(family, socket.SOCK_STREAM) as held:
+        held.bind((host, 0))
+        held.listen()
+        yield held.getsockname()[1]
 
 
 def poll(condition, timeout: float = 60.0) -> None:

@@ -5,18 +5,20 @@ settings (health over TLS, metrics at --metrics-host behind TLS and the token), 
 The followers here are built in this process (`FollowerServer`, one CPU device, no group joined):
 their listeners are what is tested; the group itself is tests/server/test_multihost_processes.py's.
 """
-import contextlib
 import dataclasses
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_support import make_pki, server_config
+from service_support import held_port, make_pki, server_config
 
 from expertd.server.config import ModelConfig, SecurityConfig
 from expertd.server.multihost_follower import FollowerServer
@@ -28,15 +30,6 @@ ONE_LAYER = ModelConfig(preset="tiny", num_layers=1, dtype="float32", num_device
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@contextlib.contextmanager
-def _listening():
-    """Another process's listener, as far as the server can tell: a socket on a free port."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        yield held.getsockname()[1]
 
 
 def _free_port() -> int:
@@ -59,7 +52,7 @@ def _serve_in_group(process_id: int, *flags: str, model=("--preset", "tiny", "--
 @pytest.mark.parametrize("process_id, flag", [(0, "--port"), (0, "--metrics-port"), (0, "--multihost-port"),
                                               (1, "--port"), (1, "--metrics-port")])
 def test_a_taken_port_is_refused_in_one_line_before_joining_the_group(process_id, flag):
-    with _listening() as port:
+    with held_port() as port:
         ports = {"--port": "0", "--metrics-port": "0", "--multihost-port": str(_free_port()), flag: str(port)}
         done = _serve_in_group(process_id, *(item for pair in ports.items() for item in pair))
     output = done.stdout + done.stderr
@@ -81,17 +74,13 @@ def test_a_follower_refuses_a_taken_port_before_loading_its_model(tmp_path_facto
     missing = ModelConfig(checkpoint=str(tmp_path_factory.mktemp("none") / "absent"), dtype="float32",
                           num_devices=1)  # building it would fail with ValueError: the ports are checked first
     for field, flag in (("port", "--port"), ("metrics_port", "--metrics-port")):
-        with _listening() as port:
+        with held_port() as port:
             config = dataclasses.replace(server_config(tmp_path_factory, model=missing), **{field: port})
             with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} \\({flag}\\)"):
                 FollowerServer(config)
 
 
 def _https(url: str, pki, token: str | None = None) -> int:
-    import ssl
-    import urllib.error
-    import urllib.request
-
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=str(pki.ca)),
@@ -138,7 +127,6 @@ def test_a_follower_with_auth_keeps_unauthenticated_metrics_on_loopback(tmp_path
         assert follower.metrics_url == f"http://127.0.0.1:{follower.metrics_port}/metrics"
         assert follower.security.endswith("(TLS off, auth off; loopback only: auth is on and --metrics-auth is not, "
                                           "give --metrics-host to change)")
-        import urllib.request
         with urllib.request.urlopen(follower.metrics_url, timeout=10) as reply:
             assert "expertd_model_ready 0.0" in reply.read().decode()
     finally:
