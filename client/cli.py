@@ -72,6 +72,11 @@ def _connection_arguments(parser: argparse.ArgumentParser, *, json_flag: bool = 
     group.add_argument("--timeout", type=float, default=30.0, help="deadline of each call in seconds (default 30)")
     group.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-cert)")
     group.add_argument("--ca-cert", help="PEM file of the CA that signed the server certificate (implies --tls)")
+    group.add_argument("--client-cert", help="PEM certificate chain of this client, for a server that requires "
+                                             "mutual TLS (with --client-key; implies --tls)")
+    group.add_argument("--client-key", help="PEM private key of --client-cert")
+    group.add_argument("--server-name", help="the name the server's certificate must hold, when it is not the "
+                                             "target's host (e.g. probing localhost:8001 in a pod; implies --tls)")
     group.add_argument("--token", default=os.environ.get("EXPERTD_TOKEN"),
                        help="bearer token (default: $EXPERTD_TOKEN)")
     if json_flag:
@@ -79,8 +84,12 @@ def _connection_arguments(parser: argparse.ArgumentParser, *, json_flag: bool = 
 
 
 def _tls(args) -> bool | TlsOptions:
-    if args.ca_cert:
-        return TlsOptions(root_certificates=args.ca_cert)
+    """The channel's TLS from the connection flags (ValueError naming them when half of a pair is given)."""
+    if (args.client_cert is None) != (args.client_key is None):
+        raise ValueError("--client-cert and --client-key go together (mutual TLS)")
+    if args.ca_cert or args.client_cert or args.server_name:
+        return TlsOptions(root_certificates=args.ca_cert, client_certificate=args.client_cert,
+                          client_key=args.client_key, server_name=args.server_name)
     return bool(args.tls)
 
 

@@ -156,3 +156,22 @@ def test_metrics_with_mutual_tls_need_a_client_certificate(mtls_server, pki):
     assert status == 200 and "expertd_build_info" in body
     with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
         https_scrape(mtls_server.metrics_url, pki)
+
+
+def test_expertd_health_probes_a_mutual_tls_server_with_a_client_certificate(mtls_server, pki, capsys):
+    """What an exec probe runs in a pod with mutual TLS: `expertd health` with the CA, this client's
+    certificate and the name the server's certificate holds."""
+    from expertd.client import cli
+
+    base = ["health", "--target", f"127.0.0.1:{mtls_server.port}", "--ca-cert", str(pki.ca), "--service",
+            "readiness", "--timeout", "10"]
+    client_pair = ["--client-cert", str(pki.client_cert), "--client-key", str(pki.client_key)]
+    code = cli.main([*base, *client_pair, "--server-name", "localhost"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_OK and "SERVING" in out, err
+    assert cli.main(base) == cli.EXIT_UNAVAILABLE  # no client certificate: the handshake fails
+    assert cli.main([*base, *client_pair, "--server-name", "wrong.example"]) == cli.EXIT_UNAVAILABLE
+    capsys.readouterr()
+    code = cli.main([*base, "--client-cert", str(pki.client_cert)])
+    _, err = capsys.readouterr()
+    assert code == cli.EXIT_INVALID_ARGUMENT and "--client-cert and --client-key go together" in err
