@@ -19,7 +19,6 @@ from grpc_health.v1 import health_pb2
 
 from expertd.client import errors, messages
 from expertd.client.channel import (
-    CLIENT_RETRIED,
     DEFAULT_BACKOFF,
     DEFAULT_MAX_MESSAGE_BYTES,
     Backoff,
@@ -194,7 +193,5 @@ class AsyncExpertClient(ClientBase):
                     self._answered(error)
                 if error is None:
                     return response
-            if error.code not in CLIENT_RETRIED or attempt >= retries:  # UNAVAILABLE: gRPC retried it
-                raise error
-            await asyncio.sleep(self._backoff.delay(attempt, error.retry_delay))
+            await asyncio.sleep(self._retry_delay(error, attempt, retries))
             attempt += 1

@@ -332,6 +332,14 @@ class ClientBase:
             return None
         return None if self._throttle.allow() else self._throttle.refusal()
 
+    def _retry_delay(self, error: errors.ExpertError, attempt: int, retries: int) -> float:
+        """Seconds to wait before attempt ``attempt + 1`` of a unary call whose attempt failed with
+        ``error``; raises ``error`` when it is not retried here (only CLIENT_RETRIED codes, at most
+        ``retries`` times: gRPC's retry policy already retried UNAVAILABLE)."""
+        if error.code not in CLIENT_RETRIED or attempt >= retries:
+            raise error
+        return self._backoff.delay(attempt, error.retry_delay)
+
     def _answered(self, error: errors.ExpertError | None) -> None:
         """Count a throttled call's attempt the server answered (``error`` None: OK)."""
         if error is not None and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
