@@ -1,4 +1,5 @@
-"""The thin hop's floor in Python: expertd's server against the least a Python gRPC tensor handler does.
+"""The thin hop's floor in Python: expertd's server against the least a Python gRPC tensor handler does,
+and against a native front end.
 
 Issue 26's thin-hop goals compare a single-token Forward with a bare ``grpc.health.v1`` Check on
 the same server: Forward p50 minus the step's over the Check p50 (goal <= 1.3) and 64 callers'
@@ -11,6 +12,11 @@ against three servers, each in its own process, all on grpc.aio with uvloop and 
   engine step inline on the event loop and encodes the answer: no admission, batching, metrics,
   interceptors, auth or error mapping.
 - ``bare-batched``: the same, with the requests of one loop turn merged into one inline step.
+- ``native``: no Python handler at all: gRPC C++ (its callback API and default health service)
+  checks each Forward and queues it; one Python thread takes what is queued as one batch, runs the
+  step and hands the output back (``benchmarks/native_front/front.cc``, built here on first use
+  with Debian's ``libgrpc++-dev`` and ``protobuf-compiler-grpc``; left out, with the reason, where
+  they are missing). What moving the tensor methods' per-call work out of Python would give.
 
 Load: one process per measurement, C callers on one channel sending a prepared request (a raw stub
 for Forward, so no client library's cost is in it), warm-up then ``--duration`` s. Servers and
@@ -36,7 +42,9 @@ import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "python_floor.json"
 BUCKETS = (1, 16, 64, 256)
-SERVERS = ("expertd", "bare", "bare-batched")
+SERVERS = ("expertd", "bare", "bare-batched", "native")
+NATIVE_SOURCE = pathlib.Path(__file__).resolve().parent / "native_front" / "front.cc"
+PROTO_ROOT = pathlib.Path(__file__).resolve().parents[1] / "proto"
 
 
 # ---------------------------------------------------------------------- the servers
@@ -136,10 +144,80 @@ def _serve_expertd(port: int) -> None:
     server.wait()
 
 
+class NativeUnavailable(RuntimeError):
+    """The native front end cannot be built here (the message says what is missing)."""
+
+
+def build_native() -> pathlib.Path:
+    """The native front end's extension module, built on first use into
+    ``~/.cache/expertd/native_front/<source hash>/`` (protoc, grpc_cpp_plugin, g++ and pkg-config's
+    grpc++ and protobuf). Raises NativeUnavailable naming what is missing."""
+    import hashlib
+    import shutil
+    import sysconfig
+
+    proto = PROTO_ROOT / "expertd" / "v1" / "expert.proto"
+    digest = hashlib.sha256(NATIVE_SOURCE.read_bytes() + proto.read_bytes()).hexdigest()[:16]
+    out = pathlib.Path(os.path.expanduser("~/.cache/expertd/native_front")) / digest
+    module = out / ("expertd_native_front" + sysconfig.get_config_var("EXT_SUFFIX"))
+    if module.exists():
+        return module
+    tools = {name: shutil.which(name) for name in ("protoc", "grpc_cpp_plugin", "pkg-config", "g++")}
+    if missing := [name for name, path in tools.items() if path is None]:
+        raise NativeUnavailable(f"{', '.join(missing)} not found (Debian: libgrpc++-dev protobuf-compiler-grpc)")
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++", "protobuf"], capture_output=True, text=True)
+    if flags.returncode != 0:
+        raise NativeUnavailable(f"pkg-config: {flags.stderr.strip()}")
+    generated = out / "gen"
+    generated.mkdir(parents=True, exist_ok=True)
+    protoc = subprocess.run([tools["protoc"], f"-I{PROTO_ROOT}", f"--cpp_out={generated}", f"--grpc_out={generated}",
+                             f"--plugin=protoc-gen-grpc={tools['grpc_cpp_plugin']}", "expertd/v1/expert.proto"],
+                            capture_output=True, text=True)
+    if protoc.returncode != 0:
+        raise NativeUnavailable(f"protoc failed: {protoc.stderr.strip()}")
+    sources = [NATIVE_SOURCE, generated / "expertd/v1/expert.pb.cc", generated / "expertd/v1/expert.grpc.pb.cc"]
+    partial = module.with_suffix(".partial")
+    built = subprocess.run([tools["g++"], "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{generated}",
+                            f"-I{sysconfig.get_paths()['include']}", *map(str, sources), "-o", str(partial),
+                            *flags.stdout.split()], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise NativeUnavailable(f"g++ failed: {built.stderr.strip()[-2000:]}")
+    partial.rename(module)
+    return module
+
+
+def _serve_native(port: int) -> None:
+    import importlib.machinery
+    import importlib.util
+
+    import numpy as np
+
+    from expertd.server.steps import pad_rows
+
+    path = str(build_native())
+    spec = importlib.util.spec_from_file_location("expertd_native_front", path,
+                                                  loader=importlib.machinery.ExtensionFileLoader(
+                                                      "expertd_native_front", path))
+    front = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(front)
+    engine, hidden = _engine()
+    front.start(f"127.0.0.1:{port}", hidden, BUCKETS[-1])
+    print("ready", flush=True)
+    while True:
+        rows_bytes = front.take()
+        x = np.frombuffer(rows_bytes, np.float32).reshape(-1, hidden)
+        bucket = next(b for b in BUCKETS if b >= len(x))
+        output = np.asarray(engine.forward(0, pad_rows([x], bucket), len(x)).output)
+        front.finish(np.ascontiguousarray(output[:len(x)], np.float32))
+
+
 def serve(kind: str, port: int) -> None:
     """Run server ``kind`` on ``port`` until killed (the ``--serve`` entry point)."""
     if kind == "expertd":
         _serve_expertd(port)
+        return
+    if kind == "native":
+        _serve_native(port)
         return
     import uvloop
 
@@ -228,38 +306,56 @@ def run_server(kind: str, duration: float, step_ms: float) -> dict:
     return row
 
 
-def _range(values) -> str:
-    low, high = min(values), max(values)
-    return f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}"
+def _range(values, digits: int = 2) -> str:
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return low if low == high else f"{low}-{high}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0, help="seconds measured per load (after 1 s warm-up)")
+    parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
+    servers = args.servers.split(",")
+    if unknown := set(servers) - set(SERVERS):
+        parser.error(f"--servers: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(SERVERS)}")
+    skipped = {}
+    if "native" in servers:
+        try:
+            build_native()
+        except NativeUnavailable as exc:
+            skipped["native"] = str(exc)
+            servers.remove("native")
+            print(f"native: left out: {exc}", flush=True)
     step_ms = in_process_step_ms()
     print(f"in-process single-token step p50 {step_ms:.3f} ms", flush=True)
     rows = []
     for round_index in range(args.rounds):
-        for kind in SERVERS:
+        for kind in servers:
             row = run_server(kind, args.duration, step_ms) | {"round": round_index}
             rows.append(row)
             print(f"round {round_index} {kind:>12}: Check p50 {row['Check_1']['p50_ms']:.3f} ms, Forward p50 "
                   f"{row['Forward_1']['p50_ms']:.3f} ms: hop / Check {row['hop_over_check']:.2f}; 64 callers "
                   f"{row['Forward_64']['requests_per_s']:.0f} / {row['Check_64']['requests_per_s']:.0f} req/s: "
                   f"{row['throughput_over_check']:.2f}", flush=True)
-    print(f"\n{'server':>12} | hop / Check (goal <= 1.3) | 64 callers Forward / Check (goal >= 0.85)")
-    for kind in SERVERS:
+    print(f"\n{'server':>12} | Forward p50 ms | Check p50 ms | hop / Check (goal <= 1.3) | 64 callers: Forward / "
+          "Check req/s (goal >= 0.85)")
+    for kind in servers:
         mine = [r for r in rows if r["server"] == kind]
-        print(f"{kind:>12} | {_range([r['hop_over_check'] for r in mine]):>25} | "
+        print(f"{kind:>12} | {_range([r['Forward_1']['p50_ms'] for r in mine]):>14} | "
+              f"{_range([r['Check_1']['p50_ms'] for r in mine]):>12} | "
+              f"{_range([r['hop_over_check'] for r in mine]):>25} | "
+              f"{_range([r['Forward_64']['requests_per_s'] for r in mine], 0)} / "
+              f"{_range([r['Check_64']['requests_per_s'] for r in mine], 0)}: "
               f"{_range([r['throughput_over_check'] for r in mine])}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "python_floor", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
-        "duration_s": args.duration, "in_process_step_p50_ms": step_ms, "rows": rows}, indent=1) + "\n")
+        "duration_s": args.duration, "in_process_step_p50_ms": step_ms, "left_out": skipped, "rows": rows},
+        indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 
