@@ -155,6 +155,7 @@ def build_native() -> pathlib.Path:
     import hashlib
     import shutil
     import sysconfig
+    import tempfile
 
     proto = PROTO_ROOT / "expertd" / "v1" / "expert.proto"
     digest = hashlib.sha256(NATIVE_SOURCE.read_bytes() + proto.read_bytes()).hexdigest()[:16]
@@ -168,21 +169,21 @@ def build_native() -> pathlib.Path:
     flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++", "protobuf"], capture_output=True, text=True)
     if flags.returncode != 0:
         raise NativeUnavailable(f"pkg-config: {flags.stderr.strip()}")
-    generated = out / "gen"
-    generated.mkdir(parents=True, exist_ok=True)
-    protoc = subprocess.run([tools["protoc"], f"-I{PROTO_ROOT}", f"--cpp_out={generated}", f"--grpc_out={generated}",
-                             f"--plugin=protoc-gen-grpc={tools['grpc_cpp_plugin']}", "expertd/v1/expert.proto"],
-                            capture_output=True, text=True)
-    if protoc.returncode != 0:
-        raise NativeUnavailable(f"protoc failed: {protoc.stderr.strip()}")
-    sources = [NATIVE_SOURCE, generated / "expertd/v1/expert.pb.cc", generated / "expertd/v1/expert.grpc.pb.cc"]
-    partial = module.with_suffix(".partial")
-    built = subprocess.run([tools["g++"], "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{generated}",
-                            f"-I{sysconfig.get_paths()['include']}", *map(str, sources), "-o", str(partial),
-                            *flags.stdout.split()], capture_output=True, text=True)
-    if built.returncode != 0:
-        raise NativeUnavailable(f"g++ failed: {built.stderr.strip()[-2000:]}")
-    partial.rename(module)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="build-", dir=out) as build:  # each build its own: builds may race
+        generated = pathlib.Path(build)
+        protoc = subprocess.run([tools["protoc"], f"-I{PROTO_ROOT}", f"--cpp_out={generated}",
+                                 f"--grpc_out={generated}", f"--plugin=protoc-gen-grpc={tools['grpc_cpp_plugin']}",
+                                 "expertd/v1/expert.proto"], capture_output=True, text=True)
+        if protoc.returncode != 0:
+            raise NativeUnavailable(f"protoc failed: {protoc.stderr.strip()}")
+        sources = [NATIVE_SOURCE, generated / "expertd/v1/expert.pb.cc", generated / "expertd/v1/expert.grpc.pb.cc"]
+        built = subprocess.run([tools["g++"], "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{generated}",
+                                f"-I{sysconfig.get_paths()['include']}", *map(str, sources), "-o",
+                                str(generated / module.name), *flags.stdout.split()], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise NativeUnavailable(f"g++ failed: {built.stderr.strip()[-2000:]}")
+        os.replace(generated / module.name, module)
     return module
 
 
