@@ -23,7 +23,6 @@ import time
 from expertd.client import cli as client_cli
 from expertd.server import config as config_module
 from expertd.server.console import print_progress, say
-from expertd.server.process import prepare_process
 
 USAGE = """usage: expertd serve [--help] [flags]     serve MoE layers over gRPC
        expertd inspect DIR [--json]         what a checkpoint is and what serve would do with it
@@ -78,6 +77,9 @@ def serve(argv: list[str]) -> int:
     except ValueError as exc:
         serve_parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported here: it loads JAX (the native kernel's build), which client commands must not pay for.
+    from expertd.server.process import prepare_process
+
     prepare_process(config)  # before any JAX work
     # Imported here, after prepare_process: the server's modules load JAX, which client commands
     # (and the host allocator's settings) must not pay for or run after.
