@@ -104,6 +104,17 @@ def flag(args: list[str], name: str) -> str | None:
     return None
 
 
+def probe_target(probe: dict) -> tuple[int, str]:
+    """(port, health service) a probe asks: a gRPC probe's, or an exec probe's ``expertd health``
+    (``--target host:port``, ``--service``)."""
+    if "grpc" in probe:
+        assert "exec" not in probe, "a probe has one handler"
+        return probe["grpc"]["port"], probe["grpc"]["service"]
+    command = probe["exec"]["command"]
+    assert command[:2] == ["expertd", "health"], command
+    return int(flag(command, "--target").rsplit(":", 1)[1]), flag(command, "--service")
+
+
 def selects(selector: dict, labels: dict) -> bool:
     """Whether a Service-style selector (plain map) or a LabelSelector matches `labels`."""
     match_labels = selector.get("matchLabels", selector if "matchExpressions" not in selector else {})

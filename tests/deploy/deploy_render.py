@@ -12,7 +12,10 @@ Supported:
   `generatorOptions.disableNameSuffixHash: true` (no hashed names, so no name references to fix).
 - `patches`: strategic-merge patches given by `path` or inline `patch`, matched by
   apiVersion/kind/metadata.name; `$patch: delete` removes a resource; maps merge, `null`
-  removes a key. Lists inside patches are refused (their merge keys differ per field).
+  removes a key. Lists only where `LIST_RULES` says how kustomize treats them: a workload's pod
+  spec lists merge element by element on their Kubernetes merge key (the patch's elements first,
+  each merged into its namesake, then the others: kustomize 5.5's order), `args` and a custom
+  resource's lists are replaced whole; any other list is refused.
 - `configurations`: only files that configure the `images` transformer, which is a no-op here
   (no kustomization sets `images`).
 """
@@ -25,6 +28,18 @@ import yaml
 
 SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "configMapGenerator", "generatorOptions",
                   "patches", "configurations"}
+
+
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+POD_SPEC = ("spec", "template", "spec")
+LIST_RULES = {
+    **{(kind, *POD_SPEC, field): "name" for kind in WORKLOAD_KINDS for field in ("containers", "volumes")},
+    **{(kind, *POD_SPEC, "containers", "*", field): key for kind in WORKLOAD_KINDS
+       for field, key in (("volumeMounts", "mountPath"), ("env", "name"), ("args", None))},
+    ("ServiceMonitor", "spec", "endpoints"): None,  # a custom resource: kustomize knows no merge key
+}
+"""(kind, *path to the list) -> the merge key of its elements, or None: the patch's list replaces it
+(``*`` stands for an element of a merged list)."""
 
 
 class UnsupportedKustomization(ValueError):
@@ -115,19 +130,37 @@ def _apply_patch(resources: list[dict], patch: dict) -> list[dict]:
     if action != "merge":
         raise UnsupportedKustomization(f"$patch: {action}")
     patched = list(resources)
-    patched[index] = _merge(resources[index], patch)
+    patched[index] = _merge(resources[index], patch, (resources[index]["kind"],))
     return patched
 
 
-def _merge(base: dict, patch: dict) -> dict:
+def _merge(base: dict, patch: dict, path: tuple) -> dict:
     merged = copy.deepcopy(base)
     for key, value in patch.items():
         if value is None:
             merged.pop(key, None)
         elif isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = _merge(merged[key], value, (*path, key))
         elif isinstance(value, list):
-            raise UnsupportedKustomization(f"list in a strategic-merge patch (field {key!r})")
+            merged[key] = _merge_list(merged.get(key), value, (*path, key))
         else:
             merged[key] = copy.deepcopy(value)
     return merged
+
+
+def _merge_list(base: list | None, patch: list, path: tuple) -> list:
+    if path not in LIST_RULES:
+        raise UnsupportedKustomization(f"list in a strategic-merge patch (field {'.'.join(path[1:])!r} of a "
+                                       f"{path[0]})")
+    key = LIST_RULES[path]
+    if key is None or base is None:
+        return copy.deepcopy(patch)
+    for element in patch:
+        if not isinstance(element, dict) or key not in element or any(k.startswith("$") for k in element):
+            raise UnsupportedKustomization(f"{'.'.join(path[1:])}: elements need their merge key {key!r} "
+                                           "(and no $ directives)")
+    # kustomize's order: the patch's elements (each merged into its namesake), then the others
+    by_key = {element[key]: element for element in base}
+    patched = [_merge(by_key[e[key]], e, (*path, "*")) if e[key] in by_key else copy.deepcopy(e) for e in patch]
+    keys = {e[key] for e in patch}
+    return patched + [copy.deepcopy(e) for e in base if e[key] not in keys]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
+import ssl
 import urllib.request
 
 import grpc
@@ -36,8 +38,9 @@ from deploy_manifests import (
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from tls_fixtures import make_pki
 
-from expertd.client import ExpertClient
+from expertd.client import ExpertClient, TlsOptions, UnauthenticatedError
 from expertd.server import cli as server_cli
 from expertd.server import config as config_module
 from expertd.server.app import create_server
@@ -185,3 +188,95 @@ def test_metrics_read_by_dashboard_and_autoscaler_are_exported(server):
         available = set().union(*(series[name] for name in read)) | TARGET_LABELS
         assert promql_grouping_labels(expr) <= available, expr
     assert series["expertd_pending_requests"] == set(), "the autoscaling gauge is one series per pod"
+
+
+# -- overlays/tls: the same checks through TLS and the token ----------------------------------------
+TLS_OVERLAY = "overlays/tls"
+TLS_TOKEN = "overlay-test-token"
+
+
+@pytest.fixture(scope="module")
+def tls_overlay(tmp_path_factory):
+    """(server, the overlay's pod template, Secret name -> {key: local file}, local path of a mounted
+    file): a real server started from overlays/tls's container args, the Secrets' files made here (a
+    server certificate naming `expertd`, as the overlay asks)."""
+    directory = tmp_path_factory.mktemp("tls-overlay")
+    pki = make_pki(directory, server_names=("expertd",))
+    (directory / "token").write_text(TLS_TOKEN + "\n")
+    secrets = {"expertd-tls": {"tls.crt": pki.server_cert, "tls.key": pki.server_key, "ca.crt": pki.ca},
+               "expertd-auth": {"token": directory / "token"}}
+    (template,) = pod_templates(rendered(TLS_OVERLAY)).values()
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    mounted = {m["mountPath"]: volumes[m["name"]]["secret"]["secretName"] for m in container(template)["volumeMounts"]
+               if "secret" in volumes[m["name"]]}
+
+    def local(arg: str) -> str:
+        """A path inside a mounted Secret -> the file made here (KeyError: a key the Secret lacks)."""
+        for mount_path, secret in mounted.items():
+            if arg.startswith(mount_path + "/"):
+                return str(secrets[secret][arg.removeprefix(mount_path + "/")])
+        return arg
+
+    (directory / "config.toml").write_text(configmap_file(TLS_OVERLAY))
+    args = [str(directory / "config.toml") if a == flag(container(template)["args"], "--config") else local(a)
+            for a in container(template)["args"]]
+    cache = tmp_path_factory.getbasetemp() / "expertd-jax-cache"  # shared with the service tests
+    config, _ = parse_serve([*args, *SMALL_MODEL, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+                             "--compile-cache-dir", str(cache)], {})
+    assert config.security.tls_cert and config.security.token() == TLS_TOKEN
+    assert config.metrics_tls and config.metrics_auth
+    handle = create_server(config)
+    try:
+        handle.wait_ready(timeout=180)
+        yield handle, template, secrets, local
+    finally:
+        handle.stop(grace=1)
+
+
+def test_tls_overlay_probes_pass_against_the_server(tls_overlay, capsys):
+    server, template, secrets, local = tls_overlay
+    grpc_port = container_ports(template)["grpc"]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = [local(a).replace(f"localhost:{grpc_port}", f"localhost:{server.port}")
+                   for a in container(template)[kind]["exec"]["command"]]
+        assert f"localhost:{server.port}" in command, kind
+        assert server_cli.main(command[1:]) == 0, kind
+        # the probe really verifies: another CA, or a name the certificate does not hold, fails
+        other_ca = [str(secrets["expertd-tls"]["ca.crt"].with_name("other-ca.pem")) if a.endswith("ca.pem") else a
+                    for a in command]
+        assert server_cli.main(other_ca[1:]) != 0, kind
+        assert server_cli.main([("elsewhere" if a == "expertd" else a) for a in command[1:]]) != 0, kind
+    capsys.readouterr()
+
+
+def test_tls_overlay_servicemonitor_scrapes_with_its_tls_settings_and_token(tls_overlay):
+    server, _, secrets, _ = tls_overlay
+    (endpoint,) = one(rendered(TLS_OVERLAY), "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    ca = endpoint["tlsConfig"]["ca"]["secret"]
+    credentials = endpoint["authorization"]["credentials"]
+    context = ssl.create_default_context(cafile=str(secrets[ca["name"]][ca["key"]]))
+    token = secrets[credentials["name"]][credentials["key"]].read_text().strip()
+
+    def scrape_status(authorization: str | None) -> tuple[int, str]:
+        with socket.create_connection(("127.0.0.1", server.metrics_port), timeout=10) as raw, \
+                context.wrap_socket(raw, server_hostname=endpoint["tlsConfig"]["serverName"]) as tls:
+            head = f"GET {endpoint['path']} HTTP/1.1\r\nHost: expertd\r\nConnection: close\r\n"
+            tls.sendall((head + (f"Authorization: {authorization}\r\n" if authorization else "") + "\r\n").encode())
+            reply = b"".join(iter(lambda: tls.recv(65536), b"")).decode()
+        return int(reply.split(" ", 2)[1]), reply
+
+    status, reply = scrape_status(f"{endpoint['authorization']['type']} {token}")
+    assert status == 200 and "expertd_pending_requests" in reply
+    assert scrape_status(None)[0] == 401
+
+
+def test_tls_overlay_serves_clients_with_the_ca_and_the_token(tls_overlay):
+    server, _, secrets, _ = tls_overlay
+    tls = TlsOptions(root_certificates=secrets["expertd-tls"]["ca.crt"], server_name="expertd")
+    x = np.ones((2, 64), np.float32)
+    with ExpertClient(f"127.0.0.1:{server.port}", tls=tls, token=TLS_TOKEN, timeout=60) as client:
+        assert client.forward(x, layer=0).shape == (2, 64)
+    with ExpertClient(f"127.0.0.1:{server.port}", tls=tls, timeout=60) as client, \
+            pytest.raises(UnauthenticatedError):
+        client.forward(x, layer=0)

@@ -30,6 +30,7 @@ from deploy_manifests import (
     one,
     pod_templates,
     pods,
+    probe_target,
     rendered,
     selects,
 )
@@ -43,6 +44,7 @@ VARIANTS = {
     "overlays/autoscaling": {"Deployment", "HorizontalPodAutoscaler"},
     "overlays/multihost-autoscaling": {"LeaderWorkerSet", "PodMonitor", "HorizontalPodAutoscaler"},
     "overlays/replicas": {"Deployment"},
+    "overlays/tls": {"Deployment"},
 }
 COMMON_KINDS = {"ConfigMap", "Service", "ServiceMonitor", "PodDisruptionBudget"}
 
@@ -97,6 +99,23 @@ def test_renderer_refuses_what_it_does_not_implement(tmp_path):
         deploy_render.build(tmp_path)
 
 
+def test_renderer_merges_pod_spec_lists_as_kustomize_does(tmp_path):
+    """kustomize 5.5 (kubectl 1.32) on this patch gives volumes d, b (merged), e, a, c and the args replaced."""
+    (tmp_path / "kustomization.yaml").write_text("resources: [d.yaml]\npatches:\n- path: p.yaml\n")
+    head = "{apiVersion: apps/v1, kind: Deployment, metadata: {name: x}, spec: {template: {spec: "
+    (tmp_path / "d.yaml").write_text(
+        head + "{containers: [{name: m, image: i, args: [a, b]}], volumes: [{name: a, emptyDir: {}}, "
+        "{name: b, emptyDir: {}}, {name: c, emptyDir: {}}]}}}}\n")
+    (tmp_path / "p.yaml").write_text(
+        head + "{containers: [{name: m, args: [c]}], volumes: [{name: d, emptyDir: {}}, "
+        "{name: b, emptyDir: {medium: Memory}}, {name: e, emptyDir: {}}]}}}}\n")
+    (deployment,) = deploy_render.build(tmp_path)
+    spec = deployment["spec"]["template"]["spec"]
+    assert [(v["name"], v["emptyDir"]) for v in spec["volumes"]] == [
+        ("d", {}), ("b", {"medium": "Memory"}), ("e", {}), ("a", {}), ("c", {})]
+    assert spec["containers"] == [{"name": "m", "image": "i", "args": ["c"]}]
+
+
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl (with built-in kustomize) on PATH")
 def test_renderer_matches_kubectl_kustomize():
     for name in VARIANTS:
@@ -118,11 +137,12 @@ def test_pod_templates(name):
         images.add(main["image"])
         ports = container_ports(template)
         assert {"grpc", "metrics"} <= set(ports), key
-        # gRPC probes on the numeric gRPC port, on the health service names.
+        # Probes (gRPC, or exec `expertd health` where the port speaks TLS) on the gRPC port, on the
+        # health service names.
         probes = {kind: main[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
-        assert {k: p["grpc"]["port"] for k, p in probes.items()} == dict.fromkeys(probes, ports["grpc"]), key
-        assert probes["readinessProbe"]["grpc"]["service"] == "readiness", key
-        assert probes["livenessProbe"]["grpc"]["service"] == "liveness", key
+        assert {k: probe_target(p) for k, p in probes.items()} == {
+            "startupProbe": (ports["grpc"], "liveness"), "readinessProbe": (ports["grpc"], "readiness"),
+            "livenessProbe": (ports["grpc"], "liveness")}, key
         startup = probes["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, f"{key}: startup budget < 10 min"
         # GPUs: whole devices in limits; requests, if given, equal limits.

@@ -7,12 +7,10 @@ subprocess servers of the drain test use the same cache.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import pathlib
 import re
 import socket
-import subprocess
 import time
 import urllib.request
 
@@ -125,36 +123,6 @@ def sample(text: str, name: str, **labels) -> float:
         if found == {k: str(v) for k, v in labels.items()}:
             return float(match.group(3))
     return 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Pki:
-    """Throwaway PEM files: a CA, a server certificate for localhost/127.0.0.1, a client certificate."""
-
-    ca: pathlib.Path
-    server_cert: pathlib.Path
-    server_key: pathlib.Path
-    client_cert: pathlib.Path
-    client_key: pathlib.Path
-    other_ca: pathlib.Path
-
-
-def make_pki(directory: pathlib.Path) -> Pki:
-    """Generate the certificates with the openssl command line (never committed; keys in a temp dir)."""
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
-    for ca in ("ca", "other-ca"):
-        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN=expertd test {ca}",
-            "-keyout", f"{ca}.key", "-out", f"{ca}.pem")
-    (directory / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name, extra in (("server", ["-extfile", "server.ext"]), ("client", [])):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN=expertd test {name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "1", "-out", f"{name}.pem", *extra)
-    return Pki(directory / "ca.pem", directory / "server.pem", directory / "server.key", directory / "client.pem",
-               directory / "client.key", directory / "other-ca.pem")
 
 
 @contextlib.contextmanager

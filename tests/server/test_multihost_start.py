@@ -18,7 +18,8 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_support import held_port, make_pki, server_config
+from service_support import held_port, server_config
+from tls_fixtures import make_pki
 
 from expertd.server.config import ModelConfig, SecurityConfig
 from expertd.server.multihost_follower import FollowerServer

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from service_support import make_pki
+from tls_fixtures import make_pki
 
 from expertd.server import config as cfg
 from expertd.server.cli import main

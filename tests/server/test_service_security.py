@@ -9,7 +9,8 @@ import urllib.request
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
-from service_support import make_pki, sample, scrape, server_config
+from service_support import sample, scrape, server_config
+from tls_fixtures import make_pki
 
 from expertd.client import ExpertClient, TlsOptions, UnauthenticatedError, UnavailableError
 from expertd.server.app import create_server
