@@ -13,8 +13,8 @@ Targets (``resolve_target``), one server or replicas of it:
 The channel's service config (``service_config``): gRPC's ``round_robin`` over the replicas
 whose ``grpc.health.v1`` status (service "", Watched by gRPC's client-side health checking) is
 SERVING, so warming-up and draining servers get no calls; and a ``retryPolicy`` that retries
-UNAVAILABLE (a replica died, is draining, or none is reachable) with exponential backoff on the
-idempotent unary methods, each attempt picked anew (another replica). The clients' own retry loop
+``RETRIED_BY_GRPC`` with exponential backoff on the idempotent unary methods, each attempt picked
+anew (another replica). The clients' own retry loop
 retries only RESOURCE_EXHAUSTED (with the server's RetryInfo hint): no call is retried twice over.
 Health calls go through a second channel without health checking (``ClientBase.probe``): they
 must reach servers that are not SERVING.
@@ -38,7 +38,11 @@ from expertd.client.throttle import AdaptiveThrottle, Throttle
 
 # Large enough for a 256 MiB request or response; the server enforces its own, smaller limit.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-# Unary methods that may run twice without harm: retried on UNAVAILABLE by gRPC's retry policy.
+# What gRPC's retry policy retries: UNAVAILABLE (a replica died, is draining, or none is reachable)
+# and CANCELLED as a server sends it (a gRPC server that stops cancels the calls it still holds,
+# or that reach it as it stops). A call the client cancels itself is never retried (gRFC A6).
+RETRIED_BY_GRPC = ("UNAVAILABLE", "CANCELLED")
+# Unary methods that may run twice without harm: retried on RETRIED_BY_GRPC by gRPC's retry policy.
 IDEMPOTENT_METHODS = (
     ("expertd.v1.ExpertService", "Forward"), ("expertd.v1.ExpertService", "Route"),
     ("expertd.v1.ExpertService", "GetModelInfo"), ("expertd.v1.ExpertService", "GetExpertLoad"),
@@ -163,7 +167,7 @@ def _resolve_names(endpoints: list[tuple[str, int]], target: str) -> list[tuple[
 
 def service_config(retries: int, backoff: Backoff) -> dict:
     """The channel's service config (module docstring): round_robin over healthy replicas and,
-    with ``retries`` > 0, UNAVAILABLE retried up to ``min(retries + 1, 5)`` attempts with ``backoff``."""
+    with ``retries`` > 0, RETRIED_BY_GRPC retried up to ``min(retries + 1, 5)`` attempts with ``backoff``."""
     config: dict = {"loadBalancingConfig": [{"round_robin": {}}],
                     "healthCheckConfig": {"serviceName": HEALTH_CHECK_SERVICE}}
     if retries > 0:
@@ -174,7 +178,7 @@ def service_config(retries: int, backoff: Backoff) -> dict:
                 "initialBackoff": _duration(backoff.initial),
                 "maxBackoff": _duration(max(backoff.maximum, backoff.initial)),
                 "backoffMultiplier": max(backoff.multiplier, 1.0),
-                "retryableStatusCodes": ["UNAVAILABLE"],
+                "retryableStatusCodes": list(RETRIED_BY_GRPC),
             },
         }]
     return config
@@ -263,8 +267,8 @@ DEFAULT_BACKOFF = Backoff()  # immutable: one instance serves every client's def
 class ClientBase:
     """Channel, stubs and call settings of ExpertClient (``aio=False``) and AsyncExpertClient (``aio=True``).
 
-    ``_channel``: balanced over the healthy replicas, UNAVAILABLE retried by gRPC (module
-    docstring). ``probe()``: the health stub on a second channel, opened on first use, with no
+    ``_channel``: balanced over the healthy replicas, UNAVAILABLE and a server's CANCELLED retried by
+    gRPC (module docstring). ``probe()``: the health stub on a second channel, opened on first use, with no
     health checking and no retries, so that health reaches servers that are not SERVING.
     ``_forward_call(request)``: how a Forward goes (``expertd.client.admission``).
     ``_refused_here(attempt)`` before and ``_answered(error)`` after each attempt of a throttled call

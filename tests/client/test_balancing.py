@@ -4,6 +4,7 @@ servers that stand in for replicas (they count the calls they get and answer wha
 The real servers under a real failure: tests/server/test_failover.py."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import threading
@@ -13,7 +14,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from expertd.client import Backoff, ExpertClient, ResourceExhaustedError, UnavailableError
+from expertd.client import (
+    AsyncExpertClient,
+    Backoff,
+    CancelledError,
+    ExpertClient,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from expertd.client.channel import (
     GRPC_MAX_ATTEMPTS,
     IDEMPOTENT_METHODS,
@@ -31,6 +39,7 @@ class Replica:
 
     def __init__(self, name: str, code: grpc.StatusCode = grpc.StatusCode.OK, port: int = 0):
         self.name, self.code, self.calls = name, code, 0
+        self.hold: threading.Event | None = None  # set: GetModelInfo waits for it before answering
         self._lock = threading.Lock()
         self.health = health.HealthServicer()
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
@@ -48,6 +57,8 @@ class Replica:
         def GetModelInfo(self, request, context):
             with self.replica._lock:
                 self.replica.calls += 1
+            if self.replica.hold is not None:
+                self.replica.hold.wait(10)
             if self.replica.code != grpc.StatusCode.OK:
                 context.abort(self.replica.code, f"{self.replica.name} says no")
             return expert_pb2.GetModelInfoResponse(model=self.replica.name)
@@ -104,7 +115,7 @@ def test_bad_targets_name_the_entry(text, message):
         resolve_target(text)
 
 
-def test_service_config_balances_health_checked_and_retries_idempotent_calls_on_unavailable():
+def test_service_config_balances_health_checked_and_retries_idempotent_calls_on_unavailable_and_cancelled():
     config = service_config(3, Backoff(initial=0.05, maximum=2.0, multiplier=2.0))
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
     assert config["healthCheckConfig"] == {"serviceName": ""}
@@ -112,7 +123,8 @@ def test_service_config_balances_health_checked_and_retries_idempotent_calls_on_
     names = {(n["service"], n["method"]) for n in method_config["name"]}
     assert names == set(IDEMPOTENT_METHODS) and ("expertd.v1.ExpertService", "ForwardStream") not in names
     assert method_config["retryPolicy"] == {"maxAttempts": 4, "initialBackoff": "0.050000s", "maxBackoff": "2.000000s",
-                                            "backoffMultiplier": 2.0, "retryableStatusCodes": ["UNAVAILABLE"]}
+                                            "backoffMultiplier": 2.0,
+                                            "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]}
     assert service_config(10, FAST)["methodConfig"][0]["retryPolicy"]["maxAttempts"] == GRPC_MAX_ATTEMPTS
     assert "methodConfig" not in service_config(0, FAST)
     options = dict(channel_options(1024, None, retries=2, backoff=FAST))
@@ -161,18 +173,44 @@ def test_no_serving_replica_fails_at_once_with_unavailable(replicas):
     assert a.calls == 0
 
 
-def test_unavailable_is_retried_by_grpc_on_another_replica_not_twice_over(replicas):
-    dying, healthy = replicas(("dying", grpc.StatusCode.UNAVAILABLE), "healthy")
+@pytest.mark.parametrize(("code", "error"), [(grpc.StatusCode.UNAVAILABLE, UnavailableError),
+                                             (grpc.StatusCode.CANCELLED, CancelledError)])
+def test_unavailable_and_cancelled_are_retried_by_grpc_on_another_replica_not_twice_over(replicas, code, error):
+    """CANCELLED as a server sends it: what a stopping gRPC server answers the calls it still holds."""
+    dying, healthy = replicas(("dying", code), "healthy")
     with ExpertClient(target(dying, healthy), retries=3, timeout=10, backoff=FAST) as client:
         deadline = time.monotonic() + 30  # round robin uses a replica once its connection is ready
         while dying.calls == 0 and time.monotonic() < deadline:
             assert all(client.model_info().model == "healthy" for _ in range(10))
     assert dying.calls >= 1  # round robin sent some calls there first; each was retried on the other
-    (alone,) = replicas(("alone", grpc.StatusCode.UNAVAILABLE))
+    (alone,) = replicas(("alone", code))
     with ExpertClient(target(alone), retries=2, timeout=10, backoff=FAST) as client:
-        with pytest.raises(UnavailableError, match="alone says no"):
+        with pytest.raises(error, match="alone says no"):
             client.model_info()
     assert alone.calls == 3  # 1 + 2 retries by gRPC's policy; the client's own loop added none
+
+
+def test_a_call_the_client_cancels_is_not_retried(replicas):
+    (slow,) = replicas("slow")
+    slow.hold = threading.Event()
+
+    async def scenario():
+        async with AsyncExpertClient(target(slow), retries=3, timeout=10, backoff=FAST) as client:
+            call = asyncio.ensure_future(client.model_info())
+            deadline = time.monotonic() + 10
+            while slow.calls == 0:
+                assert time.monotonic() < deadline, "the call never reached the replica"
+                await asyncio.sleep(0.01)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await asyncio.sleep(0.5)  # many times FAST's backoff: a retry would have arrived
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        slow.hold.set()
+    assert slow.calls == 1
 
 
 def test_resource_exhausted_is_retried_by_the_client(replicas):
