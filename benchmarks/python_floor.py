@@ -64,6 +64,18 @@ def _engine():
     return engine, hidden
 
 
+def engine_step(engine, parts: list):
+    """The layer's float32 output [rows, H] for the rows of ``parts`` (each float32 [T_i, H]), run as
+    one step padded to the smallest bucket that holds them."""
+    import numpy as np
+
+    from expertd.server.steps import pad_rows
+
+    rows = sum(len(x) for x in parts)
+    bucket = next(b for b in BUCKETS if b >= rows)
+    return np.asarray(engine.forward(0, pad_rows(parts, bucket), rows).output)[:rows]
+
+
 async def _serve_bare(port: int, batched: bool) -> None:
     import grpc
     import numpy as np
@@ -71,16 +83,10 @@ async def _serve_bare(port: int, batched: bool) -> None:
 
     from expertd.client import codec
     from expertd.client.pb.v1 import expert_pb2
-    from expertd.server.steps import pad_rows
 
     engine, hidden = _engine()
     pending: list[tuple[np.ndarray, asyncio.Future]] = []
     wakeup = asyncio.Event()
-
-    def step(rows_list: list[np.ndarray]) -> np.ndarray:
-        rows = sum(len(x) for x in rows_list)
-        bucket = next(b for b in BUCKETS if b >= rows)
-        return np.asarray(engine.forward(0, pad_rows(rows_list, bucket), rows).output)
 
     async def merge() -> None:  # bare-batched: one inline step for the requests of one loop turn
         while True:
@@ -92,7 +98,7 @@ async def _serve_bare(port: int, batched: bool) -> None:
                 while pending and rows + len(pending[0][0]) <= BUCKETS[-1]:
                     batch.append(pending.pop(0))
                     rows += len(batch[-1][0])
-                output, start = step([x for x, _ in batch]), 0
+                output, start = engine_step(engine, [x for x, _ in batch]), 0
                 for x, future in batch:
                     future.set_result(output[start:start + len(x)])
                     start += len(x)
@@ -107,7 +113,7 @@ async def _serve_bare(port: int, batched: bool) -> None:
             wakeup.set()
             y = await future
         else:
-            y = step([x])
+            y = engine_step(engine, [x])
         return expert_pb2.ForwardResponse(request_id=request.request_id, output=codec.encode(y))
 
     merger = asyncio.ensure_future(merge()) if batched else None
@@ -193,8 +199,6 @@ def _serve_native(port: int) -> None:
 
     import numpy as np
 
-    from expertd.server.steps import pad_rows
-
     path = str(build_native())
     spec = importlib.util.spec_from_file_location("expertd_native_front", path,
                                                   loader=importlib.machinery.ExtensionFileLoader(
@@ -207,9 +211,7 @@ def _serve_native(port: int) -> None:
     while True:
         rows_bytes = front.take()
         x = np.frombuffer(rows_bytes, np.float32).reshape(-1, hidden)
-        bucket = next(b for b in BUCKETS if b >= len(x))
-        output = np.asarray(engine.forward(0, pad_rows([x], bucket), len(x)).output)
-        front.finish(np.ascontiguousarray(output[:len(x)], np.float32))
+        front.finish(np.ascontiguousarray(engine_step(engine, [x]), np.float32))
 
 
 def serve(kind: str, port: int) -> None:

@@ -14,8 +14,8 @@ The channel's service config (``service_config``): gRPC's ``round_robin`` over t
 whose ``grpc.health.v1`` status (service "", Watched by gRPC's client-side health checking) is
 SERVING, so warming-up and draining servers get no calls; and a ``retryPolicy`` that retries
 ``RETRIED_BY_GRPC`` with exponential backoff on the idempotent unary methods, each attempt picked
-anew (another replica). The clients' own retry loop
-retries only RESOURCE_EXHAUSTED (with the server's RetryInfo hint): no call is retried twice over.
+anew (another replica). The clients' own retry loop retries only RESOURCE_EXHAUSTED (with the
+server's RetryInfo hint): no call is retried twice over.
 Health calls go through a second channel without health checking (``ClientBase.probe``): they
 must reach servers that are not SERVING.
 """
@@ -267,8 +267,8 @@ DEFAULT_BACKOFF = Backoff()  # immutable: one instance serves every client's def
 class ClientBase:
     """Channel, stubs and call settings of ExpertClient (``aio=False``) and AsyncExpertClient (``aio=True``).
 
-    ``_channel``: balanced over the healthy replicas, UNAVAILABLE and a server's CANCELLED retried by
-    gRPC (module docstring). ``probe()``: the health stub on a second channel, opened on first use, with no
+    ``_channel``: balanced over the healthy replicas, RETRIED_BY_GRPC retried by gRPC (module
+    docstring). ``probe()``: the health stub on a second channel, opened on first use, with no
     health checking and no retries, so that health reaches servers that are not SERVING.
     ``_forward_call(request)``: how a Forward goes (``expertd.client.admission``).
     ``_refused_here(attempt)`` before and ``_answered(error)`` after each attempt of a throttled call

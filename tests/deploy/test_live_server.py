@@ -197,9 +197,9 @@ TLS_TOKEN = "overlay-test-token"
 
 @pytest.fixture(scope="module")
 def tls_overlay(tmp_path_factory):
-    """(server, the overlay's pod template, Secret name -> {key: local file}, local path of a mounted
-    file): a real server started from overlays/tls's container args, the Secrets' files made here (a
-    server certificate naming `expertd`, as the overlay asks)."""
+    """(server, the overlay's pod template, Secret name -> {key: local file}, mounted path -> local
+    path, the Pki): a real server started from overlays/tls's container args, the Secrets' files
+    made here (a server certificate naming `expertd`, as the overlay asks)."""
     directory = tmp_path_factory.mktemp("tls-overlay")
     pki = make_pki(directory, server_names=("expertd",))
     (directory / "token").write_text(TLS_TOKEN + "\n")
@@ -228,13 +228,13 @@ def tls_overlay(tmp_path_factory):
     handle = create_server(config)
     try:
         handle.wait_ready(timeout=180)
-        yield handle, template, secrets, local
+        yield handle, template, secrets, local, pki
     finally:
         handle.stop(grace=1)
 
 
 def test_tls_overlay_probes_pass_against_the_server(tls_overlay, capsys):
-    server, template, secrets, local = tls_overlay
+    server, template, _, local, pki = tls_overlay
     grpc_port = container_ports(template)["grpc"]
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = [local(a).replace(f"localhost:{grpc_port}", f"localhost:{server.port}")
@@ -242,15 +242,14 @@ def test_tls_overlay_probes_pass_against_the_server(tls_overlay, capsys):
         assert f"localhost:{server.port}" in command, kind
         assert server_cli.main(command[1:]) == 0, kind
         # the probe really verifies: another CA, or a name the certificate does not hold, fails
-        other_ca = [str(secrets["expertd-tls"]["ca.crt"].with_name("other-ca.pem")) if a.endswith("ca.pem") else a
-                    for a in command]
+        other_ca = [str(pki.other_ca) if a == str(pki.ca) else a for a in command]
         assert server_cli.main(other_ca[1:]) != 0, kind
         assert server_cli.main([("elsewhere" if a == "expertd" else a) for a in command[1:]]) != 0, kind
     capsys.readouterr()
 
 
 def test_tls_overlay_servicemonitor_scrapes_with_its_tls_settings_and_token(tls_overlay):
-    server, _, secrets, _ = tls_overlay
+    server, _, secrets, _, _ = tls_overlay
     (endpoint,) = one(rendered(TLS_OVERLAY), "ServiceMonitor")["spec"]["endpoints"]
     assert endpoint["scheme"] == "https"
     ca = endpoint["tlsConfig"]["ca"]["secret"]
@@ -272,7 +271,7 @@ def test_tls_overlay_servicemonitor_scrapes_with_its_tls_settings_and_token(tls_
 
 
 def test_tls_overlay_serves_clients_with_the_ca_and_the_token(tls_overlay):
-    server, _, secrets, _ = tls_overlay
+    server, _, secrets, _, _ = tls_overlay
     tls = TlsOptions(root_certificates=secrets["expertd-tls"]["ca.crt"], server_name="expertd")
     x = np.ones((2, 64), np.float32)
     with ExpertClient(f"127.0.0.1:{server.port}", tls=tls, token=TLS_TOKEN, timeout=60) as client:
