@@ -209,15 +209,21 @@ def test_rebalance_during_live_traffic_every_answer_equals_the_reference(tmp_pat
         assert any(end < old_seen for _, end in answers), "no answer before the first swap"
         assert any(began < swapped_at and end > old_seen for began, end in answers), "none in flight at the swap"
         assert sum(began > swapped_at for began, _ in answers) >= 30, "too few answers after the swap"
+        # the rebalancer keeps running (its load window still holds the traffic): read the placement,
+        # the load and the metrics between two reads of one placement version, so no swap falls between
         with ExpertClient(target, timeout=30) as client, grpc.insecure_channel(target) as channel:
-            now = _placement(client, 1)
-            request = expert_pb2.GetExpertLoadRequest(layers=[1])
-            (load,) = expert_pb2_grpc.ExpertServiceStub(channel).GetExpertLoad(request, timeout=30).layers
+            quiet_by = time.monotonic() + 30
+            while True:
+                now = _placement(client, 1)
+                request = expert_pb2.GetExpertLoadRequest(layers=[1])
+                (load,) = expert_pb2_grpc.ExpertServiceStub(channel).GetExpertLoad(request, timeout=30).layers
+                text = scrape(metrics_port)
+                if _placement(client, 1).version == now.version or time.monotonic() > quiet_by:
+                    break
         assert now.version >= 1 and list(now.physical_to_logical) != list(start.physical_to_logical)
         assert max(now.replica_counts[HOT], now.replica_counts[OTHER]) > 1  # a hot expert got replicas
         assert list(load.placement.physical_to_logical) == list(now.physical_to_logical)
         assert len(load.rank_tokens_recent) == 4 and 0 < load.balancedness <= 1
-        text = scrape(metrics_port)
         assert sample(text, "expertd_eplb_rebalances_total", layer="1") == now.version
         assert sample(text, "expertd_eplb_rebalance_duration_seconds_count") == now.version
         assert 0 < sample(text, "expertd_eplb_balancedness", layer="1") <= 1
