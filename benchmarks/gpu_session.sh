@@ -15,6 +15,11 @@
 #                                           # client over loopback (needs the gRPC family: .whl below)
 #   bash benchmarks/gpu_session.sh tiles    # benchmarks/pallas_tiles.py: the Pallas grouped GEMM's
 #                                           # tilings per shape (TILES_ARGS=--quick: a short grid)
+#   bash benchmarks/gpu_session.sh semantics  # gpu_check.py's semantic families (issue 25; or those in
+#                                           # SEMANTICS_FAMILIES), split over SEMANTICS_JOBS (3)
+#                                           # processes at once; one summary line
+#   bash benchmarks/gpu_session.sh floor    # benchmarks/python_floor.py (expertd, bare, bare-batched;
+#                                           # the engine on the host's CPU): the thin hop on its cores
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
 #   bash benchmarks/gpu_session.sh brief    # all six, cut to fit one call of a 15-minute lease
 #                                           # (check --quick, router --quick, the bf16 layer at
@@ -60,8 +65,40 @@ step() {
                --out "$OUT/serving_gpu.json" 2>&1 | tee "$OUT/serving.log" ;;
     tiles) timeout "${TILES_TIMEOUT:-540}" $PY benchmarks/pallas_tiles.py ${TILES_ARGS:-} --out "$OUT/pallas_tiles.json" \
              2>&1 | tee "$OUT/pallas_tiles.log" ;;
-    *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | all | brief)"; return 2 ;;
+    semantics) semantics ;;
+    floor) timeout "${FLOOR_TIMEOUT:-240}" $PY benchmarks/python_floor.py --servers expertd,bare,bare-batched \
+             ${FLOOR_ARGS:-} --out "$OUT/python_floor_gpu_host.json" 2>&1 | tee "$OUT/python_floor.log" ;;
+    *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | semantics | floor | all | brief)"
+       return 2 ;;
   esac
+}
+
+# The semantic families' oracle check, SEMANTICS_JOBS processes at once (compiling is the host's
+# work; the GPU's memory is allocated as needed, not preallocated by each process).
+semantics() {
+  local families jobs=${SEMANTICS_JOBS:-3} i pids=() status=0
+  families=${SEMANTICS_FAMILIES:-$($PY -c 'import sys; sys.path.insert(0, "tests/kernels"); import oracle
+print(" ".join(oracle.SEMANTIC_FAMILIES))')}
+  read -ra families <<< "$families"
+  for ((i = 0; i < jobs; i++)); do
+    local mine=() j
+    for ((j = i; j < ${#families[@]}; j += jobs)); do mine+=("${families[j]}"); done
+    [ ${#mine[@]} -eq 0 ] && continue
+    (IFS=,; XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SEMANTICS_TIMEOUT:-420}" $PY benchmarks/gpu_check.py \
+       --families "${mine[*]}" --out "$OUT/gpu_check_semantics_$i.json" > "$OUT/gpu_check_semantics_$i.log" 2>&1) &
+    pids+=($!)
+  done
+  for i in "${pids[@]}"; do wait "$i" || status=1; done
+  cat "$OUT"/gpu_check_semantics_*.log
+  $PY - "$OUT" <<'PYEOF'
+import glob, json, sys
+rows = [r for f in sorted(glob.glob(sys.argv[1] + "/gpu_check_semantics_*.json")) for r in json.load(open(f))["rows"]]
+bad = [r for r in rows if not r["ok"]]
+print(f"semantics: {len(rows) - len(bad)} of {len(rows)} cases within tolerance")
+for r in bad:
+    print("  failed:", {k: r.get(k) for k in ("kind", "family", "dtype", "backend", "err_per_scale", "error")})
+PYEOF
+  return $status
 }
 
 setup
@@ -76,6 +113,9 @@ elif [ "$1" = brief ]; then  # the step limits add up to 590 s: one device call 
   TILES_ARGS="--quick" TILES_TIMEOUT=80 step tiles
   # thirteen files: one archive, as the device tool brings back eight files at most
   (cd "$OUT" && tar czf gpu_brief.tgz --exclude gpu_brief.tgz ./* && find . -type f ! -name gpu_brief.tgz -delete)
+elif [ $# -gt 1 ]; then  # several steps: one archive, as the device tool brings back eight files at most
+  for s in "$@"; do step "$s"; done
+  (cd "$OUT" && tar czf gpu_steps.tgz --exclude gpu_steps.tgz ./* && find . -type f ! -name gpu_steps.tgz -delete)
 else
   step "${1:-check}"
 fi

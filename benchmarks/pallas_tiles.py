@@ -12,6 +12,11 @@ tolerance, every row); its median time per call is reported with its active TFLO
 
     python3 benchmarks/pallas_tiles.py [--quick] [--tokens 4096 256] [--out FILE]
     python3 benchmarks/pallas_tiles.py --smoke     # tiny shape, interpret mode: the script runs (CPU)
+    python3 benchmarks/pallas_tiles.py --confirm 64,256,64,8,3 128,128,64,8,4 --rounds 5 --tokens 4096 1024
+
+--confirm times the named tilings (block_m,block_n,block_k,num_warps,num_stages) and the default in
+alternation, --rounds times, and reports each one's time over the default's in the same round (the
+range over rounds): a sweep's winner is adopted only where that range stays below one.
 
 Prints one table per case (fastest first) and writes benchmarks/results/pallas_tiles.json (or
 --out) with every timing and the fastest tiling per case.
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import experts
-from expertd.kernels.experts_pallas import PallasTiles, grouped_ffn_pallas
+from expertd.kernels.experts_pallas import PallasTiles, default_tiles, gpu_compute_capability, grouped_ffn_pallas
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import dense_matmul_rate, write_results  # noqa: E402
@@ -70,6 +75,50 @@ def median_seconds(fn, args, reps: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def parse_tiling(spec: str) -> tuple[int, PallasTiles]:
+    """'block_m,block_n,block_k,num_warps,num_stages' -> (block_m, PallasTiles)."""
+    try:
+        m, n, kk, w, st = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a tiling is block_m,block_n,block_k,num_warps,num_stages, got {spec!r}") from None
+    return m, PallasTiles(block_n=n, block_k=kk, num_warps=w, num_stages=st)
+
+
+def confirm_case(e, k, h, i, family, t, candidates, rounds, reps, interpret):
+    """The default tiling and `candidates` timed in alternation: per candidate its time over the
+    default's in each round."""
+    args = case_inputs(e, k, h, i, t)
+    flops = 2 * 3 * t * k * h * i
+    fns = {"default": jax.jit(lambda *a: grouped_ffn_pallas(*a, interpret=interpret))}
+    for block_m, tiles in candidates:
+        name = f"{block_m},{tiles.block_n},{tiles.block_k},{tiles.num_warps},{tiles.num_stages}"
+        fns[name] = jax.jit(lambda *a, m=block_m, tl=tiles: grouped_ffn_pallas(*a, block_m=m, tiles=tl,
+                                                                                interpret=interpret))
+    reference = np.asarray(fns["default"](*args), np.float32)
+    scale = float(np.abs(reference).max()) or 1.0
+    errors = {name: float(np.abs(np.asarray(fn(*args), np.float32) - reference).max()) / scale
+              for name, fn in fns.items()}
+    seconds = {name: [] for name in fns}
+    for r in range(rounds):
+        order = list(fns) if r % 2 == 0 else list(fns)[::-1]
+        for name in order:
+            seconds[name].append(median_seconds(fns[name], args, reps))
+    rows = [dict(tiling=name, seconds=seconds[name], err_per_scale=errors[name],
+                 tflop_per_s=flops / statistics.median(seconds[name]) / 1e12,
+                 ratio_to_default=[s / d for s, d in zip(seconds[name], seconds["default"])]) for name in fns]
+    return dict(family=family, E=e, k=k, H=h, I=i, T=t, rounds=rounds, rows=rows)
+
+
+def print_confirm(case) -> None:
+    print(f"\n{case['family']} E={case['E']} k={case['k']} T={case['T']}, {case['rounds']} rounds alternating")
+    print(f"{'tiling':>18} {'ms (median)':>11} {'TFLOP/s':>8} {'x default (range)':>18} {'err':>8}")
+    for r in case["rows"]:
+        ratios = r["ratio_to_default"]
+        print(f"{r['tiling']:>18} {statistics.median(r['seconds']) * 1e3:>11.3f} {r['tflop_per_s']:>8.1f} "
+              f"{min(ratios):>8.2f}-{max(ratios):<9.2f} {r['err_per_scale']:>8.1e}")
 
 
 def run_case(e, k, h, i, family, t, quick, reps, interpret, dense_rate):
@@ -128,6 +177,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4-8 tilings per case instead of 32-48")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape in interpret mode (runs on CPU)")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per tiling (median)")
+    parser.add_argument("--confirm", type=parse_tiling, nargs="+", default=None, metavar="M,N,K,WARPS,STAGES",
+                        help="time these tilings against the default in alternation instead of the sweep")
+    parser.add_argument("--rounds", type=int, default=5, help="--confirm: alternating rounds")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
@@ -137,8 +189,16 @@ def main(argv=None) -> int:
     reps = 2 if args.smoke else args.reps
     dense_rate = dense_matmul_rate() if on_gpu else None
     print(f"jax {jax.__version__} on {jax.default_backend()}: {jax.devices()}"
-          + (f"; dense bf16 {dense_rate / 1e12:.0f} TFLOP/s" if dense_rate else ""))
+          + (f"; dense bf16 {dense_rate / 1e12:.0f} TFLOP/s" if dense_rate else "")
+          + f"; default tiles at block_m 64: {default_tiles(64, gpu_compute_capability())}")
     cases = []
+    if args.confirm:
+        for (e, k, h, i, family), t in itertools.product(shapes, tokens):
+            cases.append(confirm_case(e, k, h, i, family, t, args.confirm, args.rounds, reps, not on_gpu))
+            print_confirm(cases[-1])
+            sys.stdout.flush()
+        write_results(args.out, "pallas_tiles_confirm", cases, complete=True)
+        return 1 if any(r["err_per_scale"] > BF16_TOLERANCE for c in cases for r in c["rows"]) else 0
     for (e, k, h, i, family), t in itertools.product(shapes, tokens):
         cases.append(run_case(e, k, h, i, family, t, args.quick or args.smoke, reps, not on_gpu, dense_rate))
         print_case(cases[-1])

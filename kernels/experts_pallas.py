@@ -18,7 +18,9 @@ With per-expert biases kernel 1 takes the gate / up biases as two more whole-arr
 Tiles (`PallasTiles`): the output tile's columns `block_n` and the contraction step `block_k` are
 caps (the largest power of two <= the cap dividing the dimension is used), with Triton's warps per
 program and software-pipelining stages; `block_m` rows per tile. Every choice computes the same
-function; `benchmarks/pallas_tiles.py` times them on a GPU.
+function; `benchmarks/pallas_tiles.py` times them on a GPU. Unless told, the layer runs
+`default_tiles(block_m, the GPU's compute capability)`: `HOPPER_TILES` for row tiles of 64
+rows on Hopper (compute capability 9.x), `PallasTiles()` elsewhere.
 """
 from __future__ import annotations
 
@@ -58,6 +60,28 @@ class PallasTiles:
 
 def _power_of_two(value: int, least: int) -> bool:
     return value >= least and value & (value - 1) == 0
+
+
+HOPPER_TILES = PallasTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)
+# Chosen on an H100 (pallas_tiles.py's sweep, then --confirm in alternation; BENCHMARKS.md "On GPUs"):
+# with 64-row tiles, faster than PallasTiles() at every measured shape from 1024 tokens, most at
+# 16384. Three stages of kernel 1's tiles (x 64 x 64, gate and up 64 x 256, bf16) take 216 KB of
+# shared memory a block: Hopper has 227 KB, older GPUs less; 128-row tiles do not fit.
+
+
+def default_tiles(block_m: int, compute_capability: str | None) -> PallasTiles:
+    """The tiles the layer runs for row tiles of `block_m` rows on a GPU of `compute_capability`
+    ("9.0"; None when not compiling for a GPU): HOPPER_TILES for block_m 64 on 9.x, else the
+    defaults (small row tiles and other GPUs were not measured against them)."""
+    if block_m == 64 and compute_capability is not None and compute_capability.split(".")[0] == "9":
+        return HOPPER_TILES
+    return PallasTiles()
+
+
+def gpu_compute_capability() -> str | None:
+    """The default device's CUDA compute capability ("9.0"), None off CUDA GPUs."""
+    device = jax.devices()[0]
+    return getattr(device, "compute_capability", None) if device.platform == "gpu" else None
 
 
 def _pow2_block(dim: int, cap: int) -> int:
@@ -140,21 +164,23 @@ def tile_layout(group_sizes, num_rows: int, block_m: int):
 
 
 def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None, block_m=None,
-                       tiles: PallasTiles = PallasTiles(), interpret=None):
+                       tiles: PallasTiles | None = None, interpret=None):
     """Pallas grouped gated MLP; same contract as `experts.grouped_ffn` (xs [N, H] -> [N, H]).
-    `block_m` (rows per tile, a power of two >= 16; default by rows per expert) and `tiles` choose
-    the tiling, never the result."""
+    `block_m` (rows per tile, a power of two >= 16; default by rows per expert) and `tiles` (default
+    `default_tiles`) choose the tiling, never the result."""
     check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
     n, h = xs.shape
     e, _, inter = w_gate.shape
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    block_k_h, block_k_i = _pow2_block(h, tiles.block_k), _pow2_block(inter, tiles.block_k)
-    block_n_i, block_n_h = _pow2_block(inter, tiles.block_n), _pow2_block(h, tiles.block_n)
     if block_m is None:  # small tiles when experts get few rows (decode), else larger ones
         block_m = 16 if n <= 16 * e else 64
     if not _power_of_two(block_m, MIN_BLOCK):
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK}, got {block_m}")
+    if tiles is None:
+        tiles = default_tiles(block_m, None if interpret else gpu_compute_capability())
+    block_k_h, block_k_i = _pow2_block(h, tiles.block_k), _pow2_block(inter, tiles.block_k)
+    block_n_i, block_n_h = _pow2_block(inter, tiles.block_n), _pow2_block(h, tiles.block_n)
     dest, tile_expert, tiled_rows = tile_layout(group_sizes, n, block_m)
     expert, valid = row_experts(group_sizes, n)
     dest = jnp.where(valid, dest, tiled_rows)  # invalid rows (maybe NaN garbage) are never read

@@ -2,7 +2,8 @@
 on CPU (quick grid), imports the package the way the GPU machine does (links on PYTHONPATH, no
 install) and finds every backend within the oracle's tolerance; its engine step (one short round)
 times every way of the step cycle; its tiles step (the smoke shape, interpreted) checks and times
-every tiling."""
+every tiling; its semantics step splits the families over processes and sums them up; several
+steps in one call leave one archive."""
 import json
 import os
 import pathlib
@@ -50,3 +51,39 @@ def test_gpu_session_engine_step_times_every_way_on_cpu(tmp_path):
     for row in result["rows"]:
         assert set(row["step_us"]) == ways and all(t > 0 for t in row["step_us"].values())
         assert row["ratio_to_device_put_device_get"]["device_put+device_get"] == 1.0
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_semantics_step_splits_families_over_processes(tmp_path):
+    import tarfile
+
+    env = dict(SEMANTICS_FAMILIES="llama4 ernie4_5_moe", SEMANTICS_JOBS="2", TILES_ARGS="--smoke")
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "semantics", "tiles"],
+                         env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu",
+                              **env}, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu_steps.tgz"]  # several steps: one archive
+    with tarfile.open(tmp_path / "gpu_steps.tgz") as archive:
+        archive.extractall(tmp_path / "steps", filter="data")
+    rows = [json.loads((tmp_path / "steps" / f"gpu_check_semantics_{i}.json").read_text())["rows"] for i in (0, 1)]
+    assert [{r["family"] for r in part} for part in rows] == [{"llama4"}, {"ernie4_5_moe"}]
+    cases = len(rows[0]) + len(rows[1])
+    assert f"semantics: {cases} of {cases} cases within tolerance" in run.stdout
+    assert (tmp_path / "steps" / "pallas_tiles.json").exists()
+
+
+def test_pallas_tiles_confirm_times_named_tilings_against_the_default_in_alternation(tmp_path):
+    out = tmp_path / "confirm.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pallas_tiles.py"), "--smoke", "--rounds", "2",
+                          "--confirm", "16,32,16,8,3", "32,16,16,4,2", "--out", str(out)],
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["rows"]
+    assert [r["tiling"] for r in case["rows"]] == ["default", "16,32,16,8,3", "32,16,16,4,2"]
+    for r in case["rows"]:
+        assert len(r["seconds"]) == 2 and r["err_per_scale"] <= 3e-2
+        assert r["ratio_to_default"] == pytest.approx([s / d for s, d in zip(r["seconds"], case["rows"][0]["seconds"])])
+    script = str(ROOT / "benchmarks" / "pallas_tiles.py")
+    bad = subprocess.run([sys.executable, script, "--smoke", "--confirm", "16,32"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "block_m,block_n,block_k,num_warps,num_stages" in bad.stderr

@@ -243,7 +243,8 @@ def test_pallas_kernel_lowers_to_triton_for_gpu():
 
 
 @pytest.mark.parametrize("block_m, tiles", [(16, dict(block_n=16, block_k=16, num_warps=8, num_stages=3)),
-                                             (32, dict(block_n=32, block_k=32, num_warps=4, num_stages=4))])
+                                             (32, dict(block_n=32, block_k=32, num_warps=4, num_stages=4)),
+                                             (64, dict(block_n=256, block_k=64, num_warps=8, num_stages=3))])
 def test_every_pallas_tiling_computes_the_same_function(block_m, tiles):
     from expertd.kernels.experts_pallas import PallasTiles, grouped_ffn_pallas
 
@@ -276,6 +277,31 @@ def test_pallas_tiles_are_checked_and_lower_to_triton():
     assert text.count("__gpu$xla.gpu.triton") == 2
     assert "num_warps = 8 : i32" in text and "num_stages = 4 : i32" in text  # the launch parameters reach Triton
     assert "num_warps = 4 : i32" not in text
+
+
+def test_default_tiles_are_hoppers_only_on_hopper_with_64_row_tiles():
+    from expertd.kernels.experts_pallas import HOPPER_TILES, PallasTiles, default_tiles
+
+    assert HOPPER_TILES != PallasTiles()
+    assert default_tiles(64, "9.0") == HOPPER_TILES
+    assert default_tiles(16, "9.0") == default_tiles(32, "9.0") == PallasTiles()  # decode tiles: unmeasured
+    assert default_tiles(128, "9.0") == PallasTiles()  # a 128-row tile with HOPPER_TILES exceeds shared memory
+    for other in ("8.0", "8.9", "10.0", "12.0", None):  # less shared memory, or not measured
+        assert default_tiles(64, other) == PallasTiles()
+
+
+def test_the_default_tiles_reach_triton():
+    """With no tiles given, the kernels lower with default_tiles' launch parameters for the device
+    compiled for (here no GPU: PallasTiles())."""
+    pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    from expertd.kernels.experts_pallas import PallasTiles, gpu_compute_capability, grouped_ffn_pallas
+
+    assert gpu_compute_capability() is None  # the suite runs on CPU
+    xs, gs, wg, wu, wd = make_inputs(5, np.array([30, 0, 100, 70, 120]), jnp.bfloat16)
+    fn = jax.jit(lambda *a: grouped_ffn_pallas(*a, interpret=False))
+    text = fn.trace(xs, gs, wg, wu, wd).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"num_warps = {PallasTiles().num_warps} : i32" in text
+    assert f"num_stages = {PallasTiles().num_stages} : i32" in text
 
 
 def test_bad_arguments_are_named():
