@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     dense_rate = dense_matmul_rate() if on_gpu else None
     print(f"jax {jax.__version__} on {jax.default_backend()}: {jax.devices()}"
           + (f"; dense bf16 {dense_rate / 1e12:.0f} TFLOP/s" if dense_rate else "")
-          + f"; default tiles at block_m 64: {default_tiles(64, gpu_compute_capability())}")
+          + f"; default bf16 tiles at block_m 64: {default_tiles(64, 2, gpu_compute_capability())}")
     cases = []
     if args.confirm:
         for (e, k, h, i, family), t in itertools.product(shapes, tokens):

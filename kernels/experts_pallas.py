@@ -19,8 +19,8 @@ Tiles (`PallasTiles`): the output tile's columns `block_n` and the contraction s
 caps (the largest power of two <= the cap dividing the dimension is used), with Triton's warps per
 program and software-pipelining stages; `block_m` rows per tile. Every choice computes the same
 function; `benchmarks/pallas_tiles.py` times them on a GPU. Unless told, the layer runs
-`default_tiles(block_m, the GPU's compute capability)`: `HOPPER_TILES` for row tiles of 64
-rows on Hopper (compute capability 9.x), `PallasTiles()` elsewhere.
+`default_tiles(block_m, element size, the GPU's compute capability)`: `HOPPER_TILES` for
+64-row tiles of bf16 / fp16 on Hopper (compute capability 9.x), `PallasTiles()` elsewhere.
 """
 from __future__ import annotations
 
@@ -63,19 +63,20 @@ def _power_of_two(value: int, least: int) -> bool:
 
 
 HOPPER_TILES = PallasTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)
-# Chosen on an H100 (pallas_tiles.py's sweep, then --confirm in alternation; BENCHMARKS.md "On GPUs"):
-# with 64-row tiles, faster than PallasTiles() at every measured shape from 1024 tokens, most at
-# 16384. Three stages of kernel 1's tiles (x 64 x 64, gate and up 64 x 256, bf16) take 216 KB of
-# shared memory a block: Hopper has 227 KB, older GPUs less; 128-row tiles do not fit.
+# Chosen on an H100 for bf16 (pallas_tiles.py's sweep, then --confirm in alternation; BENCHMARKS.md
+# "On GPUs"): with 64-row tiles, faster than PallasTiles() at every measured shape from 1024 tokens,
+# most at 16384. Three stages of kernel 1's tiles (x 64 x 64, gate and up 64 x 256, 2 bytes each)
+# take 216 KB of shared memory a block: Hopper has 227 KB, older GPUs less; 128-row tiles or 4-byte
+# elements would not fit.
 
 
-def default_tiles(block_m: int, compute_capability: str | None) -> PallasTiles:
-    """The tiles the layer runs for row tiles of `block_m` rows on a GPU of `compute_capability`
-    ("9.0"; None when not compiling for a GPU): HOPPER_TILES for block_m 64 on 9.x, else the
-    defaults (small row tiles and other GPUs were not measured against them)."""
-    if block_m == 64 and compute_capability is not None and compute_capability.split(".")[0] == "9":
-        return HOPPER_TILES
-    return PallasTiles()
+def default_tiles(block_m: int, itemsize: int, compute_capability: str | None) -> PallasTiles:
+    """The tiles the layer runs for row tiles of `block_m` rows of `itemsize`-byte elements on a
+    GPU of `compute_capability` ("9.0"; None when not compiling for a GPU): HOPPER_TILES for 64-row
+    tiles of 2-byte elements (bf16, fp16) on 9.x; else the defaults (what HOPPER_TILES would not
+    fit, and what was not measured against them)."""
+    hopper = compute_capability is not None and compute_capability.split(".")[0] == "9"
+    return HOPPER_TILES if hopper and block_m == 64 and itemsize == 2 else PallasTiles()
 
 
 def gpu_compute_capability() -> str | None:
@@ -178,7 +179,8 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
     if not _power_of_two(block_m, MIN_BLOCK):
         raise ValueError(f"block_m must be a power of two >= {MIN_BLOCK}, got {block_m}")
     if tiles is None:
-        tiles = default_tiles(block_m, None if interpret else gpu_compute_capability())
+        itemsize = max(a.dtype.itemsize for a in (xs, w_gate, w_up, w_down))  # the widest tile decides
+        tiles = default_tiles(block_m, itemsize, None if interpret else gpu_compute_capability())
     block_k_h, block_k_i = _pow2_block(h, tiles.block_k), _pow2_block(inter, tiles.block_k)
     block_n_i, block_n_h = _pow2_block(inter, tiles.block_n), _pow2_block(h, tiles.block_n)
     dest, tile_expert, tiled_rows = tile_layout(group_sizes, n, block_m)

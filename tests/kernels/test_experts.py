@@ -279,15 +279,16 @@ def test_pallas_tiles_are_checked_and_lower_to_triton():
     assert "num_warps = 4 : i32" not in text
 
 
-def test_default_tiles_are_hoppers_only_on_hopper_with_64_row_tiles():
+def test_default_tiles_are_hoppers_only_on_hopper_with_64_row_tiles_of_two_byte_elements():
     from expertd.kernels.experts_pallas import HOPPER_TILES, PallasTiles, default_tiles
 
     assert HOPPER_TILES != PallasTiles()
-    assert default_tiles(64, "9.0") == HOPPER_TILES
-    assert default_tiles(16, "9.0") == default_tiles(32, "9.0") == PallasTiles()  # decode tiles: unmeasured
-    assert default_tiles(128, "9.0") == PallasTiles()  # a 128-row tile with HOPPER_TILES exceeds shared memory
+    assert default_tiles(64, 2, "9.0") == HOPPER_TILES
+    assert default_tiles(16, 2, "9.0") == default_tiles(32, 2, "9.0") == PallasTiles()  # decode tiles: unmeasured
+    assert default_tiles(128, 2, "9.0") == PallasTiles()  # a 128-row tile with HOPPER_TILES exceeds shared memory
+    assert default_tiles(64, 4, "9.0") == PallasTiles()  # so would float32 elements
     for other in ("8.0", "8.9", "10.0", "12.0", None):  # less shared memory, or not measured
-        assert default_tiles(64, other) == PallasTiles()
+        assert default_tiles(64, 2, other) == PallasTiles()
 
 
 def test_the_default_tiles_reach_triton():
