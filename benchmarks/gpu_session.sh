@@ -17,7 +17,8 @@
 #                                           # tilings per shape (TILES_ARGS=--quick: a short grid)
 #   bash benchmarks/gpu_session.sh semantics  # gpu_check.py's semantic families (issue 25; or those in
 #                                           # SEMANTICS_FAMILIES), split over SEMANTICS_JOBS (3)
-#                                           # processes at once; one summary line
+#                                           # processes at once (SEMANTICS_ARGS=--quick: the smaller
+#                                           # point); one summary line
 #   bash benchmarks/gpu_session.sh floor    # benchmarks/python_floor.py (expertd, bare, bare-batched;
 #                                           # the engine on the host's CPU): the thin hop on its cores
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
@@ -85,7 +86,8 @@ print(" ".join(oracle.SEMANTIC_FAMILIES))')}
     for ((j = i; j < ${#families[@]}; j += jobs)); do mine+=("${families[j]}"); done
     [ ${#mine[@]} -eq 0 ] && continue
     (IFS=,; XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SEMANTICS_TIMEOUT:-420}" $PY benchmarks/gpu_check.py \
-       --families "${mine[*]}" --out "$OUT/gpu_check_semantics_$i.json" > "$OUT/gpu_check_semantics_$i.log" 2>&1) &
+       --families "${mine[*]}" ${SEMANTICS_ARGS:-} --out "$OUT/gpu_check_semantics_$i.json" \
+       > "$OUT/gpu_check_semantics_$i.log" 2>&1) &
     pids+=($!)
   done
   for i in "${pids[@]}"; do wait "$i" || status=1; done

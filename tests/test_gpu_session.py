@@ -57,7 +57,8 @@ def test_gpu_session_engine_step_times_every_way_on_cpu(tmp_path):
 def test_gpu_session_semantics_step_splits_families_over_processes(tmp_path):
     import tarfile
 
-    env = dict(SEMANTICS_FAMILIES="llama4 ernie4_5_moe", SEMANTICS_JOBS="2", TILES_ARGS="--smoke")
+    env = dict(SEMANTICS_FAMILIES="llama4 ernie4_5_moe", SEMANTICS_JOBS="2", SEMANTICS_ARGS="--quick",
+               TILES_ARGS="--smoke")
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "semantics", "tiles"],
                          env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu",
                               **env}, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -67,6 +68,7 @@ def test_gpu_session_semantics_step_splits_families_over_processes(tmp_path):
         archive.extractall(tmp_path / "steps", filter="data")
     rows = [json.loads((tmp_path / "steps" / f"gpu_check_semantics_{i}.json").read_text())["rows"] for i in (0, 1)]
     assert [{r["family"] for r in part} for part in rows] == [{"llama4"}, {"ernie4_5_moe"}]
+    assert {(r["E"], r["k"], r["T"]) for part in rows for r in part} == {(8, 2, 64)}  # SEMANTICS_ARGS reached it
     cases = len(rows[0]) + len(rows[1])
     assert f"semantics: {cases} of {cases} cases within tolerance" in run.stdout
     assert (tmp_path / "steps" / "pallas_tiles.json").exists()
