@@ -77,6 +77,17 @@ def median_seconds(fn, args, reps: int) -> float:
     return statistics.median(times)
 
 
+def tiled_ffn(block_m, tiles, interpret):
+    """`grouped_ffn_pallas` jitted at one tiling (None, None: the layer's own choice)."""
+    return jax.jit(lambda *a: grouped_ffn_pallas(*a, block_m=block_m, tiles=tiles, interpret=interpret))
+
+
+def error_per_scale(out, reference) -> float:
+    """The largest difference from `reference` (the default tiling's output) over its scale."""
+    reference = np.asarray(reference, np.float32)
+    return float(np.abs(np.asarray(out, np.float32) - reference).max()) / (float(np.abs(reference).max()) or 1.0)
+
+
 def parse_tiling(spec: str) -> tuple[int, PallasTiles]:
     """'block_m,block_n,block_k,num_warps,num_stages' -> (block_m, PallasTiles)."""
     try:
@@ -92,15 +103,12 @@ def confirm_case(e, k, h, i, family, t, candidates, rounds, reps, interpret):
     default's in each round."""
     args = case_inputs(e, k, h, i, t)
     flops = 2 * 3 * t * k * h * i
-    fns = {"default": jax.jit(lambda *a: grouped_ffn_pallas(*a, interpret=interpret))}
+    fns = {"default": tiled_ffn(None, None, interpret)}
     for block_m, tiles in candidates:
         name = f"{block_m},{tiles.block_n},{tiles.block_k},{tiles.num_warps},{tiles.num_stages}"
-        fns[name] = jax.jit(lambda *a, m=block_m, tl=tiles: grouped_ffn_pallas(*a, block_m=m, tiles=tl,
-                                                                                interpret=interpret))
-    reference = np.asarray(fns["default"](*args), np.float32)
-    scale = float(np.abs(reference).max()) or 1.0
-    errors = {name: float(np.abs(np.asarray(fn(*args), np.float32) - reference).max()) / scale
-              for name, fn in fns.items()}
+        fns[name] = tiled_ffn(block_m, tiles, interpret)
+    reference = fns["default"](*args)
+    errors = {name: error_per_scale(fn(*args), reference) for name, fn in fns.items()}
     seconds = {name: [] for name in fns}
     for r in range(rounds):
         order = list(fns) if r % 2 == 0 else list(fns)[::-1]
@@ -124,17 +132,15 @@ def print_confirm(case) -> None:
 def run_case(e, k, h, i, family, t, quick, reps, interpret, dense_rate):
     args = case_inputs(e, k, h, i, t)
     flops = 2 * 3 * t * k * h * i
-    default = jax.jit(lambda *a: grouped_ffn_pallas(*a, interpret=interpret))
-    reference = np.asarray(default(*args), np.float32)
-    scale = float(np.abs(reference).max()) or 1.0
+    default = tiled_ffn(None, None, interpret)
+    reference = default(*args)
     base_s = median_seconds(default, args, reps)
     rows = []
     for block_m, tiles in tilings(t * k / e, quick):
-        fn = jax.jit(lambda *a, m=block_m, tl=tiles: grouped_ffn_pallas(*a, block_m=m, tiles=tl, interpret=interpret))
+        fn = tiled_ffn(block_m, tiles, interpret)
         row = dict(block_m=block_m, **{f: getattr(tiles, f) for f in ("block_n", "block_k", "num_warps", "num_stages")})
         try:
-            out = np.asarray(fn(*args), np.float32)
-            row["err_per_scale"] = float(np.abs(out - reference).max()) / scale
+            row["err_per_scale"] = error_per_scale(fn(*args), reference)
             row["seconds"] = median_seconds(fn, args, reps)
         except Exception as err:  # a tiling this GPU cannot run (shared memory, registers): recorded
             row["error"] = f"{type(err).__name__}: {err}"[:300]
