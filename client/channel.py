@@ -328,11 +328,8 @@ class ClientBase:
 
     def _refused_here(self, attempt: int) -> errors.ThrottledError | None:
         """The error of a first attempt (``attempt`` 0) this client refuses itself (client-side
-        throttling), or None: send it. Retries always go out, counted."""
-        if self._throttle is None:
-            return None
-        if attempt > 0:
-            self._throttle.count()
+        throttling), or None: send it. Retries always go out (counted when answered)."""
+        if self._throttle is None or attempt > 0:
             return None
         return None if self._throttle.allow() else self._throttle.refusal()
 

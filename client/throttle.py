@@ -3,9 +3,11 @@ room, the client refuses some of them itself, so that the server's cores go to t
 answers rather than to refusing the surplus (the client-side throttling of the Google SRE book,
 "Handling Overload"). docs/overload.md has the measurements.
 
-Each client counts, over the last ``window_s`` seconds, the attempts it made (``requests``: the
-ones it refused itself included) and the attempts the server did not refuse with
-RESOURCE_EXHAUSTED (``accepts``). A call's first attempt is refused here with probability
+Each client counts, over the last ``window_s`` seconds, its attempts whose outcome is known
+(``requests``: those the server answered, and those refused here) and the attempts the server did
+not refuse with RESOURCE_EXHAUSTED (``accepts``). Attempts still in flight are not counted: a burst
+of concurrent first calls would otherwise look like a server that accepts none of them. A call's
+first attempt is refused here with probability
 
     min(max_probability, max(0, (requests - k * accepts) / (requests + 1)))
 
@@ -63,10 +65,10 @@ DEFAULT_THROTTLE = Throttle()  # immutable: one instance serves every client's d
 
 
 class AdaptiveThrottle:
-    """One client's counts and decisions. ``allow()`` before a call's first attempt, ``count()``
-    before each retry, then ``accepted()`` or ``refused(retry_delay)`` after each attempt the server
-    answered (accepted: anything but RESOURCE_EXHAUSTED). Safe from any thread; clients given the
-    same instance (``throttle=``) share their counts."""
+    """One client's counts and decisions. ``allow()`` before a call's first attempt (it counts the
+    attempts it refuses), then ``accepted()`` or ``refused(retry_delay)`` after each attempt the
+    server answered, retries included (accepted: anything but RESOURCE_EXHAUSTED). Safe from any
+    thread; clients given the same instance (``throttle=``) share their counts."""
 
     def __init__(self, settings: Throttle = DEFAULT_THROTTLE, *, clock=time.monotonic, rand=random.random):
         self.settings = settings
@@ -93,32 +95,34 @@ class AdaptiveThrottle:
         return slot
 
     def allow(self) -> bool:
-        """Count a first attempt; False when this client refuses it itself."""
+        """Whether to send a first attempt; False (counted) when this client refuses it itself."""
         with self._lock:
             slot = self._slot()  # what left the window is forgotten first
             refuse = self._total_requests - self.settings.k * self._total_accepts
             probability = min(refuse / (self._total_requests + 1), self.settings.max_probability) \
                 if refuse > 0 and self._total_requests >= self.settings.min_requests else 0.0
-            self._requests[slot] += 1
-            self._total_requests += 1
-        return probability <= 0.0 or self._rand() >= probability
+            sent = probability <= 0.0 or self._rand() >= probability
+            if not sent:
+                self._requests[slot] += 1
+                self._total_requests += 1
+        return sent
 
-    def count(self) -> None:
-        """Count an attempt that goes out whatever the counts say (a retry)."""
+    def refused(self, retry_delay: float | None) -> None:
+        """Count an attempt the server refused (RESOURCE_EXHAUSTED) and note its RetryInfo delay
+        (given to the refusals here)."""
         with self._lock:
             slot = self._slot()
             self._requests[slot] += 1
             self._total_requests += 1
-
-    def refused(self, retry_delay: float | None) -> None:
-        """Note the server's RetryInfo delay of an attempt it refused (given to the refusals here)."""
         if retry_delay is not None:
             self._retry_delay = retry_delay
 
     def accepted(self) -> None:
-        """Count an attempt the server answered (with anything but RESOURCE_EXHAUSTED)."""
+        """Count an attempt the server answered with anything but RESOURCE_EXHAUSTED."""
         with self._lock:
             slot = self._slot()
+            self._requests[slot] += 1
+            self._total_requests += 1
             self._accepts[slot] += 1
             self._total_accepts += 1
 

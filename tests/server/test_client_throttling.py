@@ -41,13 +41,33 @@ def _throttle(k=2.0, window_s=10.0, rand=0.0, max_probability=0.9, min_requests=
     return AdaptiveThrottle(settings, clock=clock, rand=lambda: rand), clock
 
 
+def _server_refuses(throttle: AdaptiveThrottle) -> bool:
+    """One first attempt the server refuses when it is sent; whether it was sent."""
+    sent = throttle.allow()
+    if sent:
+        throttle.refused(None)
+    return sent
+
+
 def test_nothing_is_refused_while_the_server_accepts_at_least_one_call_in_k():
     throttle, _clock = _throttle(k=2.0, rand=0.0)  # rand 0: any positive probability refuses
     for n in range(200):
         assert throttle.allow()
         if n % 2 == 0:
             throttle.accepted()  # exactly half accepted: requests - 2 * accepts <= 0 throughout
+        else:
+            throttle.refused(None)
     assert throttle.counts() == (200, 100)
+
+
+def test_attempts_in_flight_are_not_judged():
+    """A burst of concurrent first calls, none answered yet, is all sent: their outcome is unknown."""
+    throttle, _clock = _throttle(k=2.0, rand=0.0, min_requests=20)
+    assert all(throttle.allow() for _ in range(64))
+    assert throttle.counts() == (0, 0)
+    for _ in range(64):
+        throttle.accepted()
+    assert throttle.counts() == (64, 64) and throttle.allow()
 
 
 @pytest.mark.parametrize("requests,accepts,k", [(10, 0, 2.0), (100, 25, 2.0), (100, 40, 2.0), (60, 10, 3.0),
@@ -55,11 +75,10 @@ def test_nothing_is_refused_while_the_server_accepts_at_least_one_call_in_k():
 def test_an_attempt_is_refused_with_the_sre_probability_up_to_the_cap(requests, accepts, k):
     want = min(0.9, max(0.0, (requests - k * accepts) / (requests + 1)))
     for rand, refused in ((want - 1e-9, True), (want + 1e-9, False)):
-        throttle, _clock = _throttle(k=k, max_probability=0.9)
+        throttle, _clock = _throttle(k=k, max_probability=0.9, rand=1.0)  # every attempt sent while counting
         for n in range(requests):
-            throttle.allow()
-            if n < accepts:
-                throttle.accepted()
+            assert throttle.allow()
+            throttle.accepted() if n < accepts else throttle.refused(None)
         throttle._rand = lambda rand=rand: rand
         assert throttle.allow() is not refused, (rand, want)
 
@@ -67,28 +86,29 @@ def test_an_attempt_is_refused_with_the_sre_probability_up_to_the_cap(requests, 
 def test_refusals_stop_as_accepts_return_and_old_counts_leave_the_window():
     throttle, clock = _throttle(window_s=10.0, rand=0.0)
     for _ in range(50):
-        throttle.allow()  # all refused by the server: nothing accepted
+        _server_refuses(throttle)  # nothing accepted
     assert not throttle.allow()
     clock.now += 10.0 / BUCKETS  # one bucket on: the refusals are still in the window
     assert not throttle.allow()
     clock.now += 10.0  # a whole window on: forgotten
-    assert throttle.allow() and throttle.counts() == (1, 0)
+    assert throttle.counts() == (0, 0) and throttle.allow()
+    throttle.refused(None)
     for _ in range(30):
-        throttle.allow()
+        _server_refuses(throttle)
     assert not throttle.allow()
-    for _ in range(16):  # the server accepts again: accepts catch up
+    for _ in range(33):  # the server accepts again (retries): accepts catch up with half the attempts
         throttle.accepted()
     assert throttle.allow()
 
 
 def test_nothing_is_refused_before_the_window_holds_min_requests():
     throttle, _clock = _throttle(min_requests=20)
-    assert all(throttle.allow() for _ in range(20))  # 20 refused by the server: still sent
+    assert all(_server_refuses(throttle) for _ in range(20))  # 20 refused by the server: still sent
     assert not throttle.allow()
     throttle, _clock = _throttle(min_requests=20)
     for _ in range(19):
-        throttle.count()  # retries are counted (and never refused)
-    assert throttle.allow() and not throttle.allow()
+        throttle.refused(None)  # retries' refusals are counted too (retries are never refused here)
+    assert _server_refuses(throttle) and not throttle.allow()
 
 
 @pytest.mark.parametrize("rate", [50, 1000])
@@ -115,8 +135,9 @@ def test_refusals_stop_within_two_windows_of_the_server_recovering(rate):
 def test_some_attempts_always_go_out():
     throttle, _clock = _throttle(rand=0.95, max_probability=0.9)
     for _ in range(1000):
-        throttle.allow()
-    assert throttle.allow()  # refused with probability 0.9 at most, however many were refused
+        _server_refuses(throttle)
+    # refused with probability 0.9 at most, however many were refused
+    assert throttle.counts() == (1000, 0) and throttle.allow()
 
 
 def test_buckets_leave_the_window_one_at_a_time():
@@ -144,8 +165,8 @@ def test_bad_settings_name_the_field(field, value, message):
 
 def test_the_refusal_is_a_resource_exhausted_error_that_says_why_with_the_servers_delay():
     throttle, _clock = _throttle()
-    for _ in range(9):
-        throttle.allow()
+    for _ in range(8):
+        _server_refuses(throttle)
     throttle.accepted()
     error = throttle.refusal()
     assert isinstance(error, ResourceExhaustedError) and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -272,11 +293,11 @@ def test_a_call_refused_here_is_retried_after_the_servers_delay_and_answered(bus
             assert here.value.retry_delay == by_server.value.retry_delay  # the server's hint
             assert _refused_by_server(registry) >= 1
         assert shared.counts() == (2, 0)
-        shared.refused(0.05)  # as a later refusal's hint would (the one above covers the fixture's 30 s gather)
+        shared.refused(0.05)  # a later refusal and its hint (the one above covers the fixture's 30 s gather)
         started = time.monotonic()
         assert retrying.forward(x, layer=1).shape == (ROWS, 64)  # refused here, then retried and answered
         assert time.monotonic() - started >= 0.05
-        assert shared.counts() == (4, 1)
+        assert shared.counts() == (5, 1)
 
 
 def test_the_load_test_never_throttles_itself():
