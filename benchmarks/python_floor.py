@@ -1,5 +1,5 @@
 """The thin hop's floor in Python: expertd's server against the least a Python gRPC tensor handler does,
-and against a native front end.
+and against its native Forward port.
 
 Issue 26's thin-hop goals compare a single-token Forward with a bare ``grpc.health.v1`` Check on
 the same server: Forward p50 minus the step's over the Check p50 (goal <= 1.3) and 64 callers'
@@ -12,11 +12,10 @@ against three servers, each in its own process, all on grpc.aio with uvloop and 
   engine step inline on the event loop and encodes the answer: no admission, batching, metrics,
   interceptors, auth or error mapping.
 - ``bare-batched``: the same, with the requests of one loop turn merged into one inline step.
-- ``native``: no Python handler at all: gRPC C++ (its callback API and default health service)
-  checks each Forward and queues it; one Python thread takes what is queued as one batch, runs the
-  step and hands the output back (``benchmarks/native_front/front.cc``, built here on first use
-  with Debian's ``libgrpc++-dev`` and ``protobuf-compiler-grpc``; left out, with the reason, where
-  they are missing). What moving the tensor methods' per-call work out of Python would give.
+- ``expertd-native``: the real server's native Forward port (``--native-port``; the load, Check
+  included, goes to that port): gRPC C++ checks and queues each Forward, Python runs once per batch
+  through the same batcher (``expertd.server.native_front``; built on first use with the system's
+  libgrpc++, left out with the reason where it cannot be built).
 
 Load: one process per measurement, C callers on one channel sending a prepared request (a raw stub
 for Forward, so no client library's cost is in it), warm-up then ``--duration`` s. Servers and
@@ -42,9 +41,7 @@ import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "python_floor.json"
 BUCKETS = (1, 16, 64, 256)
-SERVERS = ("expertd", "bare", "bare-batched", "native")
-NATIVE_SOURCE = pathlib.Path(__file__).resolve().parent / "native_front" / "front.cc"
-PROTO_ROOT = pathlib.Path(__file__).resolve().parents[1] / "proto"
+SERVERS = ("expertd", "bare", "bare-batched", "expertd-native")
 
 
 # ---------------------------------------------------------------------- the servers
@@ -133,15 +130,16 @@ async def _serve_bare(port: int, batched: bool) -> None:
             merger.cancel()
 
 
-def _serve_expertd(port: int) -> None:
+def _serve_expertd(port: int, native: bool = False) -> None:
+    """The real server; ``native``: its native Forward port on ``port`` (the main port on a free one)."""
     from prometheus_client import CollectorRegistry
 
     from expertd.server.app import create_server
     from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
     from expertd.server.model import load_preset
 
-    config = ServerConfig(host="127.0.0.1", port=port, metrics_port=0, model=ModelConfig(dtype="float32",
-                                                                                          num_devices=1),
+    config = ServerConfig(host="127.0.0.1", port=0 if native else port, metrics_port=0,
+                          native_port=port if native else None, model=ModelConfig(dtype="float32", num_devices=1),
                           batching=BatchingConfig(bucket_sizes=BUCKETS))
     server = create_server(config, registry=CollectorRegistry(), layers=load_preset("tiny", num_layers=1,
                                                                                     dtype="float32"))
@@ -150,77 +148,10 @@ def _serve_expertd(port: int) -> None:
     server.wait()
 
 
-class NativeUnavailable(RuntimeError):
-    """The native front end cannot be built here (the message says what is missing)."""
-
-
-def build_native() -> pathlib.Path:
-    """The native front end's extension module, built on first use into
-    ``~/.cache/expertd/native_front/<source hash>/`` (protoc, grpc_cpp_plugin, g++ and pkg-config's
-    grpc++ and protobuf). Raises NativeUnavailable naming what is missing."""
-    import hashlib
-    import shutil
-    import sysconfig
-    import tempfile
-
-    proto = PROTO_ROOT / "expertd" / "v1" / "expert.proto"
-    digest = hashlib.sha256(NATIVE_SOURCE.read_bytes() + proto.read_bytes()).hexdigest()[:16]
-    out = pathlib.Path(os.path.expanduser("~/.cache/expertd/native_front")) / digest
-    module = out / ("expertd_native_front" + sysconfig.get_config_var("EXT_SUFFIX"))
-    if module.exists():
-        return module
-    tools = {name: shutil.which(name) for name in ("protoc", "grpc_cpp_plugin", "pkg-config", "g++")}
-    if missing := [name for name, path in tools.items() if path is None]:
-        raise NativeUnavailable(f"{', '.join(missing)} not found (Debian: libgrpc++-dev protobuf-compiler-grpc)")
-    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++", "protobuf"], capture_output=True, text=True)
-    if flags.returncode != 0:
-        raise NativeUnavailable(f"pkg-config: {flags.stderr.strip()}")
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="build-", dir=out) as build:  # each build its own: builds may race
-        generated = pathlib.Path(build)
-        protoc = subprocess.run([tools["protoc"], f"-I{PROTO_ROOT}", f"--cpp_out={generated}",
-                                 f"--grpc_out={generated}", f"--plugin=protoc-gen-grpc={tools['grpc_cpp_plugin']}",
-                                 "expertd/v1/expert.proto"], capture_output=True, text=True)
-        if protoc.returncode != 0:
-            raise NativeUnavailable(f"protoc failed: {protoc.stderr.strip()}")
-        sources = [NATIVE_SOURCE, generated / "expertd/v1/expert.pb.cc", generated / "expertd/v1/expert.grpc.pb.cc"]
-        built = subprocess.run([tools["g++"], "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{generated}",
-                                f"-I{sysconfig.get_paths()['include']}", *map(str, sources), "-o",
-                                str(generated / module.name), *flags.stdout.split()], capture_output=True, text=True)
-        if built.returncode != 0:
-            raise NativeUnavailable(f"g++ failed: {built.stderr.strip()[-2000:]}")
-        os.replace(generated / module.name, module)
-    return module
-
-
-def _serve_native(port: int) -> None:
-    import importlib.machinery
-    import importlib.util
-
-    import numpy as np
-
-    path = str(build_native())
-    spec = importlib.util.spec_from_file_location("expertd_native_front", path,
-                                                  loader=importlib.machinery.ExtensionFileLoader(
-                                                      "expertd_native_front", path))
-    front = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(front)
-    engine, hidden = _engine()
-    front.start(f"127.0.0.1:{port}", hidden, BUCKETS[-1])
-    print("ready", flush=True)
-    while True:
-        rows_bytes = front.take()
-        x = np.frombuffer(rows_bytes, np.float32).reshape(-1, hidden)
-        front.finish(np.ascontiguousarray(engine_step(engine, [x]), np.float32))
-
-
 def serve(kind: str, port: int) -> None:
     """Run server ``kind`` on ``port`` until killed (the ``--serve`` entry point)."""
-    if kind == "expertd":
-        _serve_expertd(port)
-        return
-    if kind == "native":
-        _serve_native(port)
+    if kind in ("expertd", "expertd-native"):
+        _serve_expertd(port, native=kind == "expertd-native")
         return
     import uvloop
 
@@ -325,13 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(servers) - set(SERVERS):
         parser.error(f"--servers: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(SERVERS)}")
     skipped = {}
-    if "native" in servers:
+    if "expertd-native" in servers:
+        from expertd.server.native_front import NativeUnavailable, build_module
+
         try:
-            build_native()
+            build_module()
         except NativeUnavailable as exc:
-            skipped["native"] = str(exc)
-            servers.remove("native")
-            print(f"native: left out: {exc}", flush=True)
+            skipped["expertd-native"] = str(exc)
+            servers.remove("expertd-native")
+            print(f"expertd-native: left out: {exc}", flush=True)
     step_ms = in_process_step_ms()
     print(f"in-process single-token step p50 {step_ms:.3f} ms", flush=True)
     rows = []

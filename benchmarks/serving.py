@@ -25,7 +25,11 @@ load (means): Forward's handling time and its step in the server, and the Check'
 Both sides share the box, so the client's own CPU time counts against the server: on a 2-core
 machine that is a real handicap for the RPC side.
 
-    flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/serving.py [--duration 3]
+``--native``: the server also serves its native Forward port (``--native-port``), and every
+Forward load and Check floor goes to that port (gRPC C++; its Check is gRPC C++'s health service);
+ForwardStream, which only the main port serves, is measured there.
+
+    flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/serving.py [--duration 3] [--native]
 """
 from __future__ import annotations
 
@@ -208,16 +212,20 @@ def with_server_cpu(result: dict, sampler: CpuSampler) -> dict:
     return result
 
 
-def server_totals(registry) -> dict[str, tuple[float, float]]:
+def server_totals(registry, native: bool = False) -> dict[str, tuple[float, float]]:
     """``{"step": (seconds, steps), method: (seconds, calls)}`` so far, from the server's own
     histograms: its Forward engine steps (``expertd_compute_duration_seconds``) and each gRPC
-    method's handling time (``grpc_server_handling_seconds``, e.g. "Forward", "Check")."""
+    method's handling time (``grpc_server_handling_seconds``, e.g. "Forward", "Check"; ``native``:
+    Forward's from ``expertd_native_forward_handling_seconds``, the native port's)."""
     totals: dict[str, tuple[float, float]] = {}
     for family in registry.collect():
         for sample in family.samples:
             if family.name == "expertd_compute_duration_seconds" and sample.labels.get("kind") == "forward":
                 key = "step"
-            elif family.name == "grpc_server_handling_seconds":
+            elif native and family.name == "expertd_native_forward_handling_seconds":
+                key = "Forward"
+            elif family.name == "grpc_server_handling_seconds" and not (native and sample.labels["grpc_method"]
+                                                                        == "Forward"):
                 key = sample.labels["grpc_method"]
             else:
                 continue
@@ -323,29 +331,32 @@ def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: 
 
 def run_model(model: str, duration: float, queue_delay_ms: float,
               inline_step_max_ms: float = BatchingConfig.inline_step_max_ms,
-              event_loop: str = "auto") -> tuple[list[dict], list[dict], dict]:
-    """(rows, gRPC-floor rows, the thin-hop summary) for one model."""
+              event_loop: str = "auto", native: bool = False) -> tuple[list[dict], list[dict], dict]:
+    """(rows, gRPC-floor rows, the thin-hop summary) for one model; ``native``: Forward and Check
+    on the native Forward port."""
     from prometheus_client import CollectorRegistry
 
     from expertd.server.app import create_server
     from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
 
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, event_loop=event_loop,
+                          native_port=0 if native else None,
                           model=ModelConfig(dtype="float32", num_devices=1),
                           batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=queue_delay_ms,
                                                   inline_step_max_ms=inline_step_max_ms))
     registry = CollectorRegistry()
     server = create_server(config, registry=registry, layers=build_layers(model))
     server.wait_ready(timeout=900)
-    totals = functools.partial(server_totals, registry)
-    print(f"{model}: event loop {server.event_loop}", flush=True)
+    totals = functools.partial(server_totals, registry, native)
+    port = server.native_port if native else server.port
+    print(f"{model}: event loop {server.event_loop}" + (f", load on the native port {port}" if native else ""),
+          flush=True)
     cfg = server.engine.layers[0].cfg
     rows, floor = [], []
     try:
         stream = stream_cost(server.port, cfg.hidden_size, duration)
         for concurrency in CONCURRENCY:
-            floor.append({"model": model, "clients": concurrency, **grpc_floor(server.port, concurrency, duration,
-                                                                                   totals)})
+            floor.append({"model": model, "clients": concurrency, **grpc_floor(port, concurrency, duration, totals)})
             print_floor(floor[-1])
         for tokens in TOKENS:
             for concurrency in CONCURRENCY:
@@ -353,7 +364,7 @@ def run_model(model: str, duration: float, queue_delay_ms: float,
                 local = in_process(server.engine, 0, batch, cfg.hidden_size, duration)
                 # A closed loop needs a few full rounds of C requests in the window to mean anything.
                 round_s = concurrency * tokens / local["tokens_per_s"]
-                remote = over_rpc(server.port, tokens, concurrency, min(max(duration, 3 * round_s), 60.0),
+                remote = over_rpc(port, tokens, concurrency, min(max(duration, 3 * round_s), 60.0),
                                   warmup=min(max(1.0, round_s), 20.0), totals=totals)
                 rows.append({"model": model, "H": cfg.hidden_size, "E": cfg.num_experts, "k": cfg.topk,
                              "tokens_per_request": tokens, "clients": concurrency, "in_process": local, "rpc": remote,
@@ -395,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue-delay-ms", type=float, default=BatchingConfig.max_queue_delay_ms,
                         help="the server's batching delay (default: expertd serve's default)")
     parser.add_argument("--event-loop", default="auto", help="the server's event loop (default: expertd serve's)")
+    parser.add_argument("--native", action="store_true", help="Forward and Check on the native Forward port")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -404,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, floor, hops = [], [], []
     for model in args.models.split(","):
         model_rows, model_floor, hop = run_model(model, args.duration, args.max_queue_delay_ms,
-                                                 args.inline_step_max_ms, args.event_loop)
+                                                 args.inline_step_max_ms, args.event_loop, args.native)
         rows += model_rows
         floor += model_floor
         hops.append(hop)
@@ -424,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
                     "device": str(jax.devices()[0]), "note": "shared development box; compare ratios only"},
         "buckets": list(BUCKETS), "max_queue_delay_ms": args.max_queue_delay_ms, "duration_s": args.duration,
-        "inline_step_max_ms": args.inline_step_max_ms, "event_loop": args.event_loop,
+        "inline_step_max_ms": args.inline_step_max_ms, "event_loop": args.event_loop, "native_port": args.native,
         "rows": rows,
         "grpc_floor": floor,
         "thin_hop": hops,

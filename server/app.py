@@ -13,15 +13,18 @@ Start-up, in order:
    credentials read and checked at start (``SecurityConfig.credentials``: fail closed), message
    limits sized from the request limit. ``GET /metrics`` is served on the same event loop
    (``expertd.server.metrics_http``) at ``config.metrics_bind_host`` (loopback by default when auth
-   is on), optionally behind TLS and the token. The start-up log states TLS, mTLS, auth and the
-   metrics endpoint (``security_summary``). Port 0 binds a free port.
+   is on), optionally behind TLS and the token. With ``--native-port``, the native Forward port
+   (``expertd.server.native_front``: gRPC C++, the same token and TLS, the same batcher; built in
+   ``create_server`` before the model loads), not accepting until SERVING. The start-up log states
+   TLS, mTLS, auth and the metrics endpoint (``security_summary``). Port 0 binds a free port.
 3. Warm up (``expertd.server.warmup``: compile every bucket) on the device-worker thread while
    health says NOT_SERVING ("liveness" is SERVING from the start); then SERVING and
    ``expertd_model_ready`` 1, and (expert-parallel mesh) the expert load balancer starts
    (``expertd.server.eplb``; it stops first when draining).
 
 Drain (``handle.stop()``, SIGTERM in ``expertd serve``), all within the grace:
-1. ``expertd_model_ready`` 0; the batcher stops accepting (new Forward / Route / ModelInfer calls
+1. ``expertd_model_ready`` 0; the native Forward port refuses new calls and the calls queued on it
+   are handed to the batcher and answered; the batcher stops accepting (new Forward / Route / ModelInfer calls
    get UNAVAILABLE "draining", retryable on another replica); health NOT_SERVING for every service
    (open Watches receive it at once, so balancing clients stop picking this server); the input of
    every request stream is closed (ForwardStream answers what it has read, then ends UNAVAILABLE).
@@ -30,7 +33,8 @@ Drain (``handle.stop()``, SIGTERM in ``expertd serve``), all within the grace:
    ``LINGER_QUIET_S``), up to ``--drain-linger-s`` after the drain began: clients move to other
    replicas before the port closes. (Why: calls that reach grpc's server core after ``stop`` began
    are cancelled by it, CANCELLED, before any handler sees them.)
-4. Watches end; the gRPC server stops (nothing is left to wait for); the metrics endpoint closes.
+4. Watches end; the native Forward port and the gRPC server stop (nothing is left to wait for); the
+   metrics endpoint closes.
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import eplb, event_loop, kserve, listen, startup, warmup
+from expertd.server import eplb, event_loop, kserve, listen, metrics_http, startup, warmup
 from expertd.server.batcher import Batcher
 from expertd.server.config import ServerConfig
 from expertd.server.config.credentials import Credentials, TlsMaterial
@@ -55,8 +59,10 @@ from expertd.server.drain import HealthServicer, StreamInputs
 from expertd.server.interceptors import WrappingServer, wrapping
 from expertd.server.metrics import Metrics
 from expertd.server.metrics_http import MetricsEndpoint
+from expertd.server.native_front import NativeFront, NativeUnavailable
+from expertd.server.native_front import build_module as build_native_front
 from expertd.server.reflection import enable_reflection
-from expertd.server.servicer import ExpertServicer
+from expertd.server.servicer import ExpertServicer, model_info
 from expertd.server.shared_memory import SharedMemoryRegistry
 from expertd.server.version import VERSION
 
@@ -67,6 +73,7 @@ PROBE_SERVICES = ("liveness", "readiness")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+DRAINING = "draining: not accepting new requests"
 LINGER_QUIET_S = 0.2  # drain step 3: no new call for this long means clients have moved on
 
 
@@ -81,12 +88,14 @@ class _Parts:
     batcher: Batcher
     services: tuple[str, ...]
     metrics_endpoint: MetricsEndpoint
+    native: NativeFront | None = None
 
 
 class ServerHandle:
     """A running server (see module docstring). Thread-safe; every test and ``expertd serve`` use it.
 
-    Attributes: ``port`` and ``metrics_port`` (the bound ports), ``metrics_url``, ``config``,
+    Attributes: ``port``, ``metrics_port`` and ``native_port`` (the bound ports; ``native_port`` 0
+    without ``--native-port``), ``metrics_url``, ``config``,
     ``credentials`` (what start-up read: token, TLS material), ``served`` (what start-up built:
     ``served.info()``, ``served.notes()``), ``engine`` (its Engine), ``model`` (the
     ModelDescription the front ends see), ``metrics`` (the Metrics on ``registry``), ``registry``,
@@ -107,7 +116,7 @@ class ServerHandle:
         self.metrics.set_ready(False)
         self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
         self.rebalancer = eplb.Rebalancer(self.engine, self.metrics, interval_s=config.model.eplb_interval_s)
-        self.port = self.metrics_port = 0
+        self.port = self.metrics_port = self.native_port = 0
         self.metrics_url = ""
         self.credentials = Credentials()
         self._step_runner = step_runner or self.engine
@@ -165,8 +174,9 @@ class ServerHandle:
 
     def listening_summary(self) -> str:
         """``gRPC listening on 127.0.0.1:8001 (TLS), event loop uvloop 0.23.0``: what ``expertd serve`` says."""
-        return (f"gRPC listening on {self.config.host}:{self.port}" + (" (TLS)" if self.credentials.tls else "")
-                + f", event loop {self.event_loop}")
+        tls = " (TLS)" if self.credentials.tls else ""
+        native = f", native Forward port {self.native_port}{tls}" if self.native_port else ""
+        return f"gRPC listening on {self.config.host}:{self.port}{tls}{native}, event loop {self.event_loop}"
 
     # -- server thread --------------------------------------------------------------------------
     def _start(self) -> None:
@@ -197,6 +207,8 @@ class ServerHandle:
             await self._drain()
         finally:
             await self._parts.metrics_endpoint.close()
+            if self._parts.native is not None:  # stopped by the drain; here when start-up failed
+                await self._parts.native.stop(0.0)
 
     async def _build(self) -> _Parts:
         config, model = self.config, self.model
@@ -236,7 +248,7 @@ class ServerHandle:
         except RuntimeError:  # gRPC's "Failed to bind", without the reason
             raise listen.bind_error(address, "--host, --port", "the address is in use or not on this host") from None
         await server.start()
-        endpoint = metrics_endpoint(config, credentials, self.registry)
+        endpoint = metrics_http.metrics_endpoint(config, credentials, self.registry)
         try:
             self.metrics_port = await endpoint.start(config.metrics_bind_host, config.metrics_port)
         except OSError as exc:
@@ -244,8 +256,29 @@ class ServerHandle:
             await endpoint.close()
             raise listen.bind_error(f"{config.metrics_bind_host}:{config.metrics_port}", "--metrics-host, "
                                     "--metrics-port", exc.strerror or str(exc)) from exc
-        self.metrics_url = metrics_url(config, endpoint)
-        return _Parts(asyncio.get_running_loop(), server, health, streams, batcher, tuple(services), endpoint)
+        self.metrics_url = metrics_http.metrics_url(config, endpoint)
+        native = await self._start_native(batcher, credentials, limit, server, endpoint) \
+            if config.native_port is not None else None
+        return _Parts(asyncio.get_running_loop(), server, health, streams, batcher, tuple(services), endpoint, native)
+
+    async def _start_native(self, batcher: Batcher, credentials: Credentials, limit: int, server: grpc.aio.Server,
+                            endpoint: MetricsEndpoint) -> NativeFront:
+        """The native Forward port (``--native-port``), not accepting until warm-up is done."""
+        config = self.config
+        address = f"{config.host}:{config.native_port}"
+        try:
+            native = NativeFront.start(address, model=self.model, model_info=model_info(self.model, VERSION)
+                                       .SerializeToString(), batcher=batcher, loop=asyncio.get_running_loop(),
+                                       queue_tokens=config.batching.queue_tokens, max_message_bytes=limit,
+                                       token=credentials.token, tls=credentials.tls,
+                                       cache_dir=config.native_cpu.cache_dir)
+        except OSError as exc:
+            await server.stop(0)
+            await endpoint.close()
+            raise listen.bind_error(address, "--host, --native-port", "in use or not on this host") from exc
+        self.native_port = native.port
+        self.registry.register(native.collector())
+        return native
 
     async def _warm_up(self) -> None:
         parts = self._parts
@@ -258,6 +291,8 @@ class ServerHandle:
             self._ready.set()
             return
         parts.batcher.start()
+        if parts.native is not None:
+            parts.native.set_accepting(True)
         self.rebalancer.start(parts.batcher.loads, parts.batcher.run_on_device)
         for name in ("", *parts.services, "readiness"):
             await parts.health.set(name, SERVING)
@@ -277,6 +312,9 @@ class ServerHandle:
         began = loop.time()
         deadline = began + self._grace
         self.metrics.set_ready(False)
+        if parts.native is not None:  # its queued calls are accepted ones: the batcher runs them before it drains
+            parts.native.set_accepting(False, DRAINING)
+            await parts.native.quiesce(max(0.0, deadline - loop.time()))
         drained = asyncio.ensure_future(parts.batcher.drain())  # stops accepting when it first runs
         await self.rebalancer.stop()
         await parts.health.enter_graceful_shutdown()
@@ -287,6 +325,8 @@ class ServerHandle:
             log.warning("drain grace of %ss passed with %d requests unanswered", self._grace, parts.batcher.pending)
         await self._linger_while_calls_arrive(min(began + self._linger, deadline))
         await parts.health.end_watches()
+        if parts.native is not None:
+            await parts.native.stop(max(0.0, deadline - loop.time()))
         await parts.server.stop(max(0.0, deadline - loop.time()))
         await parts.batcher.close()
 
@@ -329,6 +369,12 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     disable_created_metrics()  # the *_created series only add noise to every scrape
     listen.check_free(config.host, config.port, "--port")  # before the model loads: OSError naming the flag
     listen.check_free(config.metrics_bind_host, config.metrics_port, "--metrics-port")
+    if config.native_port is not None:
+        listen.check_free(config.host, config.native_port, "--native-port")
+        try:
+            build_native_front(config.native_cpu.cache_dir)  # before the model loads: the first build takes ~30 s
+        except NativeUnavailable as exc:
+            raise ValueError(f"--native-port: the native Forward port cannot be built here: {exc}") from exc
     loop = event_loop.loop_factory(config.event_loop)  # ValueError for a loop that is not installed
     served = startup.build(config, layers)
     runner = None if step_runner is None else step_runner(served.engine)
@@ -345,20 +391,6 @@ def security_summary(config: ServerConfig, credentials: Credentials, metrics_url
     if config.metrics_host is None and config.security.auth_enabled and not config.metrics_auth:
         metrics += "; loopback only: auth is on and --metrics-auth is not, give --metrics-host to change"
     return f"security: {credentials.describe()}; {metrics})"
-
-
-def metrics_endpoint(config: ServerConfig, credentials: Credentials, registry: CollectorRegistry) -> MetricsEndpoint:
-    """The metrics endpoint ``config`` asks for: the token with ``--metrics-auth``, TLS with
-    ``--metrics-tls`` (start it at ``config.metrics_bind_host``)."""
-    return MetricsEndpoint(registry, token=credentials.token if config.metrics_auth else None,
-                           ssl_context=credentials.tls.server_context() if config.metrics_tls else None)
-
-
-def metrics_url(config: ServerConfig, endpoint: MetricsEndpoint) -> str:
-    """``http(s)://host:port/metrics`` of a started ``endpoint`` (IPv6 hosts in brackets)."""
-    host = config.metrics_bind_host
-    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    return f"{endpoint.scheme}://{host}:{endpoint.port}/metrics"
 
 
 def grpc_server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:

@@ -122,16 +122,21 @@ def status_of(exc: BaseException) -> Status:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); details are in the server log", []
 
 
-def set_status(context: grpc.aio.ServicerContext, status: Status) -> None:
-    """Give the call ``status`` (from ``status_of``), BadRequest / RetryInfo details included, for
-    gRPC to send when the handler returns (its response, if any, is then discarded)."""
+def rich_status(status: Status) -> status_pb2.Status:
+    """``status`` (from ``status_of``) as a google.rpc.Status, its BadRequest / RetryInfo details packed."""
     code, message, details = status
     packed_status = status_pb2.Status(code=code.value[0], message=message)
     for detail in details:
         packed = any_pb2.Any()
         packed.Pack(detail)
         packed_status.details.append(packed)
-    grpc_status = rpc_status.to_status(packed_status)
+    return packed_status
+
+
+def set_status(context: grpc.aio.ServicerContext, status: Status) -> None:
+    """Give the call ``status`` (from ``status_of``), BadRequest / RetryInfo details included, for
+    gRPC to send when the handler returns (its response, if any, is then discarded)."""
+    grpc_status = rpc_status.to_status(rich_status(status))
     context.set_trailing_metadata(grpc_status.trailing_metadata)
     context.set_code(grpc_status.code)
     context.set_details(grpc_status.details)

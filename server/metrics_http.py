@@ -24,10 +24,15 @@ import gzip
 import hmac
 import socket
 import ssl
+import typing
 from http import HTTPStatus
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder, gzip_accepted
+
+if typing.TYPE_CHECKING:
+    from expertd.server.config import ServerConfig
+    from expertd.server.config.credentials import Credentials
 
 PATH = "/metrics"
 MAX_CONNECTIONS = 64
@@ -199,3 +204,17 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     dual = family == socket.AF_INET6 and host == "::" and socket.has_dualstack_ipv6()
     return socket.create_server((host, port), family=family, dualstack_ipv6=dual, backlog=128)
+
+
+def metrics_endpoint(config: ServerConfig, credentials: Credentials, registry: CollectorRegistry) -> MetricsEndpoint:
+    """The metrics endpoint ``config`` asks for: the token with ``--metrics-auth``, TLS with
+    ``--metrics-tls`` (start it at ``config.metrics_bind_host``)."""
+    return MetricsEndpoint(registry, token=credentials.token if config.metrics_auth else None,
+                           ssl_context=credentials.tls.server_context() if config.metrics_tls else None)
+
+
+def metrics_url(config: ServerConfig, endpoint: MetricsEndpoint) -> str:
+    """``http(s)://host:port/metrics`` of a started ``endpoint`` (IPv6 hosts in brackets)."""
+    host = config.metrics_bind_host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{endpoint.scheme}://{host}:{endpoint.port}/metrics"

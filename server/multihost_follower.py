@@ -23,7 +23,7 @@ import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
-from expertd.server import app, listen, startup
+from expertd.server import app, listen, metrics_http, startup
 from expertd.server.app import PROBE_SERVICES
 from expertd.server.config import ServerConfig
 from expertd.server.metrics import Metrics
@@ -58,14 +58,14 @@ class FollowerServer:
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="expertd-follower-metrics",
                                              daemon=True)
         self._loop_thread.start()
-        self._endpoint = app.metrics_endpoint(config, credentials, self.metrics.registry)
+        self._endpoint = metrics_http.metrics_endpoint(config, credentials, self.metrics.registry)
         try:
             self.metrics_port = self._on_loop(self._endpoint.start(config.metrics_bind_host, config.metrics_port))
         except OSError as exc:
             self._close_loop()
             raise listen.bind_error(f"{config.metrics_bind_host}:{config.metrics_port}", "--metrics-host, "
                                     "--metrics-port", exc.strerror or str(exc)) from exc
-        self.metrics_url = app.metrics_url(config, self._endpoint)
+        self.metrics_url = metrics_http.metrics_url(config, self._endpoint)
         self._health = health.HealthServicer()
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="expertd-health"))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -12,6 +12,7 @@ never the same as leaving it unset.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -314,6 +315,9 @@ class ServerConfig:
                               "(or auth) says otherwise ('127.0.0.1' for loopback only)")
     port: int = option(8001, "gRPC port (0: pick a free port; the bound port is printed)", parse=int)
     metrics_port: int = option(8002, "Prometheus /metrics HTTP port (0: pick a free port)", parse=int)
+    native_port: int | None = option(None, "also serve Forward from gRPC C++ on this port, no Python per call "
+                                     "(0: a free port; needs the system's libgrpc++: docs/serving.md)", parse=int,
+                                     metavar="PORT")
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
                                       "when auth is on and --metrics-auth is not: unauthenticated metrics of an "
                                       "authenticated server stay local unless asked)", metavar="ADDRESS",
@@ -350,12 +354,12 @@ class ServerConfig:
     def __post_init__(self):
         if not 0 <= self.aux_loss_coeff < float("inf"):  # NaN fails every comparison
             raise ValueError(f"--aux-loss-coeff must be finite and >= 0, got {self.aux_loss_coeff}")
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                raise ValueError(f"--{name.replace('_', '-')} must be between 0 and 65535, got {value}")
-        if self.port == self.metrics_port != 0:
-            raise ValueError(f"--port and --metrics-port must differ, both are {self.port}")
+        ports = {f"--{n.replace('_', '-')}": v for n in ("port", "metrics_port", "native_port")
+                 if (v := getattr(self, n)) is not None}
+        if bad := next(((flag, v) for flag, v in ports.items() if not 0 <= v <= 65535), None):
+            raise ValueError(f"{bad[0]} must be between 0 and 65535, got {bad[1]}")
+        if same := next(((a, b) for a, b in itertools.combinations(ports, 2) if ports[a] == ports[b] != 0), None):
+            raise ValueError(f"{same[0]} and {same[1]} must differ, both are {ports[same[0]]}")
         for name in ("shared_memory_regions", "drain_grace_s", "drain_linger_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -364,14 +368,12 @@ class ServerConfig:
         if self.metrics_host is not None and not self.metrics_host.strip():
             raise ValueError("--metrics-host is set but empty: give an address, or leave it unset")
         if self.metrics_tls and self.security.tls_cert is None:
-            raise ValueError("--metrics-tls needs --tls-cert and --tls-key (the metrics endpoint serves the gRPC "
-                             "port's certificate)")
+            raise ValueError("--metrics-tls needs --tls-cert and --tls-key (it serves the gRPC port's certificate)")
         if self.metrics_auth and not self.security.auth_enabled:
             raise ValueError("--metrics-auth needs a bearer token (--auth-token-file, --auth-token or "
                              f"${AUTH_TOKEN_ENV})")
         if self.multihost.enabled and self.model.num_devices is not None:
-            raise ValueError("--num-devices cannot be combined with a multi-host group: the mesh is every device "
-                             "of every process")
+            raise ValueError("--num-devices cannot be combined with a multi-host group (its mesh: all devices)")
 
     @property
     def metrics_bind_host(self) -> str:
@@ -384,10 +386,8 @@ class ServerConfig:
 
 # TOML table -> (section class, flag prefix); None is the top level.
 SECTIONS: dict[str | None, tuple[type, str]] = {
-    None: (ServerConfig, ""), "model": (ModelConfig, ""), "batching": (BatchingConfig, ""),
-    "security": (SecurityConfig, ""), "multihost": (MultihostConfig, ""), "native_cpu": (NativeCpuConfig,
-                                                                                         "native-cpu-"),
-}
+    None: (ServerConfig, ""), "model": (ModelConfig, ""), "batching": (BatchingConfig, ""), "security": (SecurityConfig,
+    ""), "multihost": (MultihostConfig, ""), "native_cpu": (NativeCpuConfig, "native-cpu-")}
 
 
 def options(cls: type) -> list[dataclasses.Field]:

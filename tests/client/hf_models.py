@@ -108,13 +108,13 @@ def prompts(batch: int = 2, length: int = 5, seed: int = 0) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def expertd_serve(checkpoint, dtype: str, cache_dir, *, ready_timeout: float = 300.0):
+def expertd_serve(checkpoint, dtype: str, cache_dir, *, ready_timeout: float = 300.0, native: bool = False):
     """``expertd serve --checkpoint`` on loopback in a subprocess; yields its ``host:port`` once ready and
-    stops it (SIGTERM, then kill) on exit."""
+    stops it (SIGTERM, then kill) on exit. ``native``: with ``--native-port 0``, yielding that port's target."""
     command = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", "--checkpoint", str(checkpoint), "--dtype", dtype, "--num-devices", "1",
                "--bucket-sizes", "1,4,16", "--max-queue-delay-ms", "0", "--drain-grace-s", "5",
-               "--compile-cache-dir", str(cache_dir)]
+               "--compile-cache-dir", str(cache_dir), *(["--native-port", "0"] if native else [])]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
@@ -130,6 +130,8 @@ def expertd_serve(checkpoint, dtype: str, cache_dir, *, ready_timeout: float = 3
             output.append(line)
             if match := re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", line):
                 port = int(match.group(1))
+                if native:
+                    port = int(re.search(r"native Forward port (\d+)", line).group(1))
             if "ready:" in line and port is not None:
                 break
             if line.startswith("expertd: error") or server.poll() is not None:

@@ -12,6 +12,7 @@ loaded; a model the server does not match is refused with every difference named
 talks bf16 on the wire to a bf16 server.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -187,6 +188,25 @@ def test_greedy_tokens_are_identical_local_and_offloaded(served):
     for block in offload_moe(zeroed, OriginalBlocks(zeroed), check=False).blocks.values():
         block.expert_call = lambda x, *, layer: np.zeros_like(x)
     assert not torch.equal(generate(zeroed, ids), local)
+
+
+def test_greedy_tokens_are_identical_through_the_native_forward_port(tmp_path, cache):
+    """``expertd serve --native-port``: the adapter's GetModelInfo check and every Forward on that port."""
+    from expertd.server.native_front import NativeUnavailable, build_module
+
+    try:
+        build_module()
+    except NativeUnavailable as exc:
+        if os.environ.get("EXPERTD_REQUIRE_NATIVE_FRONT") == "1":
+            raise
+        pytest.skip(f"the native Forward port cannot be built here: {exc}")
+    path = save_checkpoint("mixtral", "float32", tmp_path / "mixtral")
+    model = from_checkpoint(path)
+    ids = prompts()
+    local = generate(model, ids)
+    with expertd_serve(path, "float32", cache, native=True) as target, offload_moe(model, target) as offload:
+        assert offload.layers == TINY["mixtral"][3]
+        assert torch.equal(generate(model, ids), local)
 
 
 def test_with_keep_local_false_the_attention_side_holds_no_expert_weight(served):

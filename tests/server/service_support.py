@@ -11,6 +11,7 @@ import functools
 import pathlib
 import re
 import socket
+import threading
 import time
 import urllib.request
 
@@ -179,3 +180,21 @@ def one_place_server(tmp_path_factory):
         yield handle, registry
     finally:
         handle.stop(grace=5)
+
+
+class Gate:
+    """The step runner: the real engine; while ``hold`` is set, forward steps wait for it to clear."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.hold: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def forward(self, layer, tokens, num_valid, token_ids=None):
+        if self.hold is not None:
+            self.entered.set()
+            assert self.hold.wait(60)
+        return self.engine.forward(layer, tokens, num_valid, token_ids=token_ids)
+
+    def route(self, layer, tokens, num_valid, **options):
+        return self.engine.route(layer, tokens, num_valid, **options)

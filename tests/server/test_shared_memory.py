@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.utils.shared_memory as tshm
-from service_support import server_with_runner
+from service_support import Gate, server_with_runner
 from tritonclient.utils import InferenceServerException
 
 from expertd.client import ExpertClient, InvalidArgumentError, codec
@@ -151,24 +151,6 @@ def test_unregistering_keeps_the_mapping_of_requests_in_flight(region_file):
 
 
 # ---------------------------------------------------------------------- a real server
-
-class Gate:
-    """The step runner: the real engine; while ``hold`` is set, forward steps wait for it to clear."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.hold: threading.Event | None = None
-        self.entered = threading.Event()
-
-    def forward(self, layer, tokens, num_valid, token_ids=None):
-        if self.hold is not None:
-            self.entered.set()
-            assert self.hold.wait(60)
-        return self.engine.forward(layer, tokens, num_valid, token_ids=token_ids)
-
-    def route(self, layer, tokens, num_valid, **options):
-        return self.engine.route(layer, tokens, num_valid, **options)
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

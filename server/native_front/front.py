@@ -1,0 +1,205 @@
+"""The native Forward port (``--native-port``): ``expertd.v1`` Forward with no Python per call.
+
+gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves on a port of its own:
+
+- ``ExpertService/Forward``: checks each call where it arrives (bearer token, accepting, layer,
+  ``hidden_states`` dtype / shape / token limit / byte length / NaN-Inf, ``token_ids``; the same
+  codes and field names as the main port) and bounds the tokens queued on the port
+  (``BatchingConfig.queue_tokens``: RESOURCE_EXHAUSTED beyond it), then queues it. A call that
+  finds the queue empty signals an eventfd the server's event loop watches; woken, the loop takes
+  every queued batch (calls of one layer and dtype, up to the largest bucket's rows, their rows
+  concatenated by C++) and submits each to the server's batcher as one request, so admission, the
+  step-time estimates, the idle fast path, merging with the main port's requests, expert-load
+  counts and the step metrics are the main port's; Python runs once per batch, not once per call,
+  and no thread hand-over is added. A batch the batcher refuses or fails answers each of its calls
+  with that status (details included).
+- ``ExpertService/GetModelInfo``: the main port's answer, as of start-up.
+- ``grpc.health.v1``: SERVING once warm-up is done, NOT_SERVING from the drain on.
+- Not here (UNIMPLEMENTED or INVALID_ARGUMENT naming the field, pointing to ``--port``): Route,
+  ForwardStream, GetExpertLoad, shared memory, ``return_routing``, KServe, reflection.
+
+Security is the main port's: the same bearer token, the same TLS / mutual-TLS material.
+
+Metrics (on the server's registry): ``expertd_native_forward_handled_total{grpc_code}``,
+``expertd_native_forward_handling_seconds`` (arrival to answer, as ``grpc_server_handling_seconds``
+measures the main port's calls) and ``expertd_native_forward_queued_tokens``.
+
+Drain: ``set_accepting(False, ...)`` (new calls UNAVAILABLE, health NOT_SERVING), ``quiesce``
+(the queued calls are run and answered), then ``stop`` (the port closes; calls still unanswered
+after the grace are cancelled).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from expertd.client import codec
+from expertd.server import errors, requests
+from expertd.server.batcher import Batcher
+from expertd.server.config.credentials import TlsMaterial
+from expertd.server.description import ModelDescription
+from expertd.server.metrics import LATENCY_BUCKETS
+from expertd.server.native_front.build import load
+
+log = logging.getLogger(__name__)
+
+BATCHES_IN_FLIGHT = 2
+"""Batches of the native port handed to the batcher and not yet answered, at most: one computing
+and the next waiting for it. Calls arriving meanwhile wait in the C++ queue and leave it as one
+batch, so Python's per-batch work shrinks as load grows, and an idle server takes a call at once."""
+
+QUIESCE_POLL_S = 0.005
+
+
+class NativeFront:
+    """A started native Forward port (module docstring). Create with ``NativeFront.start``."""
+
+    def __init__(self, module, handle: int, port: int, ready_fd: int, model: ModelDescription, batcher: Batcher,
+                 loop: asyncio.AbstractEventLoop):
+        self.port = port
+        self._module = module
+        self._handle = handle
+        self._ready_fd = ready_fd
+        self._model = model
+        self._batcher = batcher
+        self._loop = loop
+        self._stopped = False
+        self._batches: set[asyncio.Task] = set()  # batches in flight (held: the loop keeps weak references)
+        loop.add_reader(ready_fd, self._on_ready)
+
+    @classmethod
+    def start(cls, address: str, *, model: ModelDescription, model_info: bytes, batcher: Batcher,
+              loop: asyncio.AbstractEventLoop, queue_tokens: int, max_message_bytes: int, token: str | None = None,
+              tls: TlsMaterial | None = None, cache_dir: str | None = None) -> NativeFront:
+        """Listen on ``address`` (port 0: a free one), not accepting until ``set_accepting(True)``.
+
+        Raises ``NativeUnavailable`` where the module cannot be built, OSError where the
+        address cannot be bound.
+        """
+        module = load(cache_dir)
+        handle, port, ready_fd = module.start(
+            address, {index: cfg.hidden_size for index, cfg in model.layers.items()}, model.max_request_tokens,
+            model.max_batch_tokens, queue_tokens, max_message_bytes, model_info,
+            None if token is None else token.encode(),
+            None if tls is None else (tls.private_key, tls.certificate_chain, tls.client_ca), LATENCY_BUCKETS)
+        return cls(module, handle, port, ready_fd, model, batcher, loop)
+
+    def set_accepting(self, accepting: bool, reason: str = "") -> None:
+        """Accept calls (health SERVING), or refuse new ones UNAVAILABLE with ``reason``."""
+        self._module.set_accepting(self._handle, accepting, reason)
+
+    def stats(self) -> dict:
+        """``{"handled": {code: n}, "latency": ([counts per LATENCY_BUCKETS bound, +Inf last], sum),
+        "queued_tokens", "queued_calls", "batches_in_flight"}``."""
+        return self._module.stats(self._handle)
+
+    async def quiesce(self, timeout: float) -> bool:
+        """Wait until no call is queued or computing (False if ``timeout`` passed first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats["queued_calls"] == 0 and stats["batches_in_flight"] == 0:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(QUIESCE_POLL_S)
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Refuse what is still queued and close the port, cancelling calls unanswered after
+        ``grace_s`` (batches already taken are answered meanwhile). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._loop.remove_reader(self._ready_fd)
+        await self._loop.run_in_executor(None, self._module.stop, self._handle, grace_s)
+        await asyncio.gather(*self._batches, return_exceptions=True)
+
+    def collector(self) -> Collector:
+        """The port's metrics for a prometheus_client registry."""
+        return _Collector(self)
+
+    # -- the event loop's side -------------------------------------------------------------------
+    def _on_ready(self) -> None:
+        """The eventfd is readable: a call found the queue empty (read first, so a call queued while
+        this runs signals again)."""
+        try:
+            os.read(self._ready_fd, 8)
+        except BlockingIOError:
+            pass
+        self._take()
+
+    def _take(self) -> None:
+        """Hand queued batches to the batcher while fewer than BATCHES_IN_FLIGHT are; the rest of the
+        queue is taken when one of them is answered (C++ signals only a queue that was empty)."""
+        while not self._stopped and len(self._batches) < BATCHES_IN_FLIGHT:
+            batch = self._module.take(self._handle)
+            if batch is None:
+                return
+            task = asyncio.ensure_future(self._serve(*batch))
+            self._batches.add(task)
+            task.add_done_callback(self._answered)
+
+    def _answered(self, task: asyncio.Task) -> None:
+        self._batches.discard(task)
+        self._take()
+
+    async def _serve(self, batch_id: int, layer: int, dtype: int, rows: bytes, token_ids: bytes | None,
+                     _calls: int, remaining_s: float | None) -> None:
+        """Compute one batch and answer its calls (each failure answers them all with its status);
+        the batcher drops it when its last caller's deadline passes first."""
+        try:
+            wire = codec.numpy_dtype(dtype)
+            tokens = np.frombuffer(rows, wire).reshape(-1, self._model.layers[layer].hidden_size)
+            request = requests.ForwardRequest(
+                layer, requests.cast(tokens, self._model.dtype), wire,
+                deadline=None if remaining_s is None else time.monotonic() + remaining_s,
+                token_ids=None if token_ids is None else np.frombuffer(token_ids, np.int32))
+            result, _timing = await self._batcher.forward(request)
+            output = np.ascontiguousarray(result.output)
+        except Exception as exc:  # noqa: BLE001 - every failure answers the batch's calls
+            status = errors.status_of(exc)
+            self._module.fail(self._handle, batch_id, status[0].value[0], status[1],
+                              errors.rich_status(status).SerializeToString())
+            return
+        self._module.finish(self._handle, batch_id, output)
+
+
+class _Collector(Collector):
+    """``expertd_native_forward_*`` from the C++ counters, read at scrape time."""
+
+    def __init__(self, front: NativeFront):
+        self._front = front
+
+    def describe(self) -> list:
+        return [CounterMetricFamily("expertd_native_forward_handled", "", labels=("grpc_code",)),
+                HistogramMetricFamily("expertd_native_forward_handling_seconds", ""),
+                GaugeMetricFamily("expertd_native_forward_queued_tokens", "")]
+
+    def collect(self) -> Iterator:
+        stats = self._front.stats()
+        handled = CounterMetricFamily("expertd_native_forward_handled", "Forward calls answered on the native port, "
+                                      "by status code.", labels=("grpc_code",))
+        for code, count in sorted(stats["handled"].items()):
+            handled.add_metric([_CODE_NAMES.get(code, str(code))], count)
+        counts, total = stats["latency"]
+        buckets, running = [], 0
+        for bound, count in zip((*(repr(float(b)) for b in LATENCY_BUCKETS), "+Inf"), counts, strict=True):
+            running += count
+            buckets.append((bound, running))
+        seconds = HistogramMetricFamily("expertd_native_forward_handling_seconds", "Forward calls on the native port: "
+                                        "seconds from arrival to answer.")
+        seconds.add_metric([], buckets, total)
+        queued = GaugeMetricFamily("expertd_native_forward_queued_tokens", "Tokens of Forward calls queued on the "
+                                   "native port, not yet handed to the batcher.", value=stats["queued_tokens"])
+        yield from (handled, seconds, queued)
+
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
