@@ -12,7 +12,6 @@ loaded; a model the server does not match is refused with every difference named
 talks bf16 on the wire to a bf16 server.
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -192,14 +191,9 @@ def test_greedy_tokens_are_identical_local_and_offloaded(served):
 
 def test_greedy_tokens_are_identical_through_the_native_forward_port(tmp_path, cache):
     """``expertd serve --native-port``: the adapter's GetModelInfo check and every Forward on that port."""
-    from expertd.server.native_front import NativeUnavailable, build_module
+    from native_front_fixtures import require_native_front
 
-    try:
-        build_module()
-    except NativeUnavailable as exc:
-        if os.environ.get("EXPERTD_REQUIRE_NATIVE_FRONT") == "1":
-            raise
-        pytest.skip(f"the native Forward port cannot be built here: {exc}")
+    require_native_front()
     path = save_checkpoint("mixtral", "float32", tmp_path / "mixtral")
     model = from_checkpoint(path)
     ids = prompts()

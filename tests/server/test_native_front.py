@@ -6,15 +6,13 @@ serving, bound what is queued on it (RESOURCE_EXHAUSTED at once), not compute ca
 has gone, count its calls in the metrics, carry the main port's token and TLS, and drain: calls
 queued when the drain begins are answered, later ones are UNAVAILABLE.
 
-The port needs the system's gRPC C++ to build (Debian: libgrpc++-dev, protobuf-compiler-grpc);
-where it cannot be built these tests are skipped with the builder's reason, unless
-``EXPERTD_REQUIRE_NATIVE_FRONT=1`` (CI sets it), which makes that a failure.
+The port needs the system's gRPC C++ to build (``native_front_fixtures.require_native_front``:
+skipped with the reason where it cannot be built, a failure under EXPERTD_REQUIRE_NATIVE_FRONT=1).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 import re
 import threading
 
@@ -23,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from native_front_fixtures import require_native_front
 from service_support import Gate, poll, sample, scrape, server_config
 from tls_fixtures import make_pki
 
@@ -38,7 +37,6 @@ from expertd.client.errors import (
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig, SecurityConfig
-from expertd.server.native_front import NativeUnavailable, build_module
 
 H = 64  # the tiny preset's hidden size
 MAX_REQUEST_TOKENS = 16
@@ -46,20 +44,11 @@ MAX_QUEUE_TOKENS = 64
 TOKEN = "native-s3cret"
 
 
-def _require_build() -> None:
-    try:
-        build_module()
-    except NativeUnavailable as exc:
-        if os.environ.get("EXPERTD_REQUIRE_NATIVE_FRONT") == "1":
-            raise
-        pytest.skip(f"the native Forward port cannot be built here: {exc}")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """fp32 tiny, two layers, buckets 1 / 8, the native port on; steps go through a Gate, so they
     run on the device thread (never inline on the event loop, where a held step would stop every call)."""
-    _require_build()
+    require_native_front()
     config = dataclasses.replace(
         server_config(tmp_path_factory, model=ModelConfig(preset="tiny", num_layers=2, dtype="float32", num_devices=1),
                       max_queue_delay_ms=0.0, inline_step_max_ms=0.0, max_request_tokens=MAX_REQUEST_TOKENS,
@@ -261,7 +250,7 @@ def pki(tmp_path_factory):
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls-token", "mtls"])
 def test_the_main_ports_token_and_tls_guard_the_native_port(tmp_path_factory, pki, mutual):
-    _require_build()
+    require_native_front()
     security = SecurityConfig(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), auth_token=TOKEN,
                               tls_client_ca=str(pki.ca) if mutual else None)
     config = dataclasses.replace(server_config(tmp_path_factory, model=ModelConfig(
@@ -293,7 +282,7 @@ def test_the_main_ports_token_and_tls_guard_the_native_port(tmp_path_factory, pk
 
 
 def test_drain_answers_what_was_queued_and_refuses_what_comes_after(tmp_path_factory):
-    _require_build()
+    require_native_front()
     config = dataclasses.replace(server_config(tmp_path_factory, model=ModelConfig(
         preset="tiny", num_layers=1, dtype="float32", num_devices=1), max_queue_delay_ms=0.0, inline_step_max_ms=0.0),
         native_port=0)
