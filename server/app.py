@@ -269,7 +269,8 @@ class ServerHandle:
         try:
             native = NativeFront.start(address, model=self.model, model_info=model_info(self.model, VERSION)
                                        .SerializeToString(), batcher=batcher, loop=asyncio.get_running_loop(),
-                                       queue_tokens=config.batching.queue_tokens, max_message_bytes=limit,
+                                       queue_tokens=config.batching.queue_tokens,
+                                       queue_calls=config.batching.max_queue_size, max_message_bytes=limit,
                                        token=credentials.token, tls=credentials.tls,
                                        cache_dir=config.native_cpu.cache_dir)
         except OSError as exc:

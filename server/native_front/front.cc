@@ -6,7 +6,8 @@
 // Per call, on gRPC's own threads: the bearer token (when one is set; constant-time comparison),
 // whether the server is accepting (else UNAVAILABLE with the reason Python gave), the request's
 // fields (NOT_FOUND for a layer not served, INVALID_ARGUMENT naming the field: dtype, shape, the
-// token limit, byte length, token ids, NaN / Inf), the bound on queued tokens (RESOURCE_EXHAUSTED),
+// token limit, byte length, token ids, NaN / Inf), the bounds on queued tokens and calls
+// (RESOURCE_EXHAUSTED),
 // then the call joins one FIFO queue; a call that finds the queue empty signals an eventfd. The
 // server's event loop watches that fd; woken, it reads it and takes batches until none is left:
 // calls of one (layer, dtype, with or without token ids), in arrival order, up to
@@ -17,7 +18,7 @@
 //
 // Python API (every function takes the handle `start` returned; fronts live until the process ends):
 //   start(address, layers: dict[int, int] (layer -> H), max_request_tokens, max_batch_tokens,
-//         max_queued_tokens, max_message_bytes, model_info: bytes (a serialized
+//         max_queued_tokens, max_queued_calls, max_message_bytes, model_info: bytes (a serialized
 //         GetModelInfoResponse), token: bytes | None, tls: (key, chain, client_ca | None) | None,
 //         latency_bounds: sequence of float) -> (handle, port, ready_fd)
 //   set_accepting(handle, accepting: bool, reason: str)   also sets health SERVING / NOT_SERVING
@@ -156,7 +157,7 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
  public:
   std::unordered_map<uint32_t, int64_t> hidden;  // layer -> H
   std::string layer_list;                        // "0, 1" for messages
-  int64_t max_request_tokens = 0, max_batch_tokens = 0, max_queued_tokens = 0;
+  int64_t max_request_tokens = 0, max_batch_tokens = 0, max_queued_tokens = 0, max_queued_calls = 0;
   std::string token;  // empty: no auth
   expertd::v1::GetModelInfoResponse model_info;
   std::vector<double> latency_bounds;
@@ -182,6 +183,10 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
         refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                                "overloaded: " + std::to_string(queued_tokens_) + " tokens queued on the native port, "
                                "the limit is " + std::to_string(max_queued_tokens) + "; retry later");
+      } else if (static_cast<int64_t>(queue_.size()) >= max_queued_calls) {
+        refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                               "overloaded: " + std::to_string(queue_.size()) + " calls queued on the native port, "
+                               "the limit is " + std::to_string(max_queued_calls) + "; retry later");
       } else {
         queued_tokens_ += rows;
         notify = queue_.empty();  // Python drains the queue after each wake-up: only the first call wakes it
@@ -492,9 +497,10 @@ bool BytesOf(PyObject* object, std::string* out, const char* what) {
 PyObject* Start(PyObject*, PyObject* args) {
   const char* address;
   PyObject *layers, *model_info, *token, *tls, *bounds;
-  long long max_request_tokens, max_batch_tokens, max_queued_tokens, max_message_bytes;
-  if (!PyArg_ParseTuple(args, "sO!LLLLSOOO", &address, &PyDict_Type, &layers, &max_request_tokens,
-                        &max_batch_tokens, &max_queued_tokens, &max_message_bytes, &model_info, &token, &tls, &bounds)) {
+  long long max_request_tokens, max_batch_tokens, max_queued_tokens, max_queued_calls, max_message_bytes;
+  if (!PyArg_ParseTuple(args, "sO!LLLLLSOOO", &address, &PyDict_Type, &layers, &max_request_tokens,
+                        &max_batch_tokens, &max_queued_tokens, &max_queued_calls, &max_message_bytes, &model_info,
+                        &token, &tls, &bounds)) {
     return nullptr;
   }
   auto front = std::make_unique<Front>();
@@ -515,6 +521,7 @@ PyObject* Start(PyObject*, PyObject* args) {
   front->max_request_tokens = max_request_tokens;
   front->max_batch_tokens = std::max<long long>(max_batch_tokens, 1);
   front->max_queued_tokens = max_queued_tokens;
+  front->max_queued_calls = max_queued_calls;
   std::string info;
   if (!BytesOf(model_info, &info, "model_info")) return nullptr;
   if (!front->model_info.ParseFromString(info)) {
@@ -737,7 +744,8 @@ PyObject* Stop(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"start", Start, METH_VARARGS, "start(address, layers, max_request_tokens, max_batch_tokens, max_queued_tokens, "
-                                   "max_message_bytes, model_info, token, tls, latency_bounds) -> (handle, port)"},
+                                   "max_queued_calls, max_message_bytes, model_info, token, tls, latency_bounds) -> "
+                                   "(handle, port, ready_fd)"},
     {"set_accepting", SetAccepting, METH_VARARGS, "set_accepting(handle, accepting, reason)"},
     {"take", Take, METH_VARARGS, "take(handle) -> (batch, layer, dtype, rows, token_ids, calls) | None"},
     {"finish", Finish, METH_VARARGS, "finish(handle, batch, output)"},

@@ -4,8 +4,9 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
 
 - ``ExpertService/Forward``: checks each call where it arrives (bearer token, accepting, layer,
   ``hidden_states`` dtype / shape / token limit / byte length / NaN-Inf, ``token_ids``; the same
-  codes and field names as the main port) and bounds the tokens queued on the port
-  (``BatchingConfig.queue_tokens``: RESOURCE_EXHAUSTED beyond it), then queues it. A call that
+  codes and field names as the main port) and bounds the tokens and calls queued on the port
+  (``BatchingConfig.queue_tokens``, ``max_queue_size``: RESOURCE_EXHAUSTED beyond them), then
+  queues it. A call that
   finds the queue empty signals an eventfd the server's event loop watches; woken, the loop takes
   every queued batch (calls of one layer and dtype, up to the largest bucket's rows, their rows
   concatenated by C++) and submits each to the server's batcher as one request, so admission, the
@@ -77,8 +78,8 @@ class NativeFront:
 
     @classmethod
     def start(cls, address: str, *, model: ModelDescription, model_info: bytes, batcher: Batcher,
-              loop: asyncio.AbstractEventLoop, queue_tokens: int, max_message_bytes: int, token: str | None = None,
-              tls: TlsMaterial | None = None, cache_dir: str | None = None) -> NativeFront:
+              loop: asyncio.AbstractEventLoop, queue_tokens: int, queue_calls: int, max_message_bytes: int,
+              token: str | None = None, tls: TlsMaterial | None = None, cache_dir: str | None = None) -> NativeFront:
         """Listen on ``address`` (port 0: a free one), not accepting until ``set_accepting(True)``.
 
         Raises ``NativeUnavailable`` where the module cannot be built, OSError where the
@@ -87,7 +88,7 @@ class NativeFront:
         module = load(cache_dir)
         handle, port, ready_fd = module.start(
             address, {index: cfg.hidden_size for index, cfg in model.layers.items()}, model.max_request_tokens,
-            model.max_batch_tokens, queue_tokens, max_message_bytes, model_info,
+            model.max_batch_tokens, queue_tokens, queue_calls, max_message_bytes, model_info,
             None if token is None else token.encode(),
             None if tls is None else (tls.private_key, tls.certificate_chain, tls.client_ca), LATENCY_BUCKETS)
         return cls(module, handle, port, ready_fd, model, batcher, loop)

@@ -225,6 +225,35 @@ def test_a_full_native_queue_answers_resource_exhausted_at_once(server):
     pool.shutdown()
 
 
+def test_the_calls_queued_on_the_port_are_bounded_too(tmp_path_factory):
+    """--max-queue-size bounds the calls waiting on the port, however few tokens each carries."""
+    require_native_front()
+    config = dataclasses.replace(server_config(tmp_path_factory, model=ModelConfig(
+        preset="tiny", num_layers=1, dtype="float32", num_devices=1), max_queue_delay_ms=0.0, inline_step_max_ms=0.0,
+        max_queue_size=3), native_port=0)
+    gates = []
+    handle = create_server(config, step_runner=lambda engine: gates.append(Gate(engine)) or gates[-1])
+    try:
+        handle.wait_ready(timeout=300)
+        handle.gate = gates[0]
+        release, first, pool, client = _held(handle)
+        try:
+            behind = pool.submit(client.forward, rows(1, 1), layer=0)  # to the batcher, behind the held step
+            poll(lambda: handle.batcher.pending == 2)
+            waiting = [pool.submit(client.forward, rows(1, 2 + i), layer=0) for i in range(3)]
+            poll(lambda: sample(scrape(handle.metrics_port), "expertd_native_forward_queued_tokens") == 3)
+            with pytest.raises(ResourceExhaustedError, match="3 calls queued on the native port"):
+                client.forward(rows(1, 9), layer=0)
+        finally:
+            release.set()
+        for future in (first, behind, *waiting):
+            assert future.result(60).shape[1] == H
+        client.close()
+        pool.shutdown()
+    finally:
+        handle.stop(grace=2)
+
+
 def test_a_call_whose_caller_has_gone_is_not_computed(server):
     release, first, pool, client = _held(server)
     cancelled = native_handled(server, "CANCELLED")
