@@ -34,6 +34,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
@@ -556,6 +557,9 @@ PyObject* Start(PyObject*, PyObject* args) {
     credentials = grpc::SslServerCredentials(options);
   }
 
+  // A hostile body (a string field that is not UTF-8, say) makes libprotobuf log a line per call;
+  // such calls are refused all the same, and callers must not be able to flood the server's log.
+  google::protobuf::SetLogHandler(nullptr);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;

@@ -164,6 +164,20 @@ def test_bad_calls_are_refused_naming_the_field_and_the_server_keeps_serving(ser
         np.testing.assert_array_equal(client.forward(x, layer=0), reference.forward(x, layer=0))
 
 
+def test_bodies_that_are_not_a_forward_request_are_refused_and_the_server_keeps_serving(server):
+    rng = np.random.default_rng(0)
+    with grpc.insecure_channel(f"127.0.0.1:{server.native_port}") as channel:
+        forward = channel.unary_unary("/expertd.v1.ExpertService/Forward")  # raw bytes both ways
+        for _ in range(50):
+            with pytest.raises(grpc.RpcError) as refused:
+                forward(rng.integers(0, 256, rng.integers(1, 300), dtype=np.uint8).tobytes(), timeout=10)
+            assert refused.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                                            grpc.StatusCode.UNIMPLEMENTED)  # gRPC C++: an unparsable body
+    x = rows(2, 0)
+    with native(server) as client, main(server) as reference:
+        np.testing.assert_array_equal(client.forward(x, layer=0), reference.forward(x, layer=0))
+
+
 def test_other_methods_point_to_the_main_port_and_model_info_and_health_are_served(server):
     with native(server) as client, main(server) as reference:
         assert client.model_info() == reference.model_info()
