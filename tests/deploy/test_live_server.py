@@ -37,6 +37,7 @@ from deploy_manifests import (
     rendered,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from native_front_fixtures import native_front_available
 from prometheus_client.parser import text_string_to_metric_families
 from tls_fixtures import make_pki
 
@@ -76,8 +77,9 @@ def server(tmp_path_factory):
     config_path = tmp_path_factory.mktemp("deploy") / "config.toml"
     config_path.write_text(configmap_file())
     cache = tmp_path_factory.getbasetemp() / "expertd-jax-cache"  # shared with the service tests
+    native = ["--native-port", "0"] if native_front_available() else []  # the dashboard's native panels read it
     config, _ = parse_serve(["--config", str(config_path), *SMALL_MODEL, "--host", "127.0.0.1", "--port", "0",
-                             "--metrics-port", "0", "--compile-cache-dir", str(cache)], {})
+                             "--metrics-port", "0", "--compile-cache-dir", str(cache), *native], {})
     handle = create_server(config)
     try:
         handle.wait_ready(timeout=180)
@@ -86,6 +88,9 @@ def server(tmp_path_factory):
                                                         dtype=np.float32)
             client.forward(x, layer=0)
             client.route(x, layer=0)
+        if handle.native_port:
+            with ExpertClient(f"127.0.0.1:{handle.native_port}", timeout=60) as client:
+                client.forward(x, layer=0)
         yield handle
     finally:
         handle.stop(grace=1)
@@ -182,6 +187,8 @@ def test_metrics_read_by_dashboard_and_autoscaler_are_exported(server):
     for expr in exprs:
         read = promql_metrics(expr)
         assert read, expr
+        if not server.native_port and any(name.startswith("expertd_native_") for name in read):
+            continue  # the native port cannot be built here (native_front_fixtures): its series are not exported
         for name, labels in read.items():
             assert name in series, f"{name} (in {expr!r}) is not exported; exported: {sorted(series)}"
             assert labels - TARGET_LABELS <= series[name], f"{name} has no label(s) {labels - series[name]}"
