@@ -52,7 +52,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server import eplb, event_loop, kserve, listen, metrics_http, startup, warmup
-from expertd.server.batcher import Batcher
+from expertd.server.batcher import DRAINING, Batcher
 from expertd.server.config import ServerConfig
 from expertd.server.config.credentials import Credentials, TlsMaterial
 from expertd.server.drain import HealthServicer, StreamInputs
@@ -73,7 +73,6 @@ PROBE_SERVICES = ("liveness", "readiness")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-DRAINING = "draining: not accepting new requests"
 LINGER_QUIET_S = 0.2  # drain step 3: no new call for this long means clients have moved on
 
 

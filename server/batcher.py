@@ -58,6 +58,10 @@ from expertd.server.metrics import Metrics
 from expertd.server.queues import Batch, LayerQueue, QueuedRequest, Queues, Ticket
 from expertd.server.requests import ForwardRequest, Header, RouteRequest
 
+WARMING_UP = "warming up: the model is still compiling; retry when health reports SERVING"
+DRAINING = "draining: not accepting new requests"
+"""Why a request is refused UNAVAILABLE before warm-up ends and from the drain on (every front end says the same)."""
+
 DEADLINE_TOLERANCE_S = 0.01  # a call cancelled this close to its deadline ended by its deadline
 
 
@@ -118,8 +122,7 @@ class Batcher:
     def admit(self, header: Header, deadline: float | None) -> Ticket:
         """A place for a request of ``header.tokens`` rows, or ``NotReady`` / ``Overloaded`` at once."""
         if not self.accepting:
-            raise NotReady("draining: not accepting new requests" if self.draining else "warming up: the model is "
-                           "still compiling; retry when health reports SERVING")
+            raise NotReady(DRAINING if self.draining else WARMING_UP)
         queue = self._queue(header.layer, header.kind)
         now = time.monotonic()
         try:

@@ -20,9 +20,10 @@
 //   start(address, layers: dict[int, int] (layer -> H), max_request_tokens, max_batch_tokens,
 //         max_queued_tokens, max_queued_calls, max_message_bytes, model_info: bytes (a serialized
 //         GetModelInfoResponse), token: bytes | None, tls: (key, chain, client_ca | None) | None,
-//         latency_bounds: sequence of float) -> (handle, port, ready_fd)
+//         latency_bounds: sequence of float, not_ready: str (why calls are refused until
+//         set_accepting)) -> (handle, port, ready_fd)
 //   set_accepting(handle, accepting: bool, reason: str)   also sets health SERVING / NOT_SERVING
-//   take(handle) -> (batch, layer, dtype, rows: bytes, token_ids: bytes | None, calls,
+//   take(handle) -> (batch, layer, dtype, rows: bytes, token_ids: bytes | None,
 //                    seconds to the latest caller's deadline | None) | None
 //                  never waits: None when nothing is queued, or once stopped
 //   finish(handle, batch, output: buffer)   [rows, H] in the batch's dtype
@@ -214,6 +215,9 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }
+
+  // Set before the server starts (no call can race it): why calls are refused until SetAccepting.
+  void SetInitialReason(std::string reason) { reason_ = std::move(reason); }
 
   void SetAccepting(bool accepting, std::string reason) {
     {
@@ -461,7 +465,7 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
   int64_t queued_tokens_ = 0;
   bool accepting_ = false;
   bool stopping_ = false;
-  std::string reason_ = "warming up: the model is still compiling; retry when health reports SERVING";
+  std::string reason_;
   int64_t last_batch_ = 0;
   std::map<int64_t, std::vector<Call>> in_flight_;
 
@@ -496,12 +500,12 @@ bool BytesOf(PyObject* object, std::string* out, const char* what) {
 }
 
 PyObject* Start(PyObject*, PyObject* args) {
-  const char* address;
+  const char *address, *not_ready;
   PyObject *layers, *model_info, *token, *tls, *bounds;
   long long max_request_tokens, max_batch_tokens, max_queued_tokens, max_queued_calls, max_message_bytes;
-  if (!PyArg_ParseTuple(args, "sO!LLLLLSOOO", &address, &PyDict_Type, &layers, &max_request_tokens,
+  if (!PyArg_ParseTuple(args, "sO!LLLLLSOOOs", &address, &PyDict_Type, &layers, &max_request_tokens,
                         &max_batch_tokens, &max_queued_tokens, &max_queued_calls, &max_message_bytes, &model_info,
-                        &token, &tls, &bounds)) {
+                        &token, &tls, &bounds, &not_ready)) {
     return nullptr;
   }
   auto front = std::make_unique<Front>();
@@ -538,6 +542,7 @@ PyObject* Start(PyObject*, PyObject* args) {
   Py_DECREF(bound_list);
   if (PyErr_Occurred()) return nullptr;
   front->InitStats();
+  front->SetInitialReason(not_ready);
   front->ready_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (front->ready_fd < 0) return PyErr_SetFromErrno(PyExc_OSError);
 
@@ -657,9 +662,8 @@ PyObject* Take(PyObject*, PyObject* args) {
   } else {
     remaining = PyFloat_FromDouble(std::chrono::duration<double>(latest - std::chrono::system_clock::now()).count());
   }
-  return Py_BuildValue("(LIiNNnN)", static_cast<long long>(batch.first), first.layer(),
-                       first.hidden_states().dtype(), rows_bytes, ids_bytes, static_cast<Py_ssize_t>(calls.size()),
-                       remaining);
+  return Py_BuildValue("(LIiNNN)", static_cast<long long>(batch.first), first.layer(),
+                       first.hidden_states().dtype(), rows_bytes, ids_bytes, remaining);
 }
 
 PyObject* Finish(PyObject*, PyObject* args) {
@@ -748,10 +752,10 @@ PyObject* Stop(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"start", Start, METH_VARARGS, "start(address, layers, max_request_tokens, max_batch_tokens, max_queued_tokens, "
-                                   "max_queued_calls, max_message_bytes, model_info, token, tls, latency_bounds) -> "
-                                   "(handle, port, ready_fd)"},
+                                   "max_queued_calls, max_message_bytes, model_info, token, tls, latency_bounds, "
+                                   "not_ready) -> (handle, port, ready_fd)"},
     {"set_accepting", SetAccepting, METH_VARARGS, "set_accepting(handle, accepting, reason)"},
-    {"take", Take, METH_VARARGS, "take(handle) -> (batch, layer, dtype, rows, token_ids, calls) | None"},
+    {"take", Take, METH_VARARGS, "take(handle) -> (batch, layer, dtype, rows, token_ids, remaining_s) | None"},
     {"finish", Finish, METH_VARARGS, "finish(handle, batch, output)"},
     {"fail", Fail, METH_VARARGS, "fail(handle, batch, code, message, details)"},
     {"stats", Stats, METH_VARARGS, "stats(handle) -> dict"},

@@ -44,7 +44,7 @@ from prometheus_client.registry import Collector
 
 from expertd.client import codec
 from expertd.server import errors, requests
-from expertd.server.batcher import Batcher
+from expertd.server.batcher import WARMING_UP, Batcher
 from expertd.server.config.credentials import TlsMaterial
 from expertd.server.description import ModelDescription
 from expertd.server.metrics import LATENCY_BUCKETS
@@ -90,7 +90,8 @@ class NativeFront:
             address, {index: cfg.hidden_size for index, cfg in model.layers.items()}, model.max_request_tokens,
             model.max_batch_tokens, queue_tokens, queue_calls, max_message_bytes, model_info,
             None if token is None else token.encode(),
-            None if tls is None else (tls.private_key, tls.certificate_chain, tls.client_ca), LATENCY_BUCKETS)
+            None if tls is None else (tls.private_key, tls.certificate_chain, tls.client_ca), LATENCY_BUCKETS,
+            WARMING_UP)
         return cls(module, handle, port, ready_fd, model, batcher, loop)
 
     def set_accepting(self, accepting: bool, reason: str = "") -> None:
@@ -153,7 +154,7 @@ class NativeFront:
         self._take()
 
     async def _serve(self, batch_id: int, layer: int, dtype: int, rows: bytes, token_ids: bytes | None,
-                     _calls: int, remaining_s: float | None) -> None:
+                     remaining_s: float | None) -> None:
         """Compute one batch and answer its calls (each failure answers them all with its status);
         the batcher drops it when its last caller's deadline passes first."""
         try:

@@ -7,6 +7,7 @@ subprocess servers of the drain test use the same cache.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import pathlib
 import re
@@ -45,12 +46,14 @@ def server_config(tmp_path_factory, *, model: ModelConfig | None = None, securit
 
 
 @contextlib.contextmanager
-def server_with_runner(tmp_path_factory, wrap, **batching):
-    """A started server (``server_config``) whose engine steps go through ``wrap(engine)``, the
-    step runner, kept as the handle's ``runner``; stopped on exit."""
+def server_with_runner(tmp_path_factory, wrap, *, model: ModelConfig | None = None, native_port: int | None = None,
+                       **batching):
+    """A started server (``server_config``; ``native_port``: with the native Forward port) whose
+    engine steps go through ``wrap(engine)``, the step runner, kept as the handle's ``runner``;
+    stopped on exit."""
     runners = []
-    handle = create_server(server_config(tmp_path_factory, **batching),
-                           step_runner=lambda engine: runners.append(wrap(engine)) or runners[-1])
+    config = dataclasses.replace(server_config(tmp_path_factory, model=model, **batching), native_port=native_port)
+    handle = create_server(config, step_runner=lambda engine: runners.append(wrap(engine)) or runners[-1])
     try:
         handle.wait_ready(timeout=300)
         handle.runner = runners[0]

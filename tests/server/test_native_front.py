@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from native_front_fixtures import require_native_front
-from service_support import Gate, poll, sample, scrape, server_config
+from service_support import Gate, poll, sample, scrape, server_config, server_with_runner
 from tls_fixtures import make_pki
 
 from expertd.client import ExpertClient, TlsOptions, codec
@@ -42,6 +42,7 @@ H = 64  # the tiny preset's hidden size
 MAX_REQUEST_TOKENS = 16
 MAX_QUEUE_TOKENS = 64
 TOKEN = "native-s3cret"
+ONE_LAYER = ModelConfig(preset="tiny", num_layers=1, dtype="float32", num_devices=1)
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +50,11 @@ def server(tmp_path_factory):
     """fp32 tiny, two layers, buckets 1 / 8, the native port on; steps go through a Gate, so they
     run on the device thread (never inline on the event loop, where a held step would stop every call)."""
     require_native_front()
-    config = dataclasses.replace(
-        server_config(tmp_path_factory, model=ModelConfig(preset="tiny", num_layers=2, dtype="float32", num_devices=1),
-                      max_queue_delay_ms=0.0, inline_step_max_ms=0.0, max_request_tokens=MAX_REQUEST_TOKENS,
-                      max_queue_tokens=MAX_QUEUE_TOKENS), native_port=0)
-    gates = []
-    handle = create_server(config, step_runner=lambda engine: gates.append(Gate(engine)) or gates[-1])
-    try:
-        handle.wait_ready(timeout=300)
-        handle.gate = gates[0]
+    with server_with_runner(tmp_path_factory, Gate, native_port=0, max_queue_delay_ms=0.0, inline_step_max_ms=0.0,
+                            model=ModelConfig(preset="tiny", num_layers=2, dtype="float32", num_devices=1),
+                            max_request_tokens=MAX_REQUEST_TOKENS, max_queue_tokens=MAX_QUEUE_TOKENS) as handle:
+        handle.gate = handle.runner
         yield handle
-    finally:
-        handle.stop(grace=5)
 
 
 def native(server, **options) -> ExpertClient:
@@ -242,14 +236,9 @@ def test_a_full_native_queue_answers_resource_exhausted_at_once(server):
 def test_the_calls_queued_on_the_port_are_bounded_too(tmp_path_factory):
     """--max-queue-size bounds the calls waiting on the port, however few tokens each carries."""
     require_native_front()
-    config = dataclasses.replace(server_config(tmp_path_factory, model=ModelConfig(
-        preset="tiny", num_layers=1, dtype="float32", num_devices=1), max_queue_delay_ms=0.0, inline_step_max_ms=0.0,
-        max_queue_size=3), native_port=0)
-    gates = []
-    handle = create_server(config, step_runner=lambda engine: gates.append(Gate(engine)) or gates[-1])
-    try:
-        handle.wait_ready(timeout=300)
-        handle.gate = gates[0]
+    with server_with_runner(tmp_path_factory, Gate, native_port=0, model=ONE_LAYER, max_queue_delay_ms=0.0,
+                            inline_step_max_ms=0.0, max_queue_size=3) as handle:
+        handle.gate = handle.runner
         release, first, pool, client = _held(handle)
         try:
             behind = pool.submit(client.forward, rows(1, 1), layer=0)  # to the batcher, behind the held step
@@ -264,8 +253,6 @@ def test_the_calls_queued_on_the_port_are_bounded_too(tmp_path_factory):
             assert future.result(60).shape[1] == H
         client.close()
         pool.shutdown()
-    finally:
-        handle.stop(grace=2)
 
 
 def test_a_call_whose_caller_has_gone_is_not_computed(server):
@@ -296,8 +283,7 @@ def test_the_main_ports_token_and_tls_guard_the_native_port(tmp_path_factory, pk
     require_native_front()
     security = SecurityConfig(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), auth_token=TOKEN,
                               tls_client_ca=str(pki.ca) if mutual else None)
-    config = dataclasses.replace(server_config(tmp_path_factory, model=ModelConfig(
-        preset="tiny", num_layers=1, dtype="float32", num_devices=1), security=security), native_port=0)
+    config = dataclasses.replace(server_config(tmp_path_factory, model=ONE_LAYER, security=security), native_port=0)
     handle = create_server(config)
     target = f"127.0.0.1:{handle.native_port}"
     tls = TlsOptions(root_certificates=pki.ca, server_name="localhost",
@@ -326,15 +312,9 @@ def test_the_main_ports_token_and_tls_guard_the_native_port(tmp_path_factory, pk
 
 def test_drain_answers_what_was_queued_and_refuses_what_comes_after(tmp_path_factory):
     require_native_front()
-    config = dataclasses.replace(server_config(tmp_path_factory, model=ModelConfig(
-        preset="tiny", num_layers=1, dtype="float32", num_devices=1), max_queue_delay_ms=0.0, inline_step_max_ms=0.0),
-        native_port=0)
-    gates = []
-    handle = create_server(config, step_runner=lambda engine: gates.append(Gate(engine)) or gates[-1])
-    pool = concurrent.futures.ThreadPoolExecutor(8)
-    try:
-        handle.wait_ready(timeout=300)
-        handle.gate = gates[0]
+    with server_with_runner(tmp_path_factory, Gate, native_port=0, model=ONE_LAYER, max_queue_delay_ms=0.0,
+                            inline_step_max_ms=0.0) as handle, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        handle.gate = handle.runner
         release, first, _, client = _held(handle)
         queued = [pool.submit(client.forward, rows(1, i), layer=0) for i in range(4)]
         poll(lambda: sample(scrape(handle.metrics_port), "expertd_native_forward_queued_tokens") >= 1)
@@ -352,9 +332,6 @@ def test_drain_answers_what_was_queued_and_refuses_what_comes_after(tmp_path_fac
             assert future.result(60).shape == (1, H)
         assert handle.wait(60)
         client.close()
-    finally:
-        pool.shutdown()
-        handle.stop(grace=1)
 
 
 def test_a_native_port_that_cannot_be_built_fails_start_up_naming_the_flag(tmp_path_factory, monkeypatch):
