@@ -2,11 +2,12 @@
 
 Built on first use with the system's gRPC C++ (Debian / Ubuntu: ``libgrpc++-dev``,
 ``protobuf-compiler-grpc``, ``pkg-config``; found through pkg-config's ``grpc++`` and ``protobuf``)
-into ``<cache_dir>/native_front/<key>/``, keyed by a hash of the source, the service's descriptor
-and the compiler flags; later processes load it from there. The C++ message classes are generated
-from the descriptor the Python stubs carry (``expert_pb2.DESCRIPTOR``, handed to protoc as a
-descriptor set), so both sides always speak the same ``expertd.v1``. To build ahead of time (an
-image): ``python -c "from expertd.server.native_front import build_module; build_module('DIR')"``.
+into ``<cache_dir>/native_front/<key>/``, keyed by a hash of the source, the descriptors and the
+compiler flags; later processes load it from there. The C++ message classes are generated from the
+descriptors the Python stubs carry (``expert_pb2.DESCRIPTOR``, and google.rpc's Status and error
+details for the rich refusals, handed to protoc as a descriptor set), so both sides always speak the
+same ``expertd.v1``. To build ahead of time (an image):
+``python -c "from expertd.server.native_front import build_module; build_module('DIR')"``.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import sysconfig
 import tempfile
 import threading
 
-from google.protobuf import descriptor_pb2
+from google.protobuf import any_pb2, descriptor_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from expertd.client.pb.v1 import expert_pb2
 
@@ -39,10 +41,16 @@ class NativeUnavailable(RuntimeError):
     """The native front end cannot be built here; the message says what is missing and how to get it."""
 
 
+GENERATED = (status_pb2.DESCRIPTOR, error_details_pb2.DESCRIPTOR, expert_pb2.DESCRIPTOR)
+"""The files whose C++ classes are generated: google.rpc's Status and error details (the rich
+refusals) and ``expertd/v1/expert.proto``. Their imports (Any, Duration) are libprotobuf's own."""
+
+
 def _descriptor_set() -> bytes:
-    """A FileDescriptorSet holding ``expertd/v1/expert.proto`` as the Python stubs have it."""
+    """A FileDescriptorSet holding GENERATED as the Python stubs have them, imports first."""
     files = descriptor_pb2.FileDescriptorSet()
-    files.file.add().ParseFromString(expert_pb2.DESCRIPTOR.serialized_pb)
+    for file in (any_pb2.DESCRIPTOR, duration_pb2.DESCRIPTOR, *GENERATED):
+        files.file.add().ParseFromString(file.serialized_pb)
     return files.SerializeToString()
 
 
@@ -70,14 +78,16 @@ def build_module(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     with tempfile.TemporaryDirectory(prefix="build-", dir=module.parent) as scratch:  # concurrent builds each own one
         out = pathlib.Path(scratch)
         (out / "expert.desc").write_bytes(_descriptor_set())
-        proto = expert_pb2.DESCRIPTOR.name  # expertd/v1/expert.proto
+        protos = [file.name for file in GENERATED]  # google/rpc/status.proto, ..., expertd/v1/expert.proto
         generated = subprocess.run([tools["protoc"], f"--descriptor_set_in={out / 'expert.desc'}", f"--cpp_out={out}",
                                     f"--grpc_out={out}", f"--plugin=protoc-gen-grpc={tools['grpc_cpp_plugin']}",
-                                    proto], capture_output=True, text=True)
+                                    *protos], capture_output=True, text=True)
         if generated.returncode != 0:
             raise NativeUnavailable(f"protoc failed: {generated.stderr.strip()[-2000:]}")
-        stem = out / proto.removesuffix(".proto")
-        sources = [SOURCE, stem.with_suffix(".pb.cc"), stem.with_name(stem.name + ".grpc.pb.cc")]
+        stems = [out / proto.removesuffix(".proto") for proto in protos]
+        service = stems[-1]  # only expert.proto has a service
+        sources = [SOURCE, *(stem.with_suffix(".pb.cc") for stem in stems),
+                   service.with_name(service.name + ".grpc.pb.cc")]
         compiled = subprocess.run([tools["g++"], *CXXFLAGS, f"-I{out}", f"-I{sysconfig.get_paths()['include']}",
                                    *map(str, sources), "-o", str(out / module.name), *flags.stdout.split()],
                                   capture_output=True, text=True)

@@ -7,14 +7,16 @@
 // whether the server is accepting (else UNAVAILABLE with the reason Python gave), the request's
 // fields (NOT_FOUND for a layer not served, INVALID_ARGUMENT naming the field: dtype, shape, the
 // token limit, byte length, token ids, NaN / Inf), the bounds on queued tokens and calls
-// (RESOURCE_EXHAUSTED),
-// then the call joins one FIFO queue; a call that finds the queue empty signals an eventfd. The
-// server's event loop watches that fd; woken, it reads it and takes batches until none is left:
-// calls of one (layer, dtype, with or without token ids), in arrival order, up to
-// `max_batch_tokens` rows (a larger call alone), their rows concatenated. Python answers a batch
-// with `finish` (the output rows in the callers' dtype, split back per call) or `fail` (one status
-// for each of its calls). Calls cancelled or past their deadline while queued are answered
-// CANCELLED when a take meets them, not run.
+// (RESOURCE_EXHAUSTED). Refusals carry the main port's rich details (google.rpc.Status in
+// grpc-status-details-bin): a BadRequest field violation with INVALID_ARGUMENT, a RetryInfo delay
+// with RESOURCE_EXHAUSTED (the work queued ahead at the seconds per token Python last gave, at
+// least its minimum). An accepted call joins one FIFO queue; a call that finds the queue empty
+// signals an eventfd. The server's event loop watches that fd; woken, it reads it and takes
+// batches until none is left: calls of one (layer, dtype, with or without token ids), in arrival
+// order, up to `max_batch_tokens` rows (a larger call alone), their rows concatenated. Python
+// answers a batch with `finish` (the output rows in the callers' dtype, split back per call) or
+// `fail` (one status for each of its calls). Calls cancelled or past their deadline while queued
+// are answered CANCELLED when a take meets them, not run.
 //
 // Python API (every function takes the handle `start` returned; fronts live until the process ends):
 //   start(address, layers: dict[int, int] (layer -> H), max_request_tokens, max_batch_tokens,
@@ -23,6 +25,8 @@
 //         latency_bounds: sequence of float, not_ready: str (why calls are refused until
 //         set_accepting)) -> (handle, port, ready_fd)
 //   set_accepting(handle, accepting: bool, reason: str)   also sets health SERVING / NOT_SERVING
+//   set_retry_hint(handle, seconds_per_token: dict[int, float] (layer -> s), min_s: float)
+//                  what a RESOURCE_EXHAUSTED refusal's RetryInfo delay is computed from
 //   take(handle) -> (batch, layer, dtype, rows: bytes, token_ids: bytes | None,
 //                    seconds to the latest caller's deadline | None) | None
 //                  never waits: None when nothing is queued, or once stopped
@@ -59,6 +63,8 @@
 #include <unistd.h>
 
 #include "expertd/v1/expert.grpc.pb.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 
 namespace {
 
@@ -67,6 +73,25 @@ using expertd::v1::ForwardResponse;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kNumCodes = 17;  // grpc::StatusCode values 0..16
+
+// `code` and `message` with `detail` packed into a google.rpc.Status, as the main port sends its
+// refusals (the client reads field violations and retry delays from it).
+grpc::Status RichStatus(grpc::StatusCode code, const std::string& message, const google::protobuf::Message& detail) {
+  google::rpc::Status status;
+  status.set_code(static_cast<int32_t>(code));
+  status.set_message(message);
+  status.add_details()->PackFrom(detail);
+  return grpc::Status(code, message, status.SerializeAsString());
+}
+
+// RESOURCE_EXHAUSTED with a RetryInfo delay of `seconds`.
+grpc::Status Overloaded(const std::string& message, double seconds) {
+  google::rpc::RetryInfo retry;
+  const int64_t whole = static_cast<int64_t>(seconds);
+  retry.mutable_retry_delay()->set_seconds(whole);
+  retry.mutable_retry_delay()->set_nanos(static_cast<int32_t>((seconds - whole) * 1e9));
+  return RichStatus(grpc::StatusCode::RESOURCE_EXHAUSTED, message, retry);
+}
 
 int ItemSize(int dtype) {
   switch (dtype) {
@@ -182,13 +207,13 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
       if (!accepting_) {
         refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, reason_);
       } else if (queued_tokens_ + rows > max_queued_tokens) {
-        refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                               "overloaded: " + std::to_string(queued_tokens_) + " tokens queued on the native port, "
-                               "the limit is " + std::to_string(max_queued_tokens) + "; retry later");
+        refusal = Overloaded("overloaded: " + std::to_string(queued_tokens_) + " tokens queued on the native port, "
+                             "the limit is " + std::to_string(max_queued_tokens) + "; retry later",
+                             RetryDelay(request->layer(), queued_tokens_ + rows - max_queued_tokens));
       } else if (static_cast<int64_t>(queue_.size()) >= max_queued_calls) {
-        refusal = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                               "overloaded: " + std::to_string(queue_.size()) + " calls queued on the native port, "
-                               "the limit is " + std::to_string(max_queued_calls) + "; retry later");
+        refusal = Overloaded("overloaded: " + std::to_string(queue_.size()) + " calls queued on the native port, "
+                             "the limit is " + std::to_string(max_queued_calls) + "; retry later",
+                             RetryDelay(request->layer(), queued_tokens_ / std::max<int64_t>(queue_.size(), 1)));
       } else {
         queued_tokens_ += rows;
         notify = queue_.empty();  // Python drains the queue after each wake-up: only the first call wakes it
@@ -218,6 +243,13 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
 
   // Set before the server starts (no call can race it): why calls are refused until SetAccepting.
   void SetInitialReason(std::string reason) { reason_ = std::move(reason); }
+
+  // Seconds per token of each layer's queued work (layers not given: none) and the least delay.
+  void SetRetryHint(std::unordered_map<uint32_t, double> seconds_per_token, double min_s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    seconds_per_token_ = std::move(seconds_per_token);
+    min_retry_s_ = min_s;
+  }
 
   void SetAccepting(bool accepting, std::string reason) {
     {
@@ -389,7 +421,19 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
   }
 
   static grpc::Status Invalid(const std::string& field, const std::string& description) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, field + ": " + description);
+    google::rpc::BadRequest bad;
+    auto* violation = bad.add_field_violations();
+    violation->set_field(field);
+    violation->set_description(description);
+    return RichStatus(grpc::StatusCode::INVALID_ARGUMENT, field + ": " + description, bad);
+  }
+
+  // The RetryInfo delay for a refusal on `layer`: `tokens` of its work at the hint's rate, at least
+  // the hint's minimum. Called with mu_ held.
+  double RetryDelay(uint32_t layer, int64_t tokens) const {
+    const auto rate = seconds_per_token_.find(layer);
+    const double seconds = rate == seconds_per_token_.end() ? 0.0 : rate->second * static_cast<double>(tokens);
+    return std::max(seconds, min_retry_s_);
   }
 
   // OK, or why the call is refused (the field and what was expected).
@@ -466,6 +510,8 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
   bool accepting_ = false;
   bool stopping_ = false;
   std::string reason_;
+  std::unordered_map<uint32_t, double> seconds_per_token_;
+  double min_retry_s_ = 0.0;
   int64_t last_batch_ = 0;
   std::map<int64_t, std::vector<Call>> in_flight_;
 
@@ -733,6 +779,26 @@ PyObject* Fail(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* SetRetryHint(PyObject*, PyObject* args) {
+  long long handle;
+  PyObject* rates;
+  double min_s;
+  if (!PyArg_ParseTuple(args, "LO!d", &handle, &PyDict_Type, &rates, &min_s)) return nullptr;
+  Front* front = Lookup(handle);
+  if (front == nullptr) return nullptr;
+  std::unordered_map<uint32_t, double> seconds_per_token;
+  PyObject *key, *value;
+  Py_ssize_t position = 0;
+  while (PyDict_Next(rates, &position, &key, &value)) {
+    const long layer = PyLong_AsLong(key);
+    const double seconds = PyFloat_AsDouble(value);
+    if (PyErr_Occurred()) return nullptr;
+    seconds_per_token[static_cast<uint32_t>(layer)] = seconds;
+  }
+  front->SetRetryHint(std::move(seconds_per_token), min_s);
+  Py_RETURN_NONE;
+}
+
 PyObject* Stats(PyObject*, PyObject* args) {
   Front* front = OnlyHandle(args);
   return front == nullptr ? nullptr : front->Stats();
@@ -755,6 +821,7 @@ PyMethodDef kMethods[] = {
                                    "max_queued_calls, max_message_bytes, model_info, token, tls, latency_bounds, "
                                    "not_ready) -> (handle, port, ready_fd)"},
     {"set_accepting", SetAccepting, METH_VARARGS, "set_accepting(handle, accepting, reason)"},
+    {"set_retry_hint", SetRetryHint, METH_VARARGS, "set_retry_hint(handle, seconds_per_token, min_s)"},
     {"take", Take, METH_VARARGS, "take(handle) -> (batch, layer, dtype, rows, token_ids, remaining_s) | None"},
     {"finish", Finish, METH_VARARGS, "finish(handle, batch, output)"},
     {"fail", Fail, METH_VARARGS, "fail(handle, batch, code, message, details)"},

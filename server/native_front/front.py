@@ -4,11 +4,12 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
 
 - ``ExpertService/Forward``: checks each call where it arrives (bearer token, accepting, layer,
   ``hidden_states`` dtype / shape / token limit / byte length / NaN-Inf, ``token_ids``; the same
-  codes and field names as the main port) and bounds the tokens and calls queued on the port
-  (``BatchingConfig.queue_tokens``, ``max_queue_size``: RESOURCE_EXHAUSTED beyond them), then
-  queues it. A call that
-  finds the queue empty signals an eventfd the server's event loop watches; woken, the loop takes
-  every queued batch (calls of one layer and dtype, up to the largest bucket's rows, their rows
+  codes, field names and BadRequest field violations as the main port) and bounds the tokens and
+  calls queued on the port (``BatchingConfig.queue_tokens``, ``max_queue_size``:
+  RESOURCE_EXHAUSTED beyond them, with a RetryInfo delay: the tokens ahead at the batcher's seconds
+  per token, refreshed at most every RETRY_HINT_INTERVAL_S), then queues it. A call that finds the
+  queue empty signals an eventfd the server's event loop watches; woken, the loop takes every
+  queued batch (calls of one layer and dtype, up to the largest bucket's rows, their rows
   concatenated by C++) and submits each to the server's batcher as one request, so admission, the
   step-time estimates, the idle fast path, merging with the main port's requests, expert-load
   counts and the step metrics are the main port's; Python runs once per batch, not once per call,
@@ -44,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from expertd.client import codec
 from expertd.server import errors, requests
+from expertd.server.admission import MIN_RETRY_S
 from expertd.server.batcher import WARMING_UP, Batcher
 from expertd.server.config.credentials import TlsMaterial
 from expertd.server.description import ModelDescription
@@ -58,6 +60,9 @@ and the next waiting for it. Calls arriving meanwhile wait in the C++ queue and 
 batch, so Python's per-batch work shrinks as load grows, and an idle server takes a call at once."""
 
 QUIESCE_POLL_S = 0.005
+RETRY_HINT_INTERVAL_S = 0.5
+"""How often, at most, the port's retry-delay rates are refreshed from the batcher's step times (on
+accepting, then after answered batches)."""
 
 
 class NativeFront:
@@ -74,6 +79,7 @@ class NativeFront:
         self._loop = loop
         self._stopped = False
         self._batches: set[asyncio.Task] = set()  # batches in flight (held: the loop keeps weak references)
+        self._hint_refreshed = 0.0  # monotonic time of the last set_retry_hint
         loop.add_reader(ready_fd, self._on_ready)
 
     @classmethod
@@ -96,7 +102,15 @@ class NativeFront:
 
     def set_accepting(self, accepting: bool, reason: str = "") -> None:
         """Accept calls (health SERVING), or refuse new ones UNAVAILABLE with ``reason``."""
+        if accepting:
+            self._refresh_retry_hint()
         self._module.set_accepting(self._handle, accepting, reason)
+
+    def _refresh_retry_hint(self) -> None:
+        """Give C++ the seconds per token its RESOURCE_EXHAUSTED refusals' RetryInfo delays are
+        computed from (the main port's rates and minimum)."""
+        self._module.set_retry_hint(self._handle, self._batcher.forward_seconds_per_token(), MIN_RETRY_S)
+        self._hint_refreshed = time.monotonic()
 
     def stats(self) -> dict:
         """``{"handled": {code: n}, "latency": ([counts per LATENCY_BUCKETS bound, +Inf last], sum),
@@ -151,6 +165,8 @@ class NativeFront:
 
     def _answered(self, task: asyncio.Task) -> None:
         self._batches.discard(task)
+        if time.monotonic() - self._hint_refreshed >= RETRY_HINT_INTERVAL_S:
+            self._refresh_retry_hint()
         self._take()
 
     async def _serve(self, batch_id: int, layer: int, dtype: int, rows: bytes, token_ids: bytes | None,

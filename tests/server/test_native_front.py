@@ -25,7 +25,7 @@ from native_front_fixtures import require_native_front
 from service_support import Gate, poll, sample, scrape, server_config, server_with_runner
 from tls_fixtures import make_pki
 
-from expertd.client import ExpertClient, TlsOptions, codec
+from expertd.client import ExpertClient, TlsOptions, codec, errors
 from expertd.client.errors import (
     DeadlineExceededError,
     ExpertError,
@@ -35,6 +35,7 @@ from expertd.client.errors import (
     UnavailableError,
 )
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+from expertd.server.admission import MIN_RETRY_S
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig, SecurityConfig
 
@@ -153,6 +154,12 @@ def test_bad_calls_are_refused_naming_the_field_and_the_server_keeps_serving(ser
         raw(server, expert_pb2.ForwardRequest(**request_fields))
     assert refused.value.code() == code
     assert re.search(names, refused.value.details())
+    # As on the main port: the field and what was expected also travel as a BadRequest violation.
+    violations = errors.from_rpc_error(refused.value).field_violations
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        assert [f"{field}: {description}" for field, description in violations] == [refused.value.details()]
+    else:
+        assert violations == []
     x = rows(2, 0)
     with native(server) as client, main(server) as reference:
         np.testing.assert_array_equal(client.forward(x, layer=0), reference.forward(x, layer=0))
@@ -221,9 +228,10 @@ def test_a_full_native_queue_answers_resource_exhausted_at_once(server):
         # One more call goes to the batcher behind the held step; the next wait on the port itself.
         waiting = [pool.submit(client.forward, rows(8, 2 + i), layer=0) for i in range(1 + MAX_QUEUE_TOKENS // 8)]
         poll(lambda: sample(scrape(server.metrics_port), "expertd_native_forward_queued_tokens") == MAX_QUEUE_TOKENS)
-        with pytest.raises(ResourceExhaustedError, match="tokens queued on the native port"):
+        with pytest.raises(ResourceExhaustedError, match="tokens queued on the native port") as refused:
             client.forward(rows(8, 99), layer=0)  # answered while the step is still held: never a hang
         assert not first.done()
+        assert refused.value.retry_delay >= MIN_RETRY_S  # RetryInfo, as on the main port
     finally:
         release.set()
     assert first.result(60).shape == (8, H)
@@ -245,8 +253,12 @@ def test_the_calls_queued_on_the_port_are_bounded_too(tmp_path_factory):
             poll(lambda: handle.batcher.pending == 2)
             waiting = [pool.submit(client.forward, rows(1, 2 + i), layer=0) for i in range(3)]
             poll(lambda: sample(scrape(handle.metrics_port), "expertd_native_forward_queued_tokens") == 3)
-            with pytest.raises(ResourceExhaustedError, match="3 calls queued on the native port"):
+            with pytest.raises(ResourceExhaustedError, match="3 calls queued on the native port") as refused:
                 client.forward(rows(1, 9), layer=0)
+            # RetryInfo: a queued call's tokens (1) at the batcher's seconds per token, at least the
+            # main port's minimum (no step has ended since the port took the rates at warm-up's end).
+            rate = handle.batcher.forward_seconds_per_token()[0]
+            assert refused.value.retry_delay == pytest.approx(max(rate, MIN_RETRY_S), abs=1e-6)
         finally:
             release.set()
         for future in (first, behind, *waiting):
