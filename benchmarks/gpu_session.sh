@@ -20,7 +20,9 @@
 #                                           # processes at once (SEMANTICS_ARGS=--quick: the smaller
 #                                           # point); one summary line
 #   bash benchmarks/gpu_session.sh floor    # benchmarks/python_floor.py (expertd, bare, bare-batched;
-#                                           # the engine on the host's CPU): the thin hop on its cores
+#                                           # the engine on the host's CPU): the thin hop on its cores;
+#                                           # expertd-native too where .native-front is carried
+#                                           # (made by benchmarks/native_front_carry.sh)
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
 #   bash benchmarks/gpu_session.sh brief    # all six, cut to fit one call of a 15-minute lease
 #                                           # (check --quick, router --quick, the bf16 layer at
@@ -45,6 +47,12 @@ setup() {
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
       || echo "gpu_session: the wheels in .whl did not install for $($PY -V); the server's steps may fail" >&2
   fi
+  # The native Forward port cannot be built there (no libgrpc++, no network): carry `.native-front`,
+  # its module built for Python 3.12 and Debian's gRPC C++ libraries (benchmarks/native_front_carry.sh).
+  if [ -d .native-front/cache/native_front ]; then
+    mkdir -p ~/.cache/expertd && cp -r .native-front/cache/native_front ~/.cache/expertd/
+    export LD_LIBRARY_PATH="$PWD/.native-front/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
   mkdir -p "$site/expertd"
   for pkg in kernels server client; do ln -sfn "$PWD/$pkg" "$site/expertd/$pkg"; done
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
@@ -67,7 +75,9 @@ step() {
     tiles) timeout "${TILES_TIMEOUT:-540}" $PY benchmarks/pallas_tiles.py ${TILES_ARGS:-} --out "$OUT/pallas_tiles.json" \
              2>&1 | tee "$OUT/pallas_tiles.log" ;;
     semantics) semantics ;;
-    floor) timeout "${FLOOR_TIMEOUT:-240}" $PY benchmarks/python_floor.py --servers expertd,bare,bare-batched \
+    floor) local servers=expertd,bare,bare-batched
+           [ -d .native-front ] && servers+=,expertd-native
+           timeout "${FLOOR_TIMEOUT:-300}" $PY benchmarks/python_floor.py --servers "$servers" \
              ${FLOOR_ARGS:-} --out "$OUT/python_floor_gpu_host.json" 2>&1 | tee "$OUT/python_floor.log" ;;
     *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | semantics | floor | all | brief)"
        return 2 ;;

@@ -257,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--servers: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(SERVERS)}")
     skipped = {}
     if "expertd-native" in servers:
-        from expertd.server.native_front import NativeUnavailable, build_module
+        from expertd.server.native_front import NativeUnavailable, load
 
         try:
-            build_module()
-        except NativeUnavailable as exc:
+            load()  # built (or found built), and its libraries found
+        except (NativeUnavailable, ImportError) as exc:
             skipped["expertd-native"] = str(exc)
             servers.remove("expertd-native")
             print(f"expertd-native: left out: {exc}", flush=True)
