@@ -12,7 +12,9 @@
 #   bash benchmarks/gpu_session.sh engine   # benchmarks/engine_step.py: the engine's step cycle
 #                                           # (host inputs vs device_put, results read back)
 #   bash benchmarks/gpu_session.sh serving  # benchmarks/serving.py --models mid: the real server and
-#                                           # client over loopback (needs the gRPC family: .whl below)
+#                                           # client over loopback (needs the gRPC family: .whl below;
+#                                           # SERVING_ARGS=--native: on the native Forward port, where
+#                                           # .native-front is carried)
 #   bash benchmarks/gpu_session.sh tiles    # benchmarks/pallas_tiles.py: the Pallas grouped GEMM's
 #                                           # tilings per shape (TILES_ARGS=--quick: a short grid)
 #   bash benchmarks/gpu_session.sh semantics  # gpu_check.py's semantic families (issue 25; or those in
