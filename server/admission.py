@@ -155,6 +155,11 @@ class Admission:
         seconds = full * self.times.estimate(key, self._full_bucket)
         return seconds + (self.times.estimate(key, self._bucket_for(rest)) if rest else 0.0)
 
+    def seconds_per_token(self, key: Hashable) -> float:
+        """Expected seconds per token of one queue's work in full steps (the --max-queue-tokens
+        refusal's retry delay per token over the bound)."""
+        return self.drain(key, self.limits.step_rows) / self.limits.step_rows
+
     def backlog(self, queues: Iterable, running_s: float, now: float) -> float:
         """Seconds until the admitted work is done: the running step's rest and every queued row."""
         total, latest = running_s, 0.0
@@ -179,10 +184,10 @@ class Admission:
                              f"retry later", _retry(max(backlog / max(pending, 1), _first_gather(queues, now))),
                              "queue_size")
         if queued_tokens + tokens > limits.max_tokens:
-            per_token = self.drain(queue.step_key, limits.step_rows) / limits.step_rows
             excess = queued_tokens + tokens - limits.max_tokens
             raise Overloaded(f"overloaded: {queued_tokens} tokens queued, {tokens} more would pass "
-                             f"--max-queue-tokens {limits.max_tokens}; retry later", _retry(excess * per_token),
+                             f"--max-queue-tokens {limits.max_tokens}; retry later",
+                             _retry(excess * self.seconds_per_token(queue.step_key)),
                              "queue_tokens")
         if self._surely_in_time(queue, tokens, deadline_in, queues, running_s, now):
             return

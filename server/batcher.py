@@ -154,13 +154,6 @@ class Batcher:
                                            ticket, request.token_ids)
         return results.route_result(parts, self.model.layers[request.layer], request.aux_loss_coeff), timing
 
-    def forward_seconds_per_token(self) -> dict[int, float]:
-        """Each layer's expected seconds per token of queued Forward work, in full steps (what the
-        main port's --max-queue-tokens refusal bases its retry delay on)."""
-        rows = self.admission.limits.step_rows
-        return {layer: self.admission.drain(self.step_key(cfg, steps.FORWARD), rows) / rows
-                for layer, cfg in self.model.layers.items()}
-
     @property
     def pending(self) -> int:
         """Admitted requests not answered yet (decoding, queued or computing)."""

@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from expertd.client import codec
-from expertd.server import errors, requests
+from expertd.server import errors, requests, steps
 from expertd.server.admission import MIN_RETRY_S
 from expertd.server.batcher import WARMING_UP, Batcher
 from expertd.server.config.credentials import TlsMaterial
@@ -106,10 +106,17 @@ class NativeFront:
             self._refresh_retry_hint()
         self._module.set_accepting(self._handle, accepting, reason)
 
+    def seconds_per_token(self) -> dict[int, float]:
+        """Each layer's expected seconds per token of queued Forward work (``Admission.seconds_per_token``):
+        what the port's RESOURCE_EXHAUSTED refusals compute their RetryInfo delays from."""
+        batcher = self._batcher
+        return {layer: batcher.admission.seconds_per_token(batcher.step_key(cfg, steps.FORWARD))
+                for layer, cfg in self._model.layers.items()}
+
     def _refresh_retry_hint(self) -> None:
         """Give C++ the seconds per token its RESOURCE_EXHAUSTED refusals' RetryInfo delays are
         computed from (the main port's rates and minimum)."""
-        self._module.set_retry_hint(self._handle, self._batcher.forward_seconds_per_token(), MIN_RETRY_S)
+        self._module.set_retry_hint(self._handle, self.seconds_per_token(), MIN_RETRY_S)
         self._hint_refreshed = time.monotonic()
 
     def stats(self) -> dict:

@@ -35,6 +35,7 @@ from expertd.client.errors import (
     UnavailableError,
 )
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+from expertd.server import steps
 from expertd.server.admission import MIN_RETRY_S
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig, SecurityConfig
@@ -257,7 +258,8 @@ def test_the_calls_queued_on_the_port_are_bounded_too(tmp_path_factory):
                 client.forward(rows(1, 9), layer=0)
             # RetryInfo: a queued call's tokens (1) at the batcher's seconds per token, at least the
             # main port's minimum (no step has ended since the port took the rates at warm-up's end).
-            rate = handle.batcher.forward_seconds_per_token()[0]
+            batcher = handle.batcher
+            rate = batcher.admission.seconds_per_token(batcher.step_key(handle.model.layers[0], steps.FORWARD))
             assert refused.value.retry_delay == pytest.approx(max(rate, MIN_RETRY_S), abs=1e-6)
         finally:
             release.set()
