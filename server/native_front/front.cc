@@ -9,14 +9,15 @@
 // token limit, byte length, token ids, NaN / Inf), the bounds on queued tokens and calls
 // (RESOURCE_EXHAUSTED). Refusals carry the main port's rich details (google.rpc.Status in
 // grpc-status-details-bin): a BadRequest field violation with INVALID_ARGUMENT, a RetryInfo delay
-// with RESOURCE_EXHAUSTED (the work queued ahead at the seconds per token Python last gave, at
-// least its minimum). An accepted call joins one FIFO queue; a call that finds the queue empty
-// signals an eventfd. The server's event loop watches that fd; woken, it reads it and takes
-// batches until none is left: calls of one (layer, dtype, with or without token ids), in arrival
-// order, up to `max_batch_tokens` rows (a larger call alone), their rows concatenated. Python
-// answers a batch with `finish` (the output rows in the callers' dtype, split back per call) or
-// `fail` (one status for each of its calls). Calls cancelled or past their deadline while queued
-// are answered CANCELLED when a take meets them, not run.
+// with RESOURCE_EXHAUSTED (the tokens over the bound, or one queued call's tokens for the call
+// bound, at the seconds per token Python last gave; at least its minimum). An accepted call joins
+// one FIFO queue; a call that finds the queue empty signals an eventfd. The server's event loop
+// watches that fd; woken, it reads it and takes batches until none is left: calls of one (layer,
+// dtype, with or without token ids), in arrival order, up to `max_batch_tokens` rows (a larger
+// call alone), their rows concatenated. Python answers a batch with `finish` (the output rows in
+// the callers' dtype, split back per call) or `fail` (one status for each of its calls). Calls
+// cancelled or past their deadline while queued are answered CANCELLED when a take meets them,
+// not run.
 //
 // Python API (every function takes the handle `start` returned; fronts live until the process ends):
 //   start(address, layers: dict[int, int] (layer -> H), max_request_tokens, max_batch_tokens,

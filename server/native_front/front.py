@@ -6,8 +6,8 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   ``hidden_states`` dtype / shape / token limit / byte length / NaN-Inf, ``token_ids``; the same
   codes, field names and BadRequest field violations as the main port) and bounds the tokens and
   calls queued on the port (``BatchingConfig.queue_tokens``, ``max_queue_size``:
-  RESOURCE_EXHAUSTED beyond them, with a RetryInfo delay: the tokens ahead at the batcher's seconds
-  per token, refreshed at most every RETRY_HINT_INTERVAL_S), then queues it. A call that finds the
+  RESOURCE_EXHAUSTED beyond them, with a RetryInfo delay: the tokens over the bound at the batcher's
+  seconds per token, refreshed at most every RETRY_HINT_INTERVAL_S), then queues it. A call that finds the
   queue empty signals an eventfd the server's event loop watches; woken, the loop takes every
   queued batch (calls of one layer and dtype, up to the largest bucket's rows, their rows
   concatenated by C++) and submits each to the server's batcher as one request, so admission, the
