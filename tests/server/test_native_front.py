@@ -330,8 +330,11 @@ def test_drain_answers_what_was_queued_and_refuses_what_comes_after(tmp_path_fac
                             inline_step_max_ms=0.0) as handle, concurrent.futures.ThreadPoolExecutor(8) as pool:
         handle.gate = handle.runner
         release, first, _, client = _held(handle)
-        queued = [pool.submit(client.forward, rows(1, i), layer=0) for i in range(4)]
-        poll(lambda: sample(scrape(handle.metrics_port), "expertd_native_forward_queued_tokens") >= 1)
+        behind = pool.submit(client.forward, rows(1, 0), layer=0)  # the second batch in flight, behind the held step
+        poll(lambda: handle.batcher.pending == 2)
+        queued = [behind] + [pool.submit(client.forward, rows(1, i), layer=0) for i in range(1, 5)]
+        # every call is in: the later four wait on the port itself when the drain begins
+        poll(lambda: sample(scrape(handle.metrics_port), "expertd_native_forward_queued_tokens") == 4)
         handle.request_stop(grace=30)
         with grpc.insecure_channel(f"127.0.0.1:{handle.native_port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
