@@ -9,6 +9,9 @@
 #
 #   bash benchmarks/native_front_carry.sh        # needs python3.12 (PY312=...), apt-get, network
 #
+# The module's key covers front.cc and the descriptors: after either changes, run this again (an
+# old .native-front is then not found, and the floor step leaves the port out, saying why).
+#
 # Layout: .native-front/cache/native_front/<key>/expertd_native_front.cpython-312-*.so, and
 # .native-front/lib/*.so* (Debian 12's libgrpc++ 1.51 and what it needs beyond glibc, libstdc++,
 # OpenSSL 3 and zlib, which the GPU image has). About 20 MB.
@@ -18,6 +21,10 @@ DEST=.native-front
 PY312=${PY312:-python3.12}
 RUNTIME_DEBS=(libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-ares2)
 
+if ! "$PY312" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2> /dev/null; then
+  echo "native_front_carry: $PY312 is not a Python 3.12 (PY312=/path/to/python3.12)" >&2
+  exit 1
+fi
 if ! compgen -G ".whl/*cp312*.whl" > /dev/null; then
   echo "native_front_carry: .whl holds no cp312 wheels (gpu_session.sh's setup says how to fetch them)" >&2
   exit 1
