@@ -13,7 +13,9 @@ or ``--attention-ms`` when given.
   this process; the decode loop ``examples/decode_loop.py --json`` in a separate process (its CPU
   is not the server's GIL) for each transport of ``expertd.client.pipeline`` and m = 1, 2, 3:
   tokens/s, the expert side's busy fraction, and at m = 1 the per-layer round trip (a step's time
-  outside attention / layers) minus the in-process step: what one hop costs.
+  outside attention / layers) minus the in-process step: what one hop costs. Transport ``native``:
+  the pipeline's unary calls to the server's native Forward port (``--native-port``; left out,
+  saying why, where it cannot be built).
 
 Reported per T and transport: remote / local tokens/s at m = 1 and at the best m, the gain of m = 2
 and m = 3 over m = 1, busy fractions, round trip and hop. JSON in
@@ -100,9 +102,14 @@ def local_decode(engine, layers: list[int], tokens: int, hidden: int, attention_
             "attention_busy_fraction": attention.busy / wall, "expert_busy_fraction": 1 - attention.busy / wall}
 
 
+NATIVE = "native"
+"""A transport of this benchmark: the pipeline's unary calls to the native Forward port."""
+
+
 def remote_decode(server, tokens: int, layers: int, attention_ms: float, steps: int, transport: str,
                   micro_batches: list[int]) -> dict:
-    command = [sys.executable, str(EXAMPLE), "--target", f"127.0.0.1:{server.port}",
+    port, transport = (server.native_port, "unary") if transport == NATIVE else (server.port, transport)
+    command = [sys.executable, str(EXAMPLE), "--target", f"127.0.0.1:{port}",
                "--metrics", f"http://127.0.0.1:{server.metrics_port}/metrics", "--tokens", str(tokens),
                "--layers", str(layers), "--steps", str(steps), "--warmup", "3", "--attention-ms", f"{attention_ms:.4f}",
                "--micro-batches", ",".join(map(str, micro_batches)), "--transport", transport, "--json"]
@@ -117,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true", help="a small shape, few steps: proves the script runs")
     parser.add_argument("--tokens", default=None, help="tokens a step, comma-separated (1,16,64,256; short: 1,16)")
     parser.add_argument("--transports", default=None,
-                        help="comma-separated: unary, stream, layer-streams (all; short: unary,stream)")
+                        help="comma-separated: unary, stream, layer-streams, native (the first three; short: "
+                        "unary,stream)")
     parser.add_argument("--attention-ratio", type=float, default=1.0,
                         help="attention time per layer / the in-process layer step at the same T (1.0)")
     parser.add_argument("--attention-ms", type=float, default=None,
@@ -141,7 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     from expertd.server.app import create_server
     from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
 
+    if NATIVE in transports:
+        from expertd.server.native_front import NativeUnavailable, load
+
+        try:
+            load()
+        except (NativeUnavailable, ImportError) as exc:
+            print(f"transport {NATIVE}: left out: {exc}", flush=True)
+            transports.remove(NATIVE)
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=ModelConfig(dtype=dtype, num_devices=1),
+                          native_port=0 if NATIVE in transports else None,
                           batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=0.0))
     print(f"{shape}: H={hidden} E={experts} k={topk} I={inter}, {num_layers} MoE layers, {dtype}; "
           f"attention = "

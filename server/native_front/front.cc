@@ -14,7 +14,7 @@
 // one FIFO queue; a call that finds the queue empty signals an eventfd. The server's event loop
 // watches that fd; woken, it reads it and takes batches until none is left: calls of one (layer,
 // dtype, with or without token ids), in arrival order, up to `max_batch_tokens` rows (a larger
-// call alone), their rows concatenated. Python answers a batch with `finish` (the output rows in
+// call alone; the first call alone while no batch is in flight), their rows concatenated. Python answers a batch with `finish` (the output rows in
 // the callers' dtype, split back per call) or `fail` (one status for each of its calls). Calls
 // cancelled or past their deadline while queued are answered CANCELLED when a take meets them,
 // not run.
@@ -270,15 +270,20 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
   }
 
   // The next batch's id and calls, or none when nothing is queued (or once stopped).
+  // With no batch in flight the batch is the first call alone: an idle server starts it at once and
+  // answers it on its own, as the main port does, so calls that arrive together (one client's
+  // micro-batches) are not tied to one answer; calls arriving while batches are in flight merge.
   std::pair<int64_t, std::vector<Call>> TryTake() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       if (stopping_ || queue_.empty()) return {0, {}};
+      const bool alone = in_flight_.empty();
       std::vector<Call> calls;
       std::vector<Call> dropped;
       int64_t rows = 0;
       Key key{};
       for (auto it = queue_.begin(); it != queue_.end();) {
+        if (alone && !calls.empty()) break;
         if (it->context->IsCancelled()) {
           queued_tokens_ -= it->rows;
           dropped.push_back(*it);

@@ -6,15 +6,17 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   ``hidden_states`` dtype / shape / token limit / byte length / NaN-Inf, ``token_ids``; the same
   codes, field names and BadRequest field violations as the main port) and bounds the tokens and
   calls queued on the port (``BatchingConfig.queue_tokens``, ``max_queue_size``:
-  RESOURCE_EXHAUSTED beyond them, with a RetryInfo delay: the tokens over the bound at the batcher's
-  seconds per token, refreshed at most every RETRY_HINT_INTERVAL_S), then queues it. A call that finds the
-  queue empty signals an eventfd the server's event loop watches; woken, the loop takes every
-  queued batch (calls of one layer and dtype, up to the largest bucket's rows, their rows
-  concatenated by C++) and submits each to the server's batcher as one request, so admission, the
-  step-time estimates, the idle fast path, merging with the main port's requests, expert-load
-  counts and the step metrics are the main port's; Python runs once per batch, not once per call,
-  and no thread hand-over is added. A batch the batcher refuses or fails answers each of its calls
-  with that status (details included).
+  RESOURCE_EXHAUSTED beyond them, with a RetryInfo delay: the tokens over the bound at the
+  batcher's seconds per token, refreshed at most every RETRY_HINT_INTERVAL_S), then queues it. A
+  call that finds the queue empty signals an eventfd the server's event loop watches; woken, the
+  loop takes the queued batches, one a turn (calls of one layer and dtype, up to the largest
+  bucket's rows, their rows concatenated by C++; the first call alone while no batch is in
+  flight, so an idle port answers calls that arrive together, such as one client's
+  micro-batches, one by one, as the main port does) and submits each to the server's batcher as
+  one request, so admission, the step-time estimates, the idle fast path, merging with the main
+  port's requests, expert-load counts and the step metrics are the main port's; Python runs once
+  per batch, not once per call, and no thread hand-over is added. A batch the batcher refuses or
+  fails answers each of its calls with that status (details included).
 - ``ExpertService/GetModelInfo``: the main port's answer, as of start-up.
 - ``grpc.health.v1``: SERVING once warm-up is done, NOT_SERVING from the drain on.
 - Not here (UNIMPLEMENTED or INVALID_ARGUMENT naming the field, pointing to ``--port``): Route,
@@ -160,15 +162,21 @@ class NativeFront:
         self._take()
 
     def _take(self) -> None:
-        """Hand queued batches to the batcher while fewer than BATCHES_IN_FLIGHT are; the rest of the
-        queue is taken when one of them is answered (C++ signals only a queue that was empty)."""
-        while not self._stopped and len(self._batches) < BATCHES_IN_FLIGHT:
-            batch = self._module.take(self._handle)
-            if batch is None:
-                return
-            task = asyncio.ensure_future(self._serve(*batch))
-            self._batches.add(task)
-            task.add_done_callback(self._answered)
+        """Hand one queued batch to the batcher if fewer than BATCHES_IN_FLIGHT are, and come back
+        for the next one on the loop's next turn, after the batch's task has been admitted and its
+        step started: two batches handed over in one turn would meet in the batcher's queue and
+        share a step, tying together the answers of calls that arrived together (one client's
+        micro-batches), which C++ keeps apart when the port is idle. The rest of the queue is taken
+        when a batch is answered (C++ signals only a queue that was empty)."""
+        if self._stopped or len(self._batches) >= BATCHES_IN_FLIGHT:
+            return
+        batch = self._module.take(self._handle)
+        if batch is None:
+            return
+        task = asyncio.ensure_future(self._serve(*batch))
+        self._batches.add(task)
+        task.add_done_callback(self._answered)
+        self._loop.call_soon(self._take)
 
     def _answered(self, task: asyncio.Task) -> None:
         self._batches.discard(task)

@@ -111,6 +111,27 @@ def test_concurrent_callers_each_get_their_own_rows(server):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_calls_arriving_together_at_an_idle_port_get_steps_of_their_own(tmp_path_factory):
+    """One client's micro-batches arrive together; sharing a step would tie their answers together
+    and undo the pipeline's overlap (benchmarks/disaggregated.py). As on the main port, an idle
+    port starts the first call at once and the other joins the next step."""
+    require_native_front()
+    with server_with_runner(tmp_path_factory, Gate, native_port=0, model=ONE_LAYER, max_queue_delay_ms=0.0) as handle, \
+            native(handle) as client, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        def steps() -> float:
+            return sample(scrape(handle.metrics_port), "expertd_executions_total", layer="0", kind="forward")
+
+        def call(seed: int, together: threading.Barrier) -> np.ndarray:
+            together.wait()
+            return client.forward(rows(4, seed), layer=0)
+
+        before = steps()
+        for pair in range(20):
+            together = threading.Barrier(2)
+            assert all(out.shape == (4, H) for out in pool.map(call, (2 * pair, 2 * pair + 1), (together, together)))
+        assert steps() - before == 40
+
+
 def _tensor(dtype: int, shape: list[int], nbytes: int | None = None) -> expert_pb2.Tensor:
     itemsize = 4 if dtype in (expert_pb2.DTYPE_FLOAT32, expert_pb2.DTYPE_INT32) else 2
     return expert_pb2.Tensor(dtype=dtype, shape=shape, data=b"\0" * (int(np.prod(shape)) * itemsize
