@@ -108,7 +108,7 @@ class NativeFront:
             self._refresh_retry_hint()
         self._module.set_accepting(self._handle, accepting, reason)
 
-    def seconds_per_token(self) -> dict[int, float]:
+    def _seconds_per_token(self) -> dict[int, float]:
         """Each layer's expected seconds per token of queued Forward work (``Admission.seconds_per_token``):
         what the port's RESOURCE_EXHAUSTED refusals compute their RetryInfo delays from."""
         batcher = self._batcher
@@ -118,7 +118,7 @@ class NativeFront:
     def _refresh_retry_hint(self) -> None:
         """Give C++ the seconds per token its RESOURCE_EXHAUSTED refusals' RetryInfo delays are
         computed from (the main port's rates and minimum)."""
-        self._module.set_retry_hint(self._handle, self.seconds_per_token(), MIN_RETRY_S)
+        self._module.set_retry_hint(self._handle, self._seconds_per_token(), MIN_RETRY_S)
         self._hint_refreshed = time.monotonic()
 
     def stats(self) -> dict:
