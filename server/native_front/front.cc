@@ -3,7 +3,8 @@
 // `expertd_native_front`; its one user is expertd/server/native_front/front.py, which says what the
 // port does and does not serve.
 //
-// Per call, on gRPC's own threads: the bearer token (when one is set; constant-time comparison),
+// Per call, on gRPC's own threads: the bearer token (when one is set; constant-time comparison), the
+// body (bytes that do not parse as a ForwardRequest: INVALID_ARGUMENT, as on the main port),
 // whether the server is accepting (else UNAVAILABLE with the reason Python gave), the request's
 // fields (NOT_FOUND for a layer not served, INVALID_ARGUMENT naming the field: dtype, shape, the
 // token limit, byte length, token ids, NaN / Inf), the bounds on queued tokens and calls
@@ -43,6 +44,7 @@
 #include <google/protobuf/stubs/logging.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
 #include <array>
@@ -158,11 +160,14 @@ std::string Trim(std::string text) {
   return text;
 }
 
+// A call accepted onto the queue. The request is parsed here from the call's bytes (so that a body
+// that does not parse gets INVALID_ARGUMENT); the answer is serialized into `response`, gRPC's buffer,
+// which lives until the reactor finishes.
 struct Call {
   grpc::CallbackServerContext* context;
   grpc::ServerUnaryReactor* reactor;
-  const ForwardRequest* request;
-  ForwardResponse* response;
+  std::shared_ptr<const ForwardRequest> request;
+  grpc::ByteBuffer* response;
   int64_t rows;
   Clock::time_point arrived;
 };
@@ -181,7 +186,10 @@ Key KeyOf(const ForwardRequest& request) {
   return {request.layer(), request.hidden_states().dtype(), request.has_token_ids()};
 }
 
-class Front final : public expertd::v1::ExpertService::CallbackService {
+// Forward is registered raw (bytes in, bytes out): gRPC C++ answers a body its own parser rejects
+// with UNIMPLEMENTED, so the port parses the bytes itself.
+class Front final
+    : public expertd::v1::ExpertService::WithRawCallbackMethod_Forward<expertd::v1::ExpertService::CallbackService> {
  public:
   std::unordered_map<uint32_t, int64_t> hidden;  // layer -> H
   std::string layer_list;                        // "0, 1" for messages
@@ -192,11 +200,13 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
   std::unique_ptr<grpc::Server> server;
   int ready_fd = -1;  // an eventfd: readable while calls may be queued
 
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const ForwardRequest* request,
-                                    ForwardResponse* response) override {
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
+                                    grpc::ByteBuffer* response) override {
     const Clock::time_point arrived = Clock::now();
     auto* reactor = context->DefaultReactor();
-    grpc::Status refusal = Check(context, *request);
+    auto request = std::make_shared<ForwardRequest>();
+    grpc::Status refusal = Parse(context, body, request.get());
+    if (refusal.ok()) refusal = Check(*request);
     bool notify = false;
     if (!refusal.ok()) {
       Complete(reactor, refusal, arrived);
@@ -218,7 +228,7 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
       } else {
         queued_tokens_ += rows;
         notify = queue_.empty();  // Python drains the queue after each wake-up: only the first call wakes it
-        queue_.push_back({context, reactor, request, response, rows, arrived});
+        queue_.push_back({context, reactor, std::move(request), response, rows, arrived});
       }
     }
     if (!refusal.ok()) {
@@ -442,9 +452,21 @@ class Front final : public expertd::v1::ExpertService::CallbackService {
     return std::max(seconds, min_retry_s_);
   }
 
-  // OK, or why the call is refused (the field and what was expected).
-  grpc::Status Check(grpc::CallbackServerContext* context, const ForwardRequest& request) const {
+  // `body` parsed into `request`, or why not: UNAUTHENTICATED first (an unauthenticated caller
+  // learns nothing of the body's validity), then INVALID_ARGUMENT with the main port's message.
+  grpc::Status Parse(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
+                     ForwardRequest* request) const {
     if (!Authorized(context)) return Unauthenticated();
+    grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(body));
+    if (!request->ParseFromZeroCopyStream(&reader)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "request is not a valid " + ForwardRequest::descriptor()->full_name() + " message");
+    }
+    return grpc::Status::OK;
+  }
+
+  // OK, or why the parsed call is refused (the field and what was expected).
+  grpc::Status Check(const ForwardRequest& request) const {
     auto layer = hidden.find(request.layer());
     if (layer == hidden.end()) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND, "layer " + std::to_string(request.layer()) +
@@ -749,15 +771,19 @@ PyObject* Finish(PyObject*, PyObject* args) {
   const char* from = static_cast<const char*>(output.buf);
   Py_BEGIN_ALLOW_THREADS
   for (const Call& call : calls) {
-    auto* tensor = call.response->mutable_output();
+    ForwardResponse answer;
+    auto* tensor = answer.mutable_output();
     tensor->set_dtype(static_cast<expertd::v1::DType>(dtype));
     tensor->add_shape(call.rows);
     tensor->add_shape(width);
     const size_t bytes = call.rows * width * itemsize;
     tensor->set_data(from, bytes);
     from += bytes;
-    call.response->set_request_id(call.request->request_id());
-    front->Complete(call.reactor, grpc::Status::OK, call.arrived);
+    answer.set_request_id(call.request->request_id());
+    bool own_buffer;
+    const grpc::Status serialized = grpc::SerializationTraits<ForwardResponse>::Serialize(answer, call.response,
+                                                                                         &own_buffer);
+    front->Complete(call.reactor, serialized, call.arrived);
   }
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&output);

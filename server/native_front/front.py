@@ -2,7 +2,8 @@
 
 gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves on a port of its own:
 
-- ``ExpertService/Forward``: checks each call where it arrives (bearer token, accepting, layer,
+- ``ExpertService/Forward``: checks each call where it arrives (bearer token, the body: bytes that
+  do not parse as a ForwardRequest get the main port's INVALID_ARGUMENT; accepting, layer,
   ``hidden_states`` dtype / shape / token limit / byte length / NaN-Inf, ``token_ids``; the same
   codes, field names and BadRequest field violations as the main port) and bounds the tokens and
   calls queued on the port (``BatchingConfig.queue_tokens``, ``max_queue_size``:

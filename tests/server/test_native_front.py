@@ -20,6 +20,7 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from native_front_fixtures import require_native_front
 from service_support import Gate, poll, sample, scrape, server_config, server_with_runner
@@ -187,15 +188,30 @@ def test_bad_calls_are_refused_naming_the_field_and_the_server_keeps_serving(ser
         np.testing.assert_array_equal(client.forward(x, layer=0), reference.forward(x, layer=0))
 
 
-def test_bodies_that_are_not_a_forward_request_are_refused_and_the_server_keeps_serving(server):
+def test_bodies_that_are_not_a_forward_request_are_refused_as_on_the_main_port(server):
+    """Random bytes: a body that does not parse gets the main port's INVALID_ARGUMENT (not gRPC C++'s
+    UNIMPLEMENTED); one that happens to parse is checked like any request. Every body gets the main
+    port's code, and the port keeps serving."""
     rng = np.random.default_rng(0)
-    with grpc.insecure_channel(f"127.0.0.1:{server.native_port}") as channel:
-        forward = channel.unary_unary("/expertd.v1.ExpertService/Forward")  # raw bytes both ways
+    unparsable = 0
+    with grpc.insecure_channel(f"127.0.0.1:{server.native_port}") as native_channel, \
+            grpc.insecure_channel(f"127.0.0.1:{server.port}") as main_channel:
+        method = "/expertd.v1.ExpertService/Forward"  # raw bytes both ways
+        native_forward, main_forward = native_channel.unary_unary(method), main_channel.unary_unary(method)
         for _ in range(50):
+            body = rng.integers(0, 256, rng.integers(1, 300), dtype=np.uint8).tobytes()
             with pytest.raises(grpc.RpcError) as refused:
-                forward(rng.integers(0, 256, rng.integers(1, 300), dtype=np.uint8).tobytes(), timeout=10)
-            assert refused.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                                            grpc.StatusCode.UNIMPLEMENTED)  # gRPC C++: an unparsable body
+                native_forward(body, timeout=10)
+            with pytest.raises(grpc.RpcError) as reference:
+                main_forward(body, timeout=10)
+            assert refused.value.code() == reference.value.code(), refused.value.details()
+            try:
+                expert_pb2.ForwardRequest.FromString(body)
+            except DecodeError:
+                unparsable += 1
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert refused.value.details() == "request is not a valid expertd.v1.ForwardRequest message"
+    assert unparsable >= 10  # the seed's bodies exercise the parser's refusal, not only the checks
     x = rows(2, 0)
     with native(server) as client, main(server) as reference:
         np.testing.assert_array_equal(client.forward(x, layer=0), reference.forward(x, layer=0))
@@ -333,6 +349,12 @@ def test_the_main_ports_token_and_tls_guard_the_native_port(tmp_path_factory, pk
             with ExpertClient(target, tls=tls, token=token, retries=0) as client:
                 with pytest.raises(UnauthenticatedError, match="bearer token"):
                     client.forward(x, layer=0)
+        # The token is checked before the body is parsed: a caller without it learns nothing of its bytes.
+        keys = (pki.client_key.read_bytes(), pki.client_cert.read_bytes()) if mutual else ()
+        with grpc.secure_channel(target, grpc.ssl_channel_credentials(pki.ca.read_bytes(), *keys)) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                channel.unary_unary("/expertd.v1.ExpertService/Forward")(b"\xff\xff not a request", timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with ExpertClient(target, token=TOKEN, retries=0, timeout=5) as plaintext:
             with pytest.raises(UnavailableError):
                 plaintext.forward(x, layer=0)
