@@ -62,7 +62,7 @@ from expertd.server.metrics_http import MetricsEndpoint
 from expertd.server.native_front import NativeFront, NativeUnavailable
 from expertd.server.native_front import build_module as build_native_front
 from expertd.server.reflection import enable_reflection
-from expertd.server.servicer import ExpertServicer, model_info
+from expertd.server.servicer import ExpertServicer
 from expertd.server.shared_memory import SharedMemoryRegistry
 from expertd.server.version import VERSION
 
@@ -256,18 +256,18 @@ class ServerHandle:
             raise listen.bind_error(f"{config.metrics_bind_host}:{config.metrics_port}", "--metrics-host, "
                                     "--metrics-port", exc.strerror or str(exc)) from exc
         self.metrics_url = metrics_http.metrics_url(config, endpoint)
-        native = await self._start_native(batcher, credentials, limit, server, endpoint) \
+        native = await self._start_native(servicer, credentials, limit, server, endpoint) \
             if config.native_port is not None else None
         return _Parts(asyncio.get_running_loop(), server, health, streams, batcher, tuple(services), endpoint, native)
 
-    async def _start_native(self, batcher: Batcher, credentials: Credentials, limit: int, server: grpc.aio.Server,
-                            endpoint: MetricsEndpoint) -> NativeFront:
+    async def _start_native(self, servicer: ExpertServicer, credentials: Credentials, limit: int,
+                            server: grpc.aio.Server, endpoint: MetricsEndpoint) -> NativeFront:
         """The native Forward port (``--native-port``), not accepting until warm-up is done."""
         config = self.config
         address = f"{config.host}:{config.native_port}"
         try:
-            native = NativeFront.start(address, model=self.model, model_info=model_info(self.model, VERSION)
-                                       .SerializeToString(), batcher=batcher, loop=asyncio.get_running_loop(),
+            native = NativeFront.start(address, model=self.model, model_info=servicer.current_model_info,
+                                       batcher=servicer.batcher, loop=asyncio.get_running_loop(),
                                        queue_tokens=config.batching.queue_tokens,
                                        queue_calls=config.batching.max_queue_size, max_message_bytes=limit,
                                        token=credentials.token, tls=credentials.tls,
@@ -278,6 +278,7 @@ class ServerHandle:
             raise listen.bind_error(address, "--host, --native-port", "in use or not on this host") from exc
         self.native_port = native.port
         self.registry.register(native.collector())
+        self.rebalancer.add_swap_listener(native.refresh_model_info)  # its GetModelInfo shows placements
         return native
 
     async def _warm_up(self) -> None:

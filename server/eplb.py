@@ -25,7 +25,8 @@ MONITOR_PERIOD_S seconds):
 Online rebalancing moves weights through this process's host memory, so it runs in one process
 (a multi-host group keeps its start-up placement). The engine is used through its public methods
 only (``layers``, ``mesh``, ``expert_placement``, ``swap_expert_placement``); front ends read the
-placements through ``placement`` (GetModelInfo, GetExpertLoad).
+placements through ``placement`` (GetModelInfo, GetExpertLoad); one that keeps a copy of them (the
+native port's GetModelInfo answer) hears of each swap through ``add_swap_listener``.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import concurrent.futures
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -71,6 +73,7 @@ class Rebalancer:
                              "multi-host group keeps its start-up placement (use --eplb-interval-s 0)")
         self._planner: concurrent.futures.ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
+        self._swap_listeners: list[Callable[[], None]] = []
 
     # -- reading (any thread) --------------------------------------------------------------------
     def placement(self, layer: int) -> Placement | None:
@@ -82,6 +85,11 @@ class Rebalancer:
         return self.versions.get(layer, 0)
 
     # -- running (the server's event loop) -------------------------------------------------------
+    def add_swap_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` on the loop after each placement swapped in (``placement`` and
+        ``version`` already give the new one)."""
+        self._swap_listeners.append(listener)
+
     def start(self, loads, run_on_device) -> None:
         """Begin ticking (after warm-up): ``loads`` the batcher's ExpertLoadTracker,
         ``run_on_device(fn, *args)`` the batcher's coroutine running fn on the device-worker thread."""
@@ -137,6 +145,8 @@ class Rebalancer:
                      "recent window)", layer, self.versions[layer], seconds, current.balancedness(load),
                      placement.balancedness(load))
             swapped.append(layer)
+            for listener in self._swap_listeners:
+                listener()
         return swapped
 
     def _prepare(self, layer: int, load, current: Placement):

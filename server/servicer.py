@@ -209,6 +209,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     # -- info ------------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
+        return self.current_model_info()
+
+    def current_model_info(self) -> expert_pb2.GetModelInfoResponse:
+        """GetModelInfo's answer now: the model's description with each expert-parallel layer's
+        current placement (it changes when the rebalancer swaps one in)."""
         if self.placements is None or not self.placements.layers:
             return self._model_info
         info = expert_pb2.GetModelInfoResponse()

@@ -27,6 +27,8 @@
 //         latency_bounds: sequence of float, not_ready: str (why calls are refused until
 //         set_accepting)) -> (handle, port, ready_fd)
 //   set_accepting(handle, accepting: bool, reason: str)   also sets health SERVING / NOT_SERVING
+//   set_model_info(handle, model_info: bytes)   GetModelInfo's answer from now on (a serialized
+//                  GetModelInfoResponse: the main port's, when an expert placement changes)
 //   set_retry_hint(handle, seconds_per_token: dict[int, float] (layer -> s), min_s: float)
 //                  what a RESOURCE_EXHAUSTED refusal's RetryInfo delay is computed from
 //   take(handle) -> (batch, layer, dtype, rows: bytes, token_ids: bytes | None,
@@ -195,7 +197,6 @@ class Front final
   std::string layer_list;                        // "0, 1" for messages
   int64_t max_request_tokens = 0, max_batch_tokens = 0, max_queued_tokens = 0, max_queued_calls = 0;
   std::string token;  // empty: no auth
-  expertd::v1::GetModelInfoResponse model_info;
   std::vector<double> latency_bounds;
   std::unique_ptr<grpc::Server> server;
   int ready_fd = -1;  // an eventfd: readable while calls may be queued
@@ -247,9 +248,21 @@ class Front final
       reactor->Finish(Unauthenticated());
       return reactor;
     }
-    *response = model_info;
+    {
+      std::lock_guard<std::mutex> lock(info_mu_);
+      *response = model_info_;
+    }
     reactor->Finish(grpc::Status::OK);
     return reactor;
+  }
+
+  // False when `serialized` is not a GetModelInfoResponse (the answer stays as it was).
+  bool SetModelInfo(const std::string& serialized) {
+    expertd::v1::GetModelInfoResponse info;
+    if (!info.ParseFromString(serialized)) return false;
+    std::lock_guard<std::mutex> lock(info_mu_);
+    model_info_.Swap(&info);
+    return true;
   }
 
   // Set before the server starts (no call can race it): why calls are refused until SetAccepting.
@@ -543,6 +556,9 @@ class Front final
   int64_t last_batch_ = 0;
   std::map<int64_t, std::vector<Call>> in_flight_;
 
+  std::mutex info_mu_;
+  expertd::v1::GetModelInfoResponse model_info_;
+
   std::mutex stats_mu_;
   std::array<int64_t, kNumCodes> handled_{};
   std::vector<int64_t> latency_counts_;
@@ -603,7 +619,7 @@ PyObject* Start(PyObject*, PyObject* args) {
   front->max_queued_calls = max_queued_calls;
   std::string info;
   if (!BytesOf(model_info, &info, "model_info")) return nullptr;
-  if (!front->model_info.ParseFromString(info)) {
+  if (!front->SetModelInfo(info)) {
     PyErr_SetString(PyExc_ValueError, "model_info: not a serialized GetModelInfoResponse");
     return nullptr;
   }
@@ -672,6 +688,20 @@ PyObject* SetAccepting(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   front->SetAccepting(accepting != 0, std::move(why));
   Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* SetModelInfo(PyObject*, PyObject* args) {
+  long long handle;
+  PyObject* model_info;
+  if (!PyArg_ParseTuple(args, "LS", &handle, &model_info)) return nullptr;
+  Front* front = Lookup(handle);
+  std::string info;
+  if (front == nullptr || !BytesOf(model_info, &info, "model_info")) return nullptr;
+  if (!front->SetModelInfo(info)) {
+    PyErr_SetString(PyExc_ValueError, "model_info: not a serialized GetModelInfoResponse");
+    return nullptr;
+  }
   Py_RETURN_NONE;
 }
 
@@ -853,6 +883,7 @@ PyMethodDef kMethods[] = {
                                    "max_queued_calls, max_message_bytes, model_info, token, tls, latency_bounds, "
                                    "not_ready) -> (handle, port, ready_fd)"},
     {"set_accepting", SetAccepting, METH_VARARGS, "set_accepting(handle, accepting, reason)"},
+    {"set_model_info", SetModelInfo, METH_VARARGS, "set_model_info(handle, model_info)"},
     {"set_retry_hint", SetRetryHint, METH_VARARGS, "set_retry_hint(handle, seconds_per_token, min_s)"},
     {"take", Take, METH_VARARGS, "take(handle) -> (batch, layer, dtype, rows, token_ids, remaining_s) | None"},
     {"finish", Finish, METH_VARARGS, "finish(handle, batch, output)"},

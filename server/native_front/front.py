@@ -18,7 +18,8 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   port's requests, expert-load counts and the step metrics are the main port's; Python runs once
   per batch, not once per call, and no thread hand-over is added. A batch the batcher refuses or
   fails answers each of its calls with that status (details included).
-- ``ExpertService/GetModelInfo``: the main port's answer, as of start-up.
+- ``ExpertService/GetModelInfo``: the main port's answer (``model_info()``), read at start and
+  again by ``refresh_model_info`` (the server calls it whenever an expert placement is swapped in).
 - ``grpc.health.v1``: SERVING once warm-up is done, NOT_SERVING from the drain on.
 - Not here (UNIMPLEMENTED or INVALID_ARGUMENT naming the field, pointing to ``--port``): Route,
   ForwardStream, GetExpertLoad, shared memory, ``return_routing``, KServe, reflection.
@@ -39,7 +40,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -47,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from expertd.client import codec
+from expertd.client.pb.v1.expert_pb2 import GetModelInfoResponse
 from expertd.server import errors, requests, steps
 from expertd.server.admission import MIN_RETRY_S
 from expertd.server.batcher import WARMING_UP, Batcher
@@ -71,13 +73,14 @@ accepting, then after answered batches)."""
 class NativeFront:
     """A started native Forward port (module docstring). Create with ``NativeFront.start``."""
 
-    def __init__(self, module, handle: int, port: int, ready_fd: int, model: ModelDescription, batcher: Batcher,
-                 loop: asyncio.AbstractEventLoop):
+    def __init__(self, module, handle: int, port: int, ready_fd: int, model: ModelDescription,
+                 model_info: Callable[[], GetModelInfoResponse], batcher: Batcher, loop: asyncio.AbstractEventLoop):
         self.port = port
         self._module = module
         self._handle = handle
         self._ready_fd = ready_fd
         self._model = model
+        self._model_info = model_info
         self._batcher = batcher
         self._loop = loop
         self._stopped = False
@@ -86,10 +89,12 @@ class NativeFront:
         loop.add_reader(ready_fd, self._on_ready)
 
     @classmethod
-    def start(cls, address: str, *, model: ModelDescription, model_info: bytes, batcher: Batcher,
-              loop: asyncio.AbstractEventLoop, queue_tokens: int, queue_calls: int, max_message_bytes: int,
-              token: str | None = None, tls: TlsMaterial | None = None, cache_dir: str | None = None) -> NativeFront:
-        """Listen on ``address`` (port 0: a free one), not accepting until ``set_accepting(True)``.
+    def start(cls, address: str, *, model: ModelDescription, model_info: Callable[[], GetModelInfoResponse],
+              batcher: Batcher, loop: asyncio.AbstractEventLoop, queue_tokens: int, queue_calls: int,
+              max_message_bytes: int, token: str | None = None, tls: TlsMaterial | None = None,
+              cache_dir: str | None = None) -> NativeFront:
+        """Listen on ``address`` (port 0: a free one), not accepting until ``set_accepting(True)``;
+        GetModelInfo answers ``model_info()`` (as of start, then of each ``refresh_model_info``).
 
         Raises ``NativeUnavailable`` where the module cannot be built, OSError where the
         address cannot be bound.
@@ -97,17 +102,21 @@ class NativeFront:
         module = load(cache_dir)
         handle, port, ready_fd = module.start(
             address, {index: cfg.hidden_size for index, cfg in model.layers.items()}, model.max_request_tokens,
-            model.max_batch_tokens, queue_tokens, queue_calls, max_message_bytes, model_info,
+            model.max_batch_tokens, queue_tokens, queue_calls, max_message_bytes, model_info().SerializeToString(),
             None if token is None else token.encode(),
             None if tls is None else (tls.private_key, tls.certificate_chain, tls.client_ca), LATENCY_BUCKETS,
             WARMING_UP)
-        return cls(module, handle, port, ready_fd, model, batcher, loop)
+        return cls(module, handle, port, ready_fd, model, model_info, batcher, loop)
 
     def set_accepting(self, accepting: bool, reason: str = "") -> None:
         """Accept calls (health SERVING), or refuse new ones UNAVAILABLE with ``reason``."""
         if accepting:
             self._refresh_retry_hint()
         self._module.set_accepting(self._handle, accepting, reason)
+
+    def refresh_model_info(self) -> None:
+        """Answer GetModelInfo with what ``model_info()`` gives now."""
+        self._module.set_model_info(self._handle, self._model_info().SerializeToString())
 
     def _seconds_per_token(self) -> dict[int, float]:
         """Each layer's expected seconds per token of queued Forward work (``Admission.seconds_per_token``):

@@ -40,6 +40,7 @@ from expertd.server import steps
 from expertd.server.admission import MIN_RETRY_S
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig, SecurityConfig
+from expertd.server.model import load_preset
 
 H = 64  # the tiny preset's hidden size
 MAX_REQUEST_TOKENS = 16
@@ -228,6 +229,47 @@ def test_other_methods_point_to_the_main_port_and_model_info_and_health_are_serv
         for service in ("", "expertd.v1.ExpertService", "readiness", "liveness"):
             assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == \
                 health_pb2.HealthCheckResponse.SERVING
+
+
+def test_model_info_carries_the_placements_the_rebalancer_swaps_in(tmp_path_factory):
+    """On an expert-parallel server GetModelInfo carries each layer's expert placement, which the
+    rebalancer replaces under skewed load: the native port answers what the main port answers, at
+    start and after a swap."""
+    require_native_front()
+    model = ModelConfig(preset="tiny", layers="1", dtype="float32", num_devices=4, num_redundant_experts=4,
+                        eplb_interval_s=0.2)
+    config = dataclasses.replace(server_config(tmp_path_factory, model=model, expert_load_window_s=5.0),
+                                 native_port=0)
+    (layer,) = load_preset("tiny", layers="1", dtype="float32")
+    column = np.asarray(layer.params["router_weight"])[:, 5]  # tokens along it go to expert 5 and its group
+    skewed = (0.3 * rows(8, 0) + 3.0 * column / np.linalg.norm(column)).astype(np.float32)
+    handle = create_server(config)
+    try:
+        handle.wait_ready(timeout=300)
+        with native(handle) as client, main(handle) as reference:
+            def placements(info):
+                return [(entry.index, entry.placement) for entry in info.layers]
+
+            answers = []
+
+            def agreeing() -> bool:  # two main-port reads with no swap between them, the native one between
+                before, answer, after = reference.model_info(), client.model_info(), reference.model_info()
+                answers.append(answer)
+                return before == answer == after
+
+            assert agreeing()
+            start = answers[-1]
+            assert [(p.num_ranks, p.num_redundant_experts, p.version) for _, p in placements(start)] == [(4, 4, 0)]
+            for _ in range(200):
+                client.forward(skewed, layer=1)
+                if reference.model_info().layers[0].placement.version > 0:
+                    break
+            assert reference.model_info().layers[0].placement.version > 0, "no placement swapped in"
+            poll(agreeing)
+            assert answers[-1].layers[0].placement.version > 0
+            assert placements(answers[-1]) != placements(start)
+    finally:
+        handle.stop(grace=2)
 
 
 def test_metrics_count_the_ports_calls_and_its_batches_reach_the_batcher(server):
