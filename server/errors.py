@@ -188,6 +188,10 @@ class RateLimitedLog:
 client_errors = RateLimitedLog(logging.getLogger("expertd.server.client_errors"))
 """The one log of client-caused failures (see the module docstring)."""
 
+CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+                          "CANCELLED", "UNAUTHENTICATED", "UNIMPLEMENTED"})
+"""The status codes (names) of failures the client caused: logged through ``client_errors``."""
+
 
 class _ClientGoneFilter(logging.Filter):
     """gRPC logs a traceback when it cannot send an answer because the client already went away

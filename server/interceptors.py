@@ -41,7 +41,7 @@ import grpc
 
 from expertd.server.auth import UNAUTHENTICATED_MESSAGE, authorized, has_key, parse_token
 from expertd.server.call_metrics import GrpcMethodMetrics
-from expertd.server.errors import client_errors, quiet_grpc_client_errors
+from expertd.server.errors import CLIENT_CODES, client_errors, quiet_grpc_client_errors
 from expertd.server.metrics import Metrics
 
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
@@ -51,8 +51,6 @@ TENSOR_METHODS = frozenset({
 """Methods whose requests carry token tensors; their limit is the largest legitimate request."""
 SMALL_REQUEST_BYTES = 64 * 1024
 """Every other method's request limit (model info, load, health, metadata, reflection)."""
-CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED",
-                          "CANCELLED", "UNAUTHENTICATED", "UNIMPLEMENTED"})
 DEADLINE_TOLERANCE_S = 0.01
 _ENDED = {"DEADLINE_EXCEEDED": "the call's deadline passed", "CANCELLED": "the client cancelled or went away"}
 Wrap = Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]

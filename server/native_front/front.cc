@@ -38,6 +38,8 @@
 //   fail(handle, batch, code: int, message: str, details: bytes)   details: a google.rpc.Status
 //   stats(handle) -> dict   {"handled": {code: n}, "latency": ([counts], sum), "queued_tokens": n,
 //                            "queued_calls": n, "batches_in_flight": n}
+//   refusals(handle) -> {code: (n, last message: bytes)}   the calls answered with each error code since
+//                  the last call, and the latest one's message (for the server's rate-limited log)
 //   stop(handle, grace_s)   refuses what is queued (UNAVAILABLE), then shuts the port down,
 //                           cancelling calls still unanswered after grace_s
 #define PY_SSIZE_T_CLEAN
@@ -359,6 +361,11 @@ class Front final
                             latency_bounds.begin();
       ++latency_counts_[bucket];
       latency_sum_ += seconds;
+      if (!status.ok()) {
+        auto& refused = refused_[code >= 0 && code < kNumCodes ? code : static_cast<int>(grpc::StatusCode::UNKNOWN)];
+        ++refused.first;
+        refused.second = status.error_message();
+      }
     }
     reactor->Finish(status);
   }
@@ -395,6 +402,25 @@ class Front final
                          "queued_tokens", static_cast<long long>(queued_tokens), "queued_calls",
                          static_cast<long long>(queued_calls), "batches_in_flight",
                          static_cast<long long>(in_flight));
+  }
+
+  // The error codes answered since the last call: {code: (calls, the latest one's message)}; resets them.
+  PyObject* Refusals() {
+    std::map<int, std::pair<int64_t, std::string>> refused;
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      refused.swap(refused_);
+    }
+    PyObject* by_code = PyDict_New();
+    for (const auto& [code, seen] : refused) {
+      PyObject* key = PyLong_FromLong(code);
+      PyObject* value = Py_BuildValue("(Ly#)", static_cast<long long>(seen.first), seen.second.data(),
+                                      static_cast<Py_ssize_t>(seen.second.size()));
+      PyDict_SetItem(by_code, key, value);
+      Py_DECREF(key);
+      Py_DECREF(value);
+    }
+    return by_code;
   }
 
   // Signals `ready_fd` (Python's event loop reads it, then takes every queued batch).
@@ -563,6 +589,7 @@ class Front final
   std::array<int64_t, kNumCodes> handled_{};
   std::vector<int64_t> latency_counts_;
   double latency_sum_ = 0.0;
+  std::map<int, std::pair<int64_t, std::string>> refused_;  // code -> (calls, latest message), since Refusals
 };
 
 // Fronts are never destroyed: gRPC's threads may still hold their calls when the interpreter exits.
@@ -866,6 +893,11 @@ PyObject* Stats(PyObject*, PyObject* args) {
   return front == nullptr ? nullptr : front->Stats();
 }
 
+PyObject* Refusals(PyObject*, PyObject* args) {
+  Front* front = OnlyHandle(args);
+  return front == nullptr ? nullptr : front->Refusals();
+}
+
 PyObject* Stop(PyObject*, PyObject* args) {
   long long handle;
   double grace_s;
@@ -889,6 +921,7 @@ PyMethodDef kMethods[] = {
     {"finish", Finish, METH_VARARGS, "finish(handle, batch, output)"},
     {"fail", Fail, METH_VARARGS, "fail(handle, batch, code, message, details)"},
     {"stats", Stats, METH_VARARGS, "stats(handle) -> dict"},
+    {"refusals", Refusals, METH_VARARGS, "refusals(handle) -> {code: (calls, last message)}"},
     {"stop", Stop, METH_VARARGS, "stop(handle, grace_s)"},
     {nullptr, nullptr, 0, nullptr}};
 

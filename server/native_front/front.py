@@ -26,6 +26,9 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
 
 Security is the main port's: the same bearer token, the same TLS / mutual-TLS material.
 
+Refused calls are logged as the main port's are (``errors.client_errors``: one rate-limited line per
+status code, never a traceback), read from C++ every REFUSAL_LOG_INTERVAL_S.
+
 Metrics (on the server's registry): ``expertd_native_forward_handled_total{grpc_code}``,
 ``expertd_native_forward_handling_seconds`` (arrival to answer, as ``grpc_server_handling_seconds``
 measures the main port's calls) and ``expertd_native_forward_queued_tokens``.
@@ -64,6 +67,11 @@ BATCHES_IN_FLIGHT = 2
 and the next waiting for it. Calls arriving meanwhile wait in the C++ queue and leave it as one
 batch, so Python's per-batch work shrinks as load grows, and an idle server takes a call at once."""
 
+REFUSAL_LOG_INTERVAL_S = 1.0
+"""How often the calls the port refused are read into the server's client-error log: at most one
+line per status code an interval (its latest message and how many calls it stands for), then the
+log's own rate limit."""
+FORWARD_METHOD = "/expertd.v1.ExpertService/Forward"
 QUIESCE_POLL_S = 0.005
 RETRY_HINT_INTERVAL_S = 0.5
 """How often, at most, the port's retry-delay rates are refreshed from the batcher's step times (on
@@ -87,6 +95,7 @@ class NativeFront:
         self._batches: set[asyncio.Task] = set()  # batches in flight (held: the loop keeps weak references)
         self._hint_refreshed = 0.0  # monotonic time of the last set_retry_hint
         loop.add_reader(ready_fd, self._on_ready)
+        self._refusal_timer = loop.call_later(REFUSAL_LOG_INTERVAL_S, self._log_refusals)
 
     @classmethod
     def start(cls, address: str, *, model: ModelDescription, model_info: Callable[[], GetModelInfoResponse],
@@ -153,9 +162,11 @@ class NativeFront:
         if self._stopped:
             return
         self._stopped = True
+        self._refusal_timer.cancel()
         self._loop.remove_reader(self._ready_fd)
         await self._loop.run_in_executor(None, self._module.stop, self._handle, grace_s)
         await asyncio.gather(*self._batches, return_exceptions=True)
+        self._log_refusals()
 
     def collector(self) -> Collector:
         """The port's metrics for a prometheus_client registry."""
@@ -187,6 +198,18 @@ class NativeFront:
         self._batches.add(task)
         task.add_done_callback(self._answered)
         self._loop.call_soon(self._take)
+
+    def _log_refusals(self) -> None:
+        """Log what the port refused since the last time (client-caused codes only: a server failure
+        has logged its traceback where it happened), then come back in REFUSAL_LOG_INTERVAL_S."""
+        for code, (calls, message) in sorted(self._module.refusals(self._handle).items()):
+            name = _CODE_NAMES.get(code, str(code))
+            if name in errors.CLIENT_CODES:
+                more = f" (and {calls - 1} more {name} calls)" if calls > 1 else ""
+                errors.client_errors.note(name, f"{FORWARD_METHOD} on the native port: "
+                                                f"{message.decode(errors='replace')}{more}")
+        if not self._stopped:
+            self._refusal_timer = self._loop.call_later(REFUSAL_LOG_INTERVAL_S, self._log_refusals)
 
     def _answered(self, task: asyncio.Task) -> None:
         self._batches.discard(task)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import re
 import threading
 
@@ -36,6 +37,7 @@ from expertd.client.errors import (
     UnavailableError,
 )
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+from expertd.server import errors as errors_log
 from expertd.server import steps
 from expertd.server.admission import MIN_RETRY_S
 from expertd.server.app import create_server
@@ -46,6 +48,7 @@ H = 64  # the tiny preset's hidden size
 MAX_REQUEST_TOKENS = 16
 MAX_QUEUE_TOKENS = 64
 TOKEN = "native-s3cret"
+CLIENT_LOG = "expertd.server.client_errors"
 ONE_LAYER = ModelConfig(preset="tiny", num_layers=1, dtype="float32", num_devices=1)
 
 
@@ -300,6 +303,27 @@ def _held(server):
     first = pool.submit(client.forward, rows(8, 1), layer=0)
     assert gate.entered.wait(30)
     return gate.hold, first, pool, client
+
+
+def test_refused_calls_are_logged_as_on_the_main_port(server, caplog, monkeypatch):
+    """One rate-limited client-error line per status code: the latest refusal's message and how many
+    calls it stands for, never a traceback."""
+    monkeypatch.setattr(errors_log, "client_errors", errors_log.RateLimitedLog(logging.getLogger(CLIENT_LOG)))
+    caplog.set_level(logging.INFO, logger=CLIENT_LOG)
+    with native(server) as client:
+        for _ in range(3):
+            with pytest.raises(ExpertError):
+                client.forward(rows(1, 0), layer=7)
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == CLIENT_LOG and "layer 7" in r.getMessage()]
+
+    poll(logged, timeout=30)
+    (line,) = logged()
+    assert re.fullmatch(r"NOT_FOUND: /expertd\.v1\.ExpertService/Forward on the native port: layer 7 is not "
+                        r"served; layers: \[0, 1\] \(and \d+ more NOT_FOUND calls\)", line), line
+    assert int(re.search(r"and (\d+) more", line).group(1)) >= 2
+    assert not any(r.exc_info for r in caplog.records)
 
 
 def test_a_full_native_queue_answers_resource_exhausted_at_once(server):
