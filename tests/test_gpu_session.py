@@ -1,5 +1,5 @@
 """The lent-GPU runbook (benchmarks/gpu_session.sh) stays runnable: its correctness step, run here
-on CPU (quick grid), imports the package the way the GPU machine does (links on PYTHONPATH, no
+on CPU (one family at the quick point), imports the package the way the GPU machine does (links on PYTHONPATH, no
 install) and finds every backend within the oracle's tolerance; its engine step (one short round)
 times every way of the step cycle; its tiles step (the smoke shape, interpreted) checks and times
 every tiling; its semantics step splits the families over processes and sums them up; several
@@ -26,20 +26,15 @@ def _run_step(step: str, out: pathlib.Path, **env) -> None:
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_session_check_step_passes_on_cpu(tmp_path):
-    _run_step("check", tmp_path, GPU_CHECK_ARGS="--quick")
+    # One family: every backend's correctness over the families is tests/kernels' job; this keeps
+    # the step runnable (the same code runs every family).
+    _run_step("check", tmp_path, GPU_CHECK_ARGS="--quick --families mixtral")
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     backends = {r["backend"] for r in rows if r["kind"] == "layer"}
     assert {"pallas", "ragged_dot", "capacity", "expert_loop", "native_cpu", "auto"} <= backends
-    assert all(r["ok"] for r in rows) and len(rows) == 54
+    assert {r["family"] for r in rows} == {"mixtral"} and {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    assert all(r["ok"] for r in rows) and len(rows) == 18
     assert "CpuDevice" in (tmp_path / "env.txt").read_text()  # the environment step ran, with the package importable
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_gpu_session_tiles_step_runs_on_cpu(tmp_path):
-    _run_step("tiles", tmp_path, TILES_ARGS="--smoke")
-    (case,) = json.loads((tmp_path / "pallas_tiles.json").read_text())["rows"]
-    assert case["best"] is not None and not case["wrong"] and len(case["tilings"]) >= 4
-    assert all(r["err_per_scale"] <= 3e-2 for r in case["tilings"])
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -54,7 +49,7 @@ def test_gpu_session_engine_step_times_every_way_on_cpu(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_gpu_session_semantics_step_splits_families_over_processes(tmp_path):
+def test_gpu_session_semantics_and_tiles_steps_leave_one_archive(tmp_path):
     import tarfile
 
     env = dict(SEMANTICS_FAMILIES="llama4 ernie4_5_moe", SEMANTICS_JOBS="2", SEMANTICS_ARGS="--quick",
@@ -71,7 +66,10 @@ def test_gpu_session_semantics_step_splits_families_over_processes(tmp_path):
     assert {(r["E"], r["k"], r["T"]) for part in rows for r in part} == {(8, 2, 64)}  # SEMANTICS_ARGS reached it
     cases = len(rows[0]) + len(rows[1])
     assert f"semantics: {cases} of {cases} cases within tolerance" in run.stdout
-    assert (tmp_path / "steps" / "pallas_tiles.json").exists()
+    # The tiles step (the smoke shape, interpreted) checked and timed every tiling.
+    (case,) = json.loads((tmp_path / "steps" / "pallas_tiles.json").read_text())["rows"]
+    assert case["best"] is not None and not case["wrong"] and len(case["tilings"]) >= 4
+    assert all(r["err_per_scale"] <= 3e-2 for r in case["tilings"])
 
 
 def test_pallas_tiles_confirm_times_named_tilings_against_the_default_in_alternation(tmp_path):
