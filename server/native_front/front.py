@@ -93,6 +93,7 @@ class NativeFront:
         self._loop = loop
         self._stopped = False
         self._batches: set[asyncio.Task] = set()  # batches in flight (held: the loop keeps weak references)
+        self._handing = False  # a batch was handed to the batcher this loop turn (``_take``)
         self._hint_refreshed = 0.0  # monotonic time of the last set_retry_hint
         loop.add_reader(ready_fd, self._on_ready)
         self._refusal_timer = loop.call_later(REFUSAL_LOG_INTERVAL_S, self._log_refusals)
@@ -183,21 +184,30 @@ class NativeFront:
         self._take()
 
     def _take(self) -> None:
-        """Hand one queued batch to the batcher if fewer than BATCHES_IN_FLIGHT are, and come back
-        for the next one on the loop's next turn, after the batch's task has been admitted and its
-        step started: two batches handed over in one turn would meet in the batcher's queue and
-        share a step, tying together the answers of calls that arrived together (one client's
-        micro-batches), which C++ keeps apart when the port is idle. The rest of the queue is taken
-        when a batch is answered (C++ signals only a queue that was empty)."""
-        if self._stopped or len(self._batches) >= BATCHES_IN_FLIGHT:
+        """Hand one queued batch to the batcher if fewer than BATCHES_IN_FLIGHT are and none was
+        handed over this loop turn; the next one goes on the next turn (``_handed``), after the
+        batch's task has been admitted and its step started. Two batches handed over in one turn
+        would meet in the batcher's queue and share a step, tying together the answers of calls
+        that arrived together (one client's micro-batches), which C++ keeps apart when the port is
+        idle. Every path here (the eventfd, an answered batch, the next turn) goes through this
+        rule. The rest of the queue is taken when a batch is answered (C++ signals only a queue that
+        was empty)."""
+        if self._stopped or self._handing or len(self._batches) >= BATCHES_IN_FLIGHT:
             return
         batch = self._module.take(self._handle)
         if batch is None:
             return
-        task = asyncio.ensure_future(self._serve(*batch))
+        task = asyncio.ensure_future(self._serve(*batch))  # its first step runs before _handed
         self._batches.add(task)
         task.add_done_callback(self._answered)
-        self._loop.call_soon(self._take)
+        self._handing = True
+        self._loop.call_soon(self._handed)
+
+    def _handed(self) -> None:
+        """The turn after a hand-over: the batch is in the batcher (its step started, or queued with
+        the scheduler woken first), so the next may follow."""
+        self._handing = False
+        self._take()
 
     def _log_refusals(self) -> None:
         """Log what the port refused since the last time (client-caused codes only: a server failure
