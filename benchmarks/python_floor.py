@@ -19,7 +19,9 @@ against three servers, each in its own process, all on grpc.aio with uvloop and 
 
 Load: one process per measurement, C callers on one channel sending a prepared request (a raw stub
 for Forward, so no client library's cost is in it), warm-up then ``--duration`` s. Servers and
-rounds alternate; the table gives each server's range over ``--rounds``.
+rounds alternate; the table gives each server's range over ``--rounds``. Each load also records
+the server's CPU per call (``server_cpu_us_per_call``, and by thread name, from ``/proc`` where
+there is one): the whole load's, warm-up included, over all its calls.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/python_floor.py [--rounds 3] [--duration 4]
 
@@ -178,22 +180,49 @@ async def _load(target: str, method: str, concurrency: int, warmup: float, durat
         measured_from, stop = start + warmup, start + warmup + duration
         latencies: list[float] = []
 
+        calls = 0
+
         async def caller() -> None:
+            nonlocal calls
             while (now := time.perf_counter()) < stop:
                 await call(request)
+                calls += 1
                 if now >= measured_from:
                     latencies.append(time.perf_counter() - now)
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
     latencies.sort()
-    return {"requests_per_s": len(latencies) / duration, "p50_ms": latencies[len(latencies) // 2] * 1e3}
+    return {"requests_per_s": len(latencies) / duration, "p50_ms": latencies[len(latencies) // 2] * 1e3,
+            "calls": calls}
 
 
-def measure(port: int, method: str, concurrency: int, duration: float) -> dict:
-    """``_load`` in its own process (its CPU is not the server's)."""
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of process ``pid``'s threads, summed by thread name with digits
+    dropped (pool threads share one name); empty where there is no ``/proc``."""
+    tasks, tick, cpu = pathlib.Path(f"/proc/{pid}/task"), os.sysconf("SC_CLK_TCK"), {}
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = "".join(c for c in stat[stat.index("(") + 1:stat.rindex(")")] if not c.isdigit()).strip("-_ ")
+        fields = stat[stat.rindex(")") + 2:].split()
+        cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return cpu
+
+
+def measure(port: int, method: str, concurrency: int, duration: float, server_pid: int | None = None) -> dict:
+    """``_load`` in its own process (its CPU is not the server's); with ``server_pid``, the server's
+    CPU per call meanwhile (in all and by thread, microseconds)."""
+    before = thread_cpu_s(server_pid) if server_pid else {}
     out = subprocess.run([sys.executable, __file__, "--load", f"127.0.0.1:{port}", method, str(concurrency),
                           str(duration)], check=True, capture_output=True, text=True, timeout=duration + 120).stdout
-    return json.loads(out)
+    result = json.loads(out)
+    if before:
+        spent = {name: seconds - before.get(name, 0.0) for name, seconds in thread_cpu_s(server_pid).items()}
+        per_call = {name: round(seconds / result["calls"] * 1e6, 1) for name, seconds in spent.items() if seconds > 0}
+        result |= {"server_cpu_us_per_call": round(sum(per_call.values()), 1), "server_cpu_by_thread": per_call}
+    return result
 
 
 def in_process_step_ms(duration: float = 2.0) -> float:
@@ -231,7 +260,7 @@ def run_server(kind: str, duration: float, step_ms: float) -> dict:
         row = {"server": kind}
         for method in ("Check", "Forward"):
             for concurrency in (1, 64):
-                row[f"{method}_{concurrency}"] = measure(port, method, concurrency, duration)
+                row[f"{method}_{concurrency}"] = measure(port, method, concurrency, duration, process.pid)
     finally:
         process.kill()
         process.wait(30)
@@ -276,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['Forward_1']['p50_ms']:.3f} ms: hop / Check {row['hop_over_check']:.2f}; 64 callers "
                   f"{row['Forward_64']['requests_per_s']:.0f} / {row['Check_64']['requests_per_s']:.0f} req/s: "
                   f"{row['throughput_over_check']:.2f}", flush=True)
+            for load in ("Check_1", "Forward_1", "Check_64", "Forward_64"):
+                if "server_cpu_by_thread" in row[load]:
+                    threads = ", ".join(f"{name} {us:.0f}" for name, us in sorted(
+                        row[load]["server_cpu_by_thread"].items(), key=lambda item: -item[1]))
+                    print(f"    {load}: server CPU {row[load]['server_cpu_us_per_call']:.0f} us a call ({threads})",
+                          flush=True)
     print(f"\n{'server':>12} | Forward p50 ms | Check p50 ms | hop / Check (goal <= 1.3) | 64 callers: Forward / "
           "Check req/s (goal >= 0.85)")
     for kind in servers:
