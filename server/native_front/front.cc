@@ -13,12 +13,12 @@
 // with RESOURCE_EXHAUSTED (the tokens over the bound, or one queued call's tokens for the call
 // bound, at the seconds per token Python last gave; at least its minimum). An accepted call joins
 // one FIFO queue; a call that finds the queue empty signals an eventfd. The server's event loop
-// watches that fd; woken, it reads it and takes batches until none is left: calls of one (layer,
-// dtype, with or without token ids), in arrival order, up to `max_batch_tokens` rows (a larger
-// call alone; the first call alone while no batch is in flight), their rows concatenated. Python answers a batch with `finish` (the output rows in
-// the callers' dtype, split back per call) or `fail` (one status for each of its calls). Calls
-// cancelled or past their deadline while queued are answered CANCELLED when a take meets them,
-// not run.
+// watches that fd; woken, it reads it and takes batches (one a loop turn) until none is left:
+// calls of one (layer, dtype, with or without token ids), in arrival order, up to
+// `max_batch_tokens` rows (a larger call alone; the first call alone while no batch is in flight),
+// their rows concatenated. Python answers a batch with `finish` (the output rows in the callers'
+// dtype, split back per call) or `fail` (one status for each of its calls). Calls cancelled or
+// past their deadline while queued are answered CANCELLED when a take meets them, not run.
 //
 // Python API (every function takes the handle `start` returned; fronts live until the process ends):
 //   start(address, layers: dict[int, int] (layer -> H), max_request_tokens, max_batch_tokens,
@@ -290,7 +290,9 @@ class Front final
   // SERVING from the start.
   void SetHealth(bool serving) {
     auto* health = server->GetHealthCheckService();
-    for (const char* service : {"", "expertd.v1.ExpertService", "readiness"}) health->SetServingStatus(service, serving);
+    for (const char* service : {"", "expertd.v1.ExpertService", "readiness"}) {
+      health->SetServingStatus(service, serving);
+    }
     health->SetServingStatus("liveness", true);
   }
 
@@ -528,7 +530,8 @@ class Front final
     const std::string expected = "[T, H=" + std::to_string(width) + "]";
     if (states.shape_size() != 2) {
       return Invalid("hidden_states.shape", "expected 2 dimensions " + expected + ", got " +
-                                                std::to_string(states.shape_size()) + ": " + ShownShape(states.shape()));
+                                                std::to_string(states.shape_size()) + ": " +
+                                                ShownShape(states.shape()));
     }
     if (states.shape(1) != width) {
       return Invalid("hidden_states.shape", "expected " + expected + ", got " + ShownShape(states.shape()));
