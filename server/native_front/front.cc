@@ -357,14 +357,15 @@ class Front final
     const double seconds = std::chrono::duration<double>(Clock::now() - arrived).count();
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
-      const int code = static_cast<int>(status.error_code());
-      ++handled_[code >= 0 && code < kNumCodes ? code : static_cast<int>(grpc::StatusCode::UNKNOWN)];
+      const int raw = static_cast<int>(status.error_code());
+      const int code = raw >= 0 && raw < kNumCodes ? raw : static_cast<int>(grpc::StatusCode::UNKNOWN);
+      ++handled_[code];
       const size_t bucket = std::lower_bound(latency_bounds.begin(), latency_bounds.end(), seconds) -
                             latency_bounds.begin();
       ++latency_counts_[bucket];
       latency_sum_ += seconds;
       if (!status.ok()) {
-        auto& refused = refused_[code >= 0 && code < kNumCodes ? code : static_cast<int>(grpc::StatusCode::UNKNOWN)];
+        auto& refused = refused_[code];
         ++refused.first;
         refused.second = status.error_message();
       }
