@@ -11,7 +11,8 @@ What the rest of expertd may use is imported here; the modules behind it:
             cap, passed in explicitly (the server's config reads its flags and calls configure
             once, before the first use); available(), unavailable_reason(), build_log()
   library   isa(), supported_isas(), limit_isa(level), vectorized(), path_items(),
-            parallel_for_trace(): what the loaded library reports and its run-time controls
+            parallel_for_trace(), caller_only_work(work), caller_only_work_now(): what the loaded
+            library reports and its run-time controls
   ffi       grouped_matmul, layout, combine: the custom calls, with grouped_matmul_reference
             beside them (layout's and combine's twins are dispatch.layout / dispatch.unpermute)
   panels    the panel-major weight layout (PanelWeights, to_panels, dense, panel_columns)
@@ -56,6 +57,8 @@ from expertd.kernels.cpu.layer import (
 from expertd.kernels.cpu.library import (
     PATHS,
     TRACE_FIELDS,
+    caller_only_work,
+    caller_only_work_now,
     isa,
     limit_isa,
     parallel_for_trace,
@@ -68,9 +71,9 @@ from expertd.kernels.cpu.policy import choose_backend, compiler_options
 
 __all__ = [
     "BuildOptions", "ISA_LEVELS", "PANEL_WIDTHS", "PATHS", "PREPARING_BACKENDS", "PanelWeights", "TRACE_FIELDS",
-    "available", "block_lookup", "block_lookup_reference", "build_log", "choose_backend", "combine",
-    "compiler_options", "configure", "copy_2d", "copy_2d_numpy", "copy_2d_reference", "dense_weights", "describe",
-    "grouped_ffn", "grouped_matmul", "grouped_matmul_reference", "isa", "layout", "limit_isa", "options",
-    "panel_columns", "parallel_for_trace", "path_items", "prepare_params", "routed_experts", "supported_isas",
-    "to_panels", "unavailable_reason", "vectorized",
+    "available", "block_lookup", "block_lookup_reference", "build_log", "caller_only_work", "caller_only_work_now",
+    "choose_backend", "combine", "compiler_options", "configure", "copy_2d", "copy_2d_numpy", "copy_2d_reference",
+    "dense_weights", "describe", "grouped_ffn", "grouped_matmul", "grouped_matmul_reference", "isa", "layout",
+    "limit_isa", "options", "panel_columns", "parallel_for_trace", "path_items", "prepare_params", "routed_experts",
+    "supported_isas", "to_panels", "unavailable_reason", "vectorized",
 ]

@@ -10,6 +10,9 @@
   limit_isa(level) -> a `with` block running the kernels at most at `level` (the tests check
       that every level computes the same bits; the benchmarks A/B them in one process).
   path_items() -> work items each path of the grouped matmul (PATHS) ran since the library loaded.
+  caller_only_work(work) -> a `with` block in which the kernels' ParallelFor calls of at most
+      `work` multiply-adds run on the calling thread alone (csrc/parallel.h's rule, whose bound
+      `caller_only_work_now()` reads; the benchmarks A/B the rule in one process).
   parallel_for_trace() -> the ParallelFor records of a trace build (BuildOptions(trace=True)).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 from expertd.kernels.cpu.build import ISA_LEVELS, load, require_library
 
 PATHS = ("portable", "avx2_stream", "avx2_packed", "avx512_fma", "avx512_bf16_dot")
-TRACE_FIELDS = ("start", "caller_done", "helper_start", "helper_done", "returned", "tasks", "caller_tasks")
+TRACE_FIELDS = ("start", "caller_done", "helper_start", "helper_done", "returned", "tasks", "caller_tasks", "helpers")
 TRACE_CAPACITY = 1 << 16  # records the library keeps between two readings (csrc/parallel.h)
 
 _isa_limit = ISA_LEVELS[-1]  # the library's run-time limit, as limit_isa last set it
@@ -63,6 +66,29 @@ def limit_isa(level: str):
         _isa_limit = before
 
 
+def caller_only_work_now() -> int | None:
+    """The bound of csrc/parallel.h's rule now: ParallelFor calls of at most this many
+    multiply-adds wake no helper thread (None without the library)."""
+    lib = load()[0]
+    return None if lib is None else int(lib.expertd_caller_only_work())
+
+
+@contextlib.contextmanager
+def caller_only_work(work: int):
+    """Inside the `with` block, ParallelFor calls of at most `work` multiply-adds run on the calling
+    thread alone (0: every call of two or more tasks is shared with the pool). Calls already
+    running are not affected; not meant for use while other threads run the kernels."""
+    if work < 0:
+        raise ValueError(f"work must be >= 0 multiply-adds, got {work}")
+    lib = require_library()
+    before = lib.expertd_caller_only_work()
+    lib.expertd_set_caller_only_work(work)
+    try:
+        yield
+    finally:
+        lib.expertd_set_caller_only_work(before)
+
+
 def path_items() -> dict[str, int]:
     """Work items (an expert's block of output columns in one call) the grouped matmul ran on each
     of its PATHS since the library loaded: which path a workload takes (the tests and benchmarks
@@ -74,10 +100,11 @@ def path_items() -> dict[str, int]:
 
 
 def parallel_for_trace() -> np.ndarray | None:
-    """The ParallelFor calls recorded since the last reading, then cleared: int64 `[n, 7]`, columns
+    """The ParallelFor calls recorded since the last reading, then cleared: int64 `[n, 8]`, columns
     TRACE_FIELDS in steady-clock ns and task counts, oldest first: helper_start is when the first
     helper started (0: none by the time the call returned), helper_done when the last helper that
-    ran a task finished (0: none did). None unless the library is the trace build."""
+    ran a task finished (0: none did), helpers the helper tasks scheduled (0: the caller ran the
+    call alone). None unless the library is the trace build."""
     lib = require_library()
     out = np.zeros((TRACE_CAPACITY, len(TRACE_FIELDS)), np.int64)
     n = lib.expertd_parallel_for_trace(out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), out.size)

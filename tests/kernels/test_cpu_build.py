@@ -44,10 +44,11 @@ def test_builds_into_the_cache_dir_without_warnings_and_the_next_process_loads_i
 
 def test_trace_build_records_every_parallel_for_call_and_computes_the_same(tmp_path):
     """BuildOptions(trace=True) builds a separate library whose ParallelFor calls leave records
-    (benchmarks/parallel_for_trace.py); the plain build has none to give."""
+    (benchmarks/parallel_for_trace.py); the plain build has none to give. A call of at most
+    kCallerOnlyWork multiply-adds (parallel.h) runs on the caller alone: no helper ever starts."""
     assert cpu.parallel_for_trace() is None
     code = f"""
-        import json, jax.numpy as jnp, numpy as np
+        import json, os, jax.numpy as jnp, numpy as np
         from expertd.kernels import cpu
         cpu.configure(cpu.BuildOptions(cache_dir={str(tmp_path)!r}, trace=True))
         x = jnp.asarray(np.random.default_rng(0).standard_normal((40, 64)), jnp.float32)
@@ -56,7 +57,18 @@ def test_trace_build_records_every_parallel_for_call_and_computes_the_same(tmp_p
         ys = [np.asarray(cpu.grouped_matmul(x, gs, w)) for _ in range(5)]
         records = cpu.parallel_for_trace()
         want = np.asarray(cpu.grouped_matmul_reference(x, gs, w))
-        print(json.dumps({{"records": records.tolist(), "again": len(cpu.parallel_for_trace()),
+        small = (x[:2], jnp.asarray([1, 0, 1], jnp.int32), w)  # 2 x 64 x 256 multiply-adds
+        small_ys = [np.asarray(cpu.grouped_matmul(*small)) for _ in range(5)]
+        small_records = cpu.parallel_for_trace()
+        with cpu.caller_only_work(0):  # every call of two or more tasks shared
+            np.asarray(cpu.grouped_matmul(*small))
+        forced = cpu.parallel_for_trace().tolist()
+        small_err = max(float(np.max(np.abs(y - np.asarray(cpu.grouped_matmul_reference(*small)))))
+                        for y in small_ys)
+        print(json.dumps({{"records": records.tolist(), "small_records": small_records.tolist(),
+                          "small_err": small_err, "forced": forced, "bound": cpu.caller_only_work_now(),
+                          "again": len(cpu.parallel_for_trace()),
+                          "cpus": len(os.sched_getaffinity(0)),
                           "err": max(float(np.max(np.abs(y - want))) for y in ys),
                           "fields": list(cpu.TRACE_FIELDS), "log": cpu.build_log()}}))
     """
@@ -67,11 +79,19 @@ def test_trace_build_records_every_parallel_for_call_and_computes_the_same(tmp_p
         r = dict(zip(got["fields"], record))
         assert r["start"] <= r["caller_done"] <= r["returned"]
         assert r["tasks"] >= 2 and 0 <= r["caller_tasks"] <= r["tasks"]  # two experts with rows
+        assert r["helpers"] >= 1 or got["cpus"] == 1  # 40 x 64 x 256 multiply-adds: shared
         if r["helper_done"]:  # a helper ran tasks: it started after the call did, and the caller waited for it
             assert r["start"] <= r["helper_start"] <= r["helper_done"] <= r["returned"]
             assert r["caller_tasks"] < r["tasks"]
         else:
             assert r["caller_tasks"] == r["tasks"]
+    assert got["small_err"] < 1e-3 and len(got["small_records"]) == 5
+    for record in got["small_records"]:
+        r = dict(zip(got["fields"], record))
+        assert r["tasks"] >= 2 and r["helpers"] == 0 and r["caller_tasks"] == r["tasks"] and r["helper_start"] == 0
+    # The benchmarks' run-time control moves the bound, and puts it back after its block.
+    assert len(got["forced"]) == 1 and got["bound"] == 1 << 18
+    assert dict(zip(got["fields"], got["forced"][0]))["helpers"] >= 1 or got["cpus"] == 1
     assert len(list(tmp_path.glob("grouped_matmul_cpu-*.so"))) == 1  # its own build key
 
 

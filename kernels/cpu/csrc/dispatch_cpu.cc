@@ -94,7 +94,7 @@ void Combine(ffi::ThreadPool& pool, const R* rows, int64_t n, int64_t h, const i
              const float* weights, int64_t t_dim, int64_t topk, float* out) {
   const int64_t tasks = (t_dim + kCombineTokensPerTask - 1) / kCombineTokensPerTask;
   const bool avx2 = expertd::HasAvx2();
-  expertd::ParallelFor(pool, tasks, [&](int64_t task) {
+  expertd::ParallelFor(pool, tasks, t_dim * topk * h, [&](int64_t task) {
     const int64_t t1 = std::min(t_dim, (task + 1) * kCombineTokensPerTask);
     for (int64_t t = task * kCombineTokensPerTask; t < t1; ++t) {
       float* o = out + t * h;

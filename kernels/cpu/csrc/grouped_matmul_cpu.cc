@@ -26,7 +26,8 @@
 // (BENCHMARKS.md has the measurements).
 //
 // Work split: items of (expert, block of output columns), shared by the calling thread and helper
-// tasks on XLA's intra-op thread pool (expertd::ParallelFor, parallel.h).
+// tasks on XLA's intra-op thread pool (expertd::ParallelFor, parallel.h; a small call by the
+// calling thread alone).
 //
 // Paths per item (Path; counted in path_items):
 // - Panel-major weights on AVX-512 CPUs, every row count: avx512::StreamPanels
@@ -656,7 +657,9 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     row += rows_of[e];
     used += rows_of[e] > 0;
   }
-  const int64_t threads = expertd::PoolThreads(pool);
+  int64_t work = 0;  // multiply-adds
+  for (int64_t e = 0; e < e_dim; ++e) work += rows_of[e] * k_dim * c_dim;
+  const int64_t threads = expertd::SharingThreads(pool, work);
   const auto block_for = [&](int64_t per_thread) {
     int64_t block = kBlockColumns;
     while (block > kMinBlockColumns && used * ((c_dim + block - 1) / block) < per_thread * threads) block /= 2;
@@ -673,7 +676,7 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
   }
   std::fill(y + row * c_dim, y + n * c_dim, 0.0f);  // rows no expert owns
   const int64_t expert_elems = ExpertWeights<W>{w, k_dim, c_dim, panel_cols}.Elems();
-  expertd::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+  expertd::ParallelFor(pool, static_cast<int64_t>(items.size()), work, [&](int64_t i) {
     const Item& it = items[i];
     std::vector<const float*> x(it.rows);
     for (int64_t r = 0; r < it.rows; ++r) x[r] = rows_in.Row(it.row0 + r);
@@ -786,21 +789,25 @@ extern "C" int expertd_native_cpu_isa() { return static_cast<int>(expertd::CpuIs
 extern "C" int expertd_native_cpu_detected_isa() { return static_cast<int>(expertd::DetectedIsa()); }
 extern "C" void expertd_native_cpu_cap_isa(int level) { expertd::IsaCap().store(level); }
 extern "C" void expertd_native_cpu_limit_isa(int level) { expertd::IsaLimit().store(level); }
+// The ParallelFor rule's bound (parallel.h): calls of at most this many multiply-adds run on the
+// caller alone; the setter is for benchmarks that A/B the rule in one process.
+extern "C" int64_t expertd_caller_only_work() { return expertd::caller_only_work.load(); }
+extern "C" void expertd_set_caller_only_work(int64_t work) { expertd::caller_only_work.store(work); }
 // Work items run on each Path since the library loaded (a column tail alone counts as portable).
 extern "C" int64_t expertd_native_cpu_path_items(int path) {
   return path >= 0 && path < kNumPaths ? path_items[path].load() : -1;
 }
 
-// Copies the ParallelFor records (parallel.h, 7 int64 each) kept since the last call into out, at
-// most capacity / 7 of them, and clears them; -1 unless built with -DEXPERTD_TRACE_PARALLEL_FOR.
+// Copies the ParallelFor records (parallel.h, 8 int64 each) kept since the last call into out, at
+// most capacity / 8 of them, and clears them; -1 unless built with -DEXPERTD_TRACE_PARALLEL_FOR.
 extern "C" int64_t expertd_parallel_for_trace(int64_t* out, int64_t capacity) {
 #ifdef EXPERTD_TRACE_PARALLEL_FOR
-  const int64_t n = std::min({expertd::trace_count.load(), expertd::kTraceCapacity, capacity / 7});
+  const int64_t n = std::min({expertd::trace_count.load(), expertd::kTraceCapacity, capacity / 8});
   for (int64_t i = 0; i < n; ++i) {
     const expertd::ParallelForRecord& r = expertd::trace_records[i];
-    const int64_t fields[7] = {r.start, r.caller_done, r.helper_start, r.helper_done, r.returned, r.tasks,
-                               r.caller_tasks};
-    std::copy(fields, fields + 7, out + 7 * i);
+    const int64_t fields[8] = {r.start, r.caller_done, r.helper_start, r.helper_done, r.returned, r.tasks,
+                               r.caller_tasks, r.helpers};
+    std::copy(fields, fields + 8, out + 8 * i);
   }
   expertd::trace_count.store(0);
   return n;

@@ -1,10 +1,15 @@
 // Work sharing on XLA:CPU's intra-op thread pool for the expertd custom calls.
 //
-// ParallelFor(pool, n, fn) runs fn(i) for every i in [0, n): tasks are claimed from an atomic
+// ParallelFor(pool, n, work, fn) runs fn(i) for every i in [0, n): tasks are claimed from an atomic
 // counter by the calling thread and by up to pool.num_threads() - 1 helper tasks; the caller only
 // waits (spinning briefly, then blocking) for tasks already claimed, so it cannot deadlock on a
 // busy pool (a helper that starts after all tasks were claimed returns at once). Helpers may
 // outlive the call's stack frame, so the shared state is held by shared_ptr and fn is copied into it.
+//
+// Rule: a call of at most kCallerOnlyWork multiply-adds (`work`, the whole call's) wakes no helper;
+// the caller runs every task. A helper woken from sleep joins tens of microseconds in, about what
+// such a call takes alone, and spins on its core afterwards, so sharing it halves nothing but doubles
+// its CPU (BENCHMARKS.md "ParallelFor trace" has the measurements).
 #pragma once
 
 #include <immintrin.h>
@@ -26,10 +31,11 @@ namespace expertd {
 // A build with -DEXPERTD_TRACE_PARALLEL_FOR (BuildOptions(trace=True), kernels/cpu/build.py) keeps one
 // record per ParallelFor call, steady-clock nanoseconds, for benchmarks/parallel_for_trace.py:
 // when the caller started, ran out of tasks and returned; when the first helper started (0: none
-// yet) and the last one that ran a task finished (0: none did); the tasks, and the caller's share.
-// Records past kTraceCapacity are dropped until the next read (expertd_parallel_for_trace).
+// yet) and the last one that ran a task finished (0: none did); the tasks, the caller's share, and
+// the helper tasks scheduled. Records past kTraceCapacity are dropped until the next read
+// (expertd_parallel_for_trace).
 struct ParallelForRecord {
-  int64_t start, caller_done, helper_start, helper_done, returned, tasks, caller_tasks;
+  int64_t start, caller_done, helper_start, helper_done, returned, tasks, caller_tasks, helpers;
 };
 inline constexpr int64_t kTraceCapacity = 1 << 16;
 inline ParallelForRecord trace_records[kTraceCapacity];
@@ -100,11 +106,22 @@ inline int64_t PoolThreads(xla::ffi::ThreadPool& pool) {
   return std::max<int64_t>(pool.num_threads(), 1);
 }
 
+inline constexpr int64_t kCallerOnlyWork = int64_t{1} << 18;
+
+// The rule's bound now: kCallerOnlyWork unless a benchmark set another (expertd_set_caller_only_work).
+inline std::atomic<int64_t> caller_only_work{kCallerOnlyWork};
+
+// The threads a call of `work` multiply-adds is shared by (the caller's included): 1 up to
+// caller_only_work, else the pool's.
+inline int64_t SharingThreads(xla::ffi::ThreadPool& pool, int64_t work) {
+  return work > caller_only_work.load(std::memory_order_relaxed) ? PoolThreads(pool) : 1;
+}
+
 // fn may capture the caller's locals by reference: it is only ever called before this returns.
-inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> fn) {
+inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, int64_t work, std::function<void(int64_t)> fn) {
   if (total <= 0) return;
   auto state = std::make_shared<ParallelForState>(total, std::move(fn));
-  const int64_t helpers = std::min(PoolThreads(pool), total) - 1;
+  const int64_t helpers = std::min(SharingThreads(pool, work), total) - 1;
 #ifdef EXPERTD_TRACE_PARALLEL_FOR
   const int64_t start = TraceNow();
 #endif
@@ -119,7 +136,7 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function
   if (slot < kTraceCapacity) {
     // A helper still starting (it will claim nothing) may set helper_start_ after this read.
     trace_records[slot] = {start, caller_done, state->helper_start_.load(), state->helper_done_.load(),
-                           TraceNow(), total, caller_tasks};
+                           TraceNow(), total, caller_tasks, helpers};
   }
 #else
   (void)caller_tasks;
