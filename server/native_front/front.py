@@ -242,10 +242,21 @@ class NativeFront:
             output = np.ascontiguousarray(result.output)
         except Exception as exc:  # noqa: BLE001 - every failure answers the batch's calls
             status = errors.status_of(exc)
-            self._module.fail(self._handle, batch_id, status[0].value[0], status[1],
-                              errors.rich_status(status).SerializeToString())
+            self._answer(self._module.fail, batch_id, status[0].value[0], status[1],
+                         errors.rich_status(status).SerializeToString())
             return
-        self._module.finish(self._handle, batch_id, output)
+        self._answer(self._module.finish, batch_id, output)
+
+    def _answer(self, answer: Callable, batch_id: int, *args) -> None:
+        """``answer(handle, batch_id, *args)`` (C++ ``finish`` or ``fail``). Its ValueError is a server
+        bug (an output of the wrong size: C++ has answered the batch's calls INTERNAL) or, once
+        ``stop``'s grace has passed, a batch the port already cancelled: logged, never raised out of
+        the batch's task."""
+        try:
+            answer(self._handle, batch_id, *args)
+        except ValueError:
+            if not self._stopped:
+                log.exception("native Forward port: batch %d could not be answered", batch_id)
 
 
 class _Collector(Collector):

@@ -186,18 +186,23 @@ def one_place_server(tmp_path_factory):
 
 
 class Gate:
-    """The step runner: the real engine; while ``hold`` is set, forward steps wait for it to clear."""
+    """The step runner: the real engine; while ``hold`` is set, forward steps wait for it to clear;
+    while ``widen`` is set, they answer one column too many (a server bug the front ends survive)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.hold: threading.Event | None = None
         self.entered = threading.Event()
+        self.widen = False
 
     def forward(self, layer, tokens, num_valid, token_ids=None):
         if self.hold is not None:
             self.entered.set()
             assert self.hold.wait(60)
-        return self.engine.forward(layer, tokens, num_valid, token_ids=token_ids)
+        result = self.engine.forward(layer, tokens, num_valid, token_ids=token_ids)
+        if self.widen:
+            return result._replace(output=np.pad(result.output, ((0, 0), (0, 1))))
+        return result
 
     def route(self, layer, tokens, num_valid, **options):
         return self.engine.route(layer, tokens, num_valid, **options)

@@ -43,6 +43,7 @@ from expertd.server.admission import MIN_RETRY_S
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig, SecurityConfig
 from expertd.server.model import load_preset
+from expertd.server.native_front import front
 
 H = 64  # the tiny preset's hidden size
 MAX_REQUEST_TOKENS = 16
@@ -324,6 +325,29 @@ def test_refused_calls_are_logged_as_on_the_main_port(server, caplog, monkeypatc
                         r"served; layers: \[0, 1\] \(and \d+ more NOT_FOUND calls\)", line), line
     assert int(re.search(r"and (\d+) more", line).group(1)) >= 2
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_an_answer_of_the_wrong_size_fails_its_call_internal_and_the_port_keeps_serving(server, caplog):
+    """A server bug (a step's output one column too wide) reaches the caller as INTERNAL, is logged
+    with its traceback, and the next call is answered."""
+    caplog.set_level(logging.ERROR, logger=front.__name__)
+    server.gate.widen = True
+    try:
+        with native(server) as client, pytest.raises(ExpertError) as failed:
+            client.forward(rows(2, 0), layer=0)
+    finally:
+        server.gate.widen = False
+    assert failed.value.code == grpc.StatusCode.INTERNAL and "output size" in failed.value.message
+
+    def logged() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == front.__name__ and "could not be answered" in r.getMessage()]
+
+    poll(logged, timeout=30)
+    (record,) = logged()
+    assert record.exc_info is not None and "expected 512 bytes ([2, 64] of 4-byte items), got 520" in \
+        str(record.exc_info[1])
+    with main(server) as reference, native(server) as client:
+        np.testing.assert_array_equal(client.forward(rows(2, 0), layer=0), reference.forward(rows(2, 0), layer=0))
 
 
 def test_a_full_native_queue_answers_resource_exhausted_at_once(server):
