@@ -316,8 +316,8 @@ class ServerConfig:
     port: int = option(8001, "gRPC port (0: pick a free port; the bound port is printed)", parse=int)
     metrics_port: int = option(8002, "Prometheus /metrics HTTP port (0: pick a free port)", parse=int)
     native_port: int | None = option(None, "also serve Forward from gRPC C++ on this port, no Python per call "
-                                     "(0: a free port; needs the system's libgrpc++: docs/serving.md)", parse=int,
-                                     metavar="PORT")
+                                     "(0: a free port; needs the system's libgrpc++: docs/serving.md; "
+                                     "$EXPERTD_NATIVE_PORT)", parse=int, metavar="PORT", env="EXPERTD_NATIVE_PORT")
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
                                       "when auth is on and --metrics-auth is not: unauthenticated metrics of an "
                                       "authenticated server stay local unless asked)", metavar="ADDRESS",

@@ -12,7 +12,8 @@ top level for ServerConfig, ``[model]``, ``[batching]``, ``[security]``, ``[mult
     [batching]
     bucket_sizes = [1, 8, 64, 512]
 
-Environment variables: ``EXPERTD_AUTH_TOKEN`` (the bearer token); the LeaderWorkerSet's
+Environment variables: ``EXPERTD_AUTH_TOKEN`` (the bearer token); ``EXPERTD_NATIVE_PORT`` (the native
+Forward port, as the Kubernetes overlay sets it); the LeaderWorkerSet's
 ``LWS_LEADER_ADDRESS`` (with ``--coordinator-port``), ``LWS_GROUP_SIZE`` and ``LWS_WORKER_INDEX``;
 the native CPU kernel's ``EXPERTD_NATIVE_CPU_ISA``, ``EXPERTD_NATIVE_CPU_PORTABLE`` (set: the
 portable level), ``EXPERTD_CACHE_DIR``, ``EXPERTD_TRACE_PARALLEL_FOR`` (``1``: on) and ``CXX``;

@@ -13,9 +13,9 @@ Supported:
 - `patches`: strategic-merge patches given by `path` or inline `patch`, matched by
   apiVersion/kind/metadata.name; `$patch: delete` removes a resource; maps merge, `null`
   removes a key. Lists only where `LIST_RULES` says how kustomize treats them: a workload's pod
-  spec lists merge element by element on their Kubernetes merge key (the patch's elements first,
-  each merged into its namesake, then the others: kustomize 5.5's order), `args` and a custom
-  resource's lists are replaced whole; any other list is refused.
+  spec lists and a Service's ports merge element by element on their Kubernetes merge key (the
+  patch's elements first, each merged into its namesake, then the others: kustomize 5.5's order),
+  `args` and a custom resource's lists are replaced whole; any other list is refused.
 - `configurations`: only files that configure the `images` transformer, which is a no-op here
   (no kustomization sets `images`).
 """
@@ -35,7 +35,9 @@ POD_SPEC = ("spec", "template", "spec")
 LIST_RULES = {
     **{(kind, *POD_SPEC, field): "name" for kind in WORKLOAD_KINDS for field in ("containers", "volumes")},
     **{(kind, *POD_SPEC, "containers", "*", field): key for kind in WORKLOAD_KINDS
-       for field, key in (("volumeMounts", "mountPath"), ("env", "name"), ("args", None))},
+       for field, key in (("volumeMounts", "mountPath"), ("env", "name"), ("ports", "containerPort"),
+                          ("args", None))},
+    ("Service", "spec", "ports"): "port",
     ("ServiceMonitor", "spec", "endpoints"): None,  # a custom resource: kustomize knows no merge key
 }
 """(kind, *path to the list) -> the merge key of its elements, or None: the patch's list replaces it

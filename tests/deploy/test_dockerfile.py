@@ -79,7 +79,7 @@ def test_exposes_the_ports_of_the_manifests():
     (expose,) = instructions(dockerfile(), "EXPOSE")
     exposed = {int(p) for p in expose["value"].split()}
     declared = set()
-    for name in ("base", "overlays/multihost"):
+    for name in ("base", "overlays/multihost", "overlays/native-port"):
         for template in pod_templates(rendered(name)).values():
             declared |= set(container_ports(template).values())
     assert exposed == declared

@@ -99,16 +99,19 @@ def server(tmp_path_factory):
 def test_container_args_are_expertd_serve_flags(tmp_path):
     """Each workload's args, with its ConfigMap's config.toml, parse as `expertd serve` flags."""
     defaults = config_module.ServerConfig()
-    for name in ("base", "overlays/replicas", "overlays/multihost", "overlays/multihost-statefulset"):
+    for name in ("base", "overlays/replicas", "overlays/multihost", "overlays/multihost-statefulset",
+                 "overlays/native-port"):
         (tmp_path / "config.toml").write_text(configmap_file(name))
         for key, template in pod_templates(rendered(name)).items():
             main = container(template)
             args = [str(tmp_path / "config.toml") if a == flag(main["args"], "--config") else a for a in main["args"]]
-            environ = {**(LWS_ENV if "LeaderWorkerSet" in key else {}), **POD_ENV}
+            environ = {**(LWS_ENV if "LeaderWorkerSet" in key else {}), **POD_ENV,
+                       **{e["name"]: e["value"] for e in main.get("env", []) if "value" in e}}
             config, group = parse_serve(args, environ)
             ports = container_ports(template)
             assert (config.port, config.metrics_port) == (ports["grpc"], ports["metrics"]) == \
                 (defaults.port, defaults.metrics_port), key
+            assert config.native_port == ports.get("grpc-native"), key  # the native port: declared where served
             assert config.drain_grace_s + 15 <= template["spec"]["terminationGracePeriodSeconds"], key
             if not name.startswith("overlays/multihost"):
                 assert not group.enabled, key

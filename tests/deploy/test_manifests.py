@@ -41,6 +41,7 @@ VARIANTS = {
     "base": {"Deployment"},
     "overlays/multihost": {"LeaderWorkerSet", "PodMonitor"},
     "overlays/multihost-statefulset": {"StatefulSet", "PodMonitor"},
+    "overlays/native-port": {"Deployment"},
     "overlays/autoscaling": {"Deployment", "HorizontalPodAutoscaler"},
     "overlays/multihost-autoscaling": {"LeaderWorkerSet", "PodMonitor", "HorizontalPodAutoscaler"},
     "overlays/replicas": {"Deployment"},
@@ -93,7 +94,7 @@ def test_renderer_refuses_what_it_does_not_implement(tmp_path):
         deploy_render.build(tmp_path)
     (tmp_path / "kustomization.yaml").write_text(
         "resources: [s.yaml]\npatches:\n- patch: |\n"
-        "    {apiVersion: v1, kind: Service, metadata: {name: s}, spec: {ports: []}}\n")
+        "    {apiVersion: v1, kind: Service, metadata: {name: s}, spec: {externalIPs: []}}\n")
     (tmp_path / "s.yaml").write_text("{apiVersion: v1, kind: Service, metadata: {name: s}, spec: {}}\n")
     with pytest.raises(deploy_render.UnsupportedKustomization, match="list"):
         deploy_render.build(tmp_path)
@@ -276,3 +277,39 @@ def test_replicas_behind_a_headless_service():
     assert target in (ROOT / "docs" / "deploy.md").read_text()
     concrete = target.replace("<namespace>", "default")
     assert resolve_target(concrete).uri == concrete  # gRPC's own DNS resolver takes it as it is
+
+
+def test_native_port_overlay_serves_it_beside_the_main_port_and_its_patches_compose(tmp_path):
+    """The pod listens on 8003 through $EXPERTD_NATIVE_PORT (the args untouched), the Service carries
+    it as h2c beside the main port, the probes stay on the main port; the two patch files, copied
+    beside an overlay of the TLS overlay as docs/deploy.md says, give TLS with the native port."""
+    overlay = K8S / "overlays" / "native-port"
+    resources = rendered("overlays/native-port")
+    (template,) = pod_templates(resources).values()
+    main = container(template)
+    assert container_ports(template) == {"grpc": 8001, "metrics": 8002, "grpc-native": 8003}
+    assert {"name": "EXPERTD_NATIVE_PORT", "value": "8003"} in main["env"]
+    (base_template,) = pod_templates(rendered("base")).values()
+    assert main["args"] == container(base_template)["args"]
+    assert main["readinessProbe"]["grpc"] == {"port": 8001, "service": "readiness"}
+    service = next(s for s in by_kind(resources, "Service") if s["metadata"]["name"] == "expertd")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert set(ports) == {"grpc", "metrics", "grpc-native"}
+    assert ports["grpc-native"] == {"name": "grpc-native", "port": 8003, "targetPort": "grpc-native", "protocol": "TCP",
+                                    "appProtocol": "kubernetes.io/h2c"}
+    assert "expertd.<namespace>.svc:8003" in (overlay / "kustomization.yaml").read_text()
+    assert "expertd.<namespace>.svc:8003" in (ROOT / "docs" / "deploy.md").read_text()
+
+    patches = ("deployment-native-port.yaml", "service-native-port.yaml")
+    for name in patches:
+        shutil.copy(overlay / name, tmp_path / name)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"resources": [str(K8S / "overlays" / "tls")], "patches": [{"path": name} for name in patches]}))
+    tls_native = deploy_render.build(tmp_path)
+    (template,) = pod_templates(tls_native).values()
+    main = container(template)
+    assert flag(main["args"], "--tls-cert") == "/etc/expertd-tls/tls.crt" and "exec" in main["readinessProbe"]
+    assert {"name": "EXPERTD_NATIVE_PORT", "value": "8003"} in main["env"]
+    assert container_ports(template)["grpc-native"] == 8003
+    for resource in tls_native:
+        deploy_schemas.validate(resource)

@@ -151,6 +151,12 @@ def test_multihost_and_native_options_come_from_flags_toml_and_the_old_variables
     assert config.native_cpu == cfg.NativeCpuConfig(isa="avx512", cache_dir="/flag", trace=False, compiler="clang++")
     assert config.multihost.peer_timeout_s == 3.0
     assert cfg.parse_args([], environ={"LD_PRELOAD": "libjemalloc.so"}).ld_preload == "libjemalloc.so"
+    assert cfg.parse_args([], environ={"EXPERTD_NATIVE_PORT": "8003"}).native_port == 8003
+    assert cfg.parse_args(["--native-port", "0"], environ={"EXPERTD_NATIVE_PORT": "8003"}).native_port == 0
+    with pytest.raises(ValueError, match="EXPERTD_NATIVE_PORT"):
+        cfg.parse_args([], environ={"EXPERTD_NATIVE_PORT": "eighty"})
+    with pytest.raises(ValueError, match="--native-port must be between 0 and 65535"):
+        cfg.parse_args([], environ={"EXPERTD_NATIVE_PORT": "70000"})
     assert cfg.parse_args([], environ={}) == cfg.ServerConfig()  # nothing set: the defaults
 
 
