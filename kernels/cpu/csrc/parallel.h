@@ -8,8 +8,8 @@
 //
 // Rule: a call of at most kCallerOnlyWork multiply-adds (`work`, the whole call's) wakes no helper;
 // the caller runs every task. A helper woken from sleep joins tens of microseconds in, about what
-// such a call takes alone, and spins on its core afterwards, so sharing it halves nothing but doubles
-// its CPU (BENCHMARKS.md "ParallelFor trace" has the measurements).
+// such a call takes alone, and spins on its core afterwards: sharing such a call saved no time
+// after an idle gap and cost 1.5-2.4x its CPU (BENCHMARKS.md "ParallelFor trace").
 #pragma once
 
 #include <immintrin.h>
