@@ -149,6 +149,28 @@ def test_limit_isa_names_the_levels_and_restores_the_top_one():
             pass
 
 
+@pytest.mark.parametrize("sizes,k,c", [([2, 1, 4], 44, 48), ([4, 4], 1024, 2048)], ids=("small", "large"))
+def test_sharing_with_the_pool_or_not_gives_the_same_bits_and_the_bound_comes_back(sizes, k, c):
+    """ParallelFor's rule (csrc/parallel.h) only decides who runs each work item: the caller alone
+    (every call, bound 2^62) or the pool too (bound 0) give the same bits, and the bound returns
+    after the block, an exception included."""
+    x, gs, w = case_arrays(sizes, k, c, jnp.bfloat16)
+    call = jax.jit(cpu.grouped_matmul)
+    bound = cpu.caller_only_work_now()
+    assert bound == 1 << 18
+    with cpu.caller_only_work(1 << 62):
+        alone = np.asarray(call(x, gs, w))
+    with pytest.raises(RuntimeError), cpu.caller_only_work(0):
+        assert cpu.caller_only_work_now() == 0
+        shared = np.asarray(call(x, gs, w))
+        raise RuntimeError("leaves the block")
+    assert cpu.caller_only_work_now() == bound
+    np.testing.assert_array_equal(shared, alone)
+    with pytest.raises(ValueError, match="work must be >= 0"):
+        with cpu.caller_only_work(-1):
+            pass
+
+
 def test_no_rows_gives_zeros_and_argument_errors_name_the_field():
     x, w = jnp.ones((4, 8), jnp.float32), jnp.ones((2, 8, 16), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(cpu.grouped_matmul(x, jnp.zeros(2, jnp.int32), w)), 0)
