@@ -657,8 +657,7 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     row += rows_of[e];
     used += rows_of[e] > 0;
   }
-  int64_t work = 0;  // multiply-adds
-  for (int64_t e = 0; e < e_dim; ++e) work += rows_of[e] * k_dim * c_dim;
+  const int64_t work = row * k_dim * c_dim;  // multiply-adds: every row an expert owns
   const int64_t threads = expertd::SharingThreads(pool, work);
   const auto block_for = [&](int64_t per_thread) {
     int64_t block = kBlockColumns;
