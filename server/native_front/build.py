@@ -1,6 +1,6 @@
 """Building and loading the native front end's extension module (``front.cc``).
 
-Built on first use with the system's gRPC C++ (Debian / Ubuntu: ``libgrpc++-dev``,
+Built on first use with the system's gRPC C++ (Debian / Ubuntu: ``libgrpc++-dev``, ``libprotobuf-dev``,
 ``protobuf-compiler-grpc``, ``pkg-config``; found through pkg-config's ``grpc++`` and ``protobuf``)
 into ``<cache_dir>/native_front/<key>/``, keyed by a hash of the source, the descriptors and the
 compiler flags; later processes load it from there. The C++ message classes are generated from the
@@ -32,7 +32,8 @@ SOURCE = pathlib.Path(__file__).with_name("front.cc")
 MODULE = "expertd_native_front"
 CXXFLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-Wall")
 TOOLS = ("protoc", "grpc_cpp_plugin", "pkg-config", "g++")
-PACKAGES_HINT = "Debian / Ubuntu: apt-get install libgrpc++-dev protobuf-compiler-grpc pkg-config"
+PACKAGES_HINT = ("Debian / Ubuntu: apt-get install libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc "
+                 "pkg-config")
 DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/expertd")
 _lock = threading.Lock()
 
