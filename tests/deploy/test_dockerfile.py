@@ -122,6 +122,24 @@ def test_apt_usage_is_lean():
     assert not instructions(dockerfile(), "ADD"), "COPY, never ADD (no remote URLs or auto-extraction)"
 
 
+def test_the_image_and_ci_install_what_the_native_port_build_asks_for():
+    """The build stage and .ci/run install every package the native port's builder names (it needs
+    protobuf.pc, which libgrpc++-dev does not pull in: without libprotobuf-dev the image's build
+    fails and CI skips the native tests)."""
+    from expertd.server.native_front.build import PACKAGES_HINT
+
+    wanted = set(PACKAGES_HINT.partition("apt-get install")[2].split())
+    assert {"libgrpc++-dev", "libprotobuf-dev", "protobuf-compiler-grpc", "pkg-config"} <= wanted
+    parser = dockerfile()
+    runtime_from = last_stage(parser)[0]["startline"]
+    build_stage = [i for i in instructions(parser, "RUN") if i["startline"] < runtime_from]
+    installed = {word for i in build_stage if "apt-get install" in i["value"]
+                 for word in re.findall(r"[\w+.-]+", i["value"])}
+    assert wanted <= installed, f"the build stage lacks {sorted(wanted - installed)}"
+    ci = set(re.findall(r"[\w+.-]+", (ROOT / ".ci" / "run").read_text()))
+    assert wanted <= ci, f".ci/run lacks {sorted(wanted - ci)}"
+
+
 def test_kubernetes_probes_ask_the_same_service_as_the_healthcheck():
     (healthcheck,) = instructions(dockerfile(), "HEALTHCHECK")
     service = json.loads(healthcheck["value"].partition("CMD")[2])[-1]
