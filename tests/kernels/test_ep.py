@@ -118,7 +118,10 @@ def check_against_reference(params, x, cfg, r, placement, mode):
     got, stats = run_ep(params, x, cfg, r, placement, **mode_kw(mode))
     np.testing.assert_allclose(got, want, **FP32_TOL)
     np.testing.assert_array_equal(stats["topk_ids"], routing["topk_ids"])
-    np.testing.assert_allclose(stats["topk_weights"], routing["topk_weights"], rtol=1e-6, atol=0)
+    # Both compute the router logits as an fp32 dot, but each rank over its own rows: XLA's CPU dot
+    # may sum in another order for another row count (seen on AMD EPYC, not on Xeon): the weights
+    # then differ by up to 4e-6 relatively (atol 0: tiny weights are held to the same rtol).
+    np.testing.assert_allclose(stats["topk_weights"], routing["topk_weights"], rtol=FP32_TOL["rtol"], atol=0)
     np.testing.assert_array_equal(stats["tokens_per_expert"], routing["tokens_per_expert"])
     assert stats["dropped_pairs"] == 0 and stats["dropped_rows"] == 0
     placement = placement or eplb.Placement.identity(cfg.num_experts, r)
