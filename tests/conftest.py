@@ -5,8 +5,8 @@ any test module imports jax: CPU only, 8 simulated devices for the expert-parall
 (single-device code simply uses device 0), and XLA's LLVM backend at optimisation level 0.
 
 The tests' programs are small, so compiling them dominates, and LLVM's optimisation costs more
-than it saves. XLA's HLO passes still run and its CPU code is not fast-math, so results agree within every test's
-tolerance. Servers the tests start as processes inherit the flags; the benchmarks and the GPU
+than it saves. XLA's HLO passes still run and its CPU code is not fast-math, so results agree
+within every test's tolerance. Servers the tests start as processes inherit the flags; the benchmarks and the GPU
 runbook compile at the default level. A level already in XLA_FLAGS is kept.
 """
 import os

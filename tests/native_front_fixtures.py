@@ -1,6 +1,6 @@
-"""The native Forward port's tests need it built (the system's gRPC C++: Debian's libgrpc++-dev,
-libprotobuf-dev, protobuf-compiler-grpc, pkg-config): skipped with the builder's reason where it
-cannot be, unless ``EXPERTD_REQUIRE_NATIVE_FRONT=1`` (CI sets it), which makes that a failure."""
+"""The native Forward port's tests need it built (the system's gRPC C++: the packages of
+``build.PACKAGES_HINT``): skipped with the builder's reason where it cannot be, unless
+``EXPERTD_REQUIRE_NATIVE_FRONT=1`` (CI sets it), which makes that a failure."""
 from __future__ import annotations
 
 import os

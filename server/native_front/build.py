@@ -1,7 +1,7 @@
 """Building and loading the native front end's extension module (``front.cc``).
 
-Built on first use with the system's gRPC C++ (Debian / Ubuntu: ``libgrpc++-dev``, ``libprotobuf-dev``,
-``protobuf-compiler-grpc``, ``pkg-config``; found through pkg-config's ``grpc++`` and ``protobuf``)
+Built on first use with the system's gRPC C++ (the packages of ``PACKAGES_HINT``; found through
+pkg-config's ``grpc++`` and ``protobuf``: libgrpc++-dev does not bring libprotobuf-dev's ``protobuf.pc``)
 into ``<cache_dir>/native_front/<key>/``, keyed by a hash of the source, the descriptors and the
 compiler flags; later processes load it from there. The C++ message classes are generated from the
 descriptors the Python stubs carry (``expert_pb2.DESCRIPTOR``, and google.rpc's Status and error
