@@ -12,9 +12,10 @@
 #   bash benchmarks/gpu_session.sh engine   # benchmarks/engine_step.py: the engine's step cycle
 #                                           # (host inputs vs device_put, results read back)
 #   bash benchmarks/gpu_session.sh serving  # benchmarks/serving.py --models mid: the real server and
-#                                           # client over loopback (needs the gRPC family: .whl below;
-#                                           # SERVING_ARGS=--native: on the native Forward port, where
-#                                           # .native-front is carried)
+#                                           # client over loopback, the engine on the GPU
+#                                           # (SERVING_PLATFORMS=cpu: on the host's cores); needs the
+#                                           # gRPC family: .whl below; SERVING_ARGS=--native: on the
+#                                           # native Forward port, where .native-front is carried)
 #   bash benchmarks/gpu_session.sh tiles    # benchmarks/pallas_tiles.py: the Pallas grouped GEMM's
 #                                           # tilings per shape (TILES_ARGS=--quick: a short grid)
 #   bash benchmarks/gpu_session.sh semantics  # gpu_check.py's semantic families (issue 25; or those in
@@ -72,7 +73,8 @@ step() {
     layer) timeout "${LAYER_TIMEOUT:-540}" $PY benchmarks/moe_layer.py --no-hf ${LAYER_ARGS:-} --out "$OUT/moe_layer_gpu.json" 2>&1 | tee "$OUT/moe_layer.log" ;;
     engine) timeout "${ENGINE_TIMEOUT:-300}" $PY benchmarks/engine_step.py ${ENGINE_STEP_ARGS:-} --out "$OUT/engine_step_gpu.json" 2>&1 \
               | tee "$OUT/engine_step.log" ;;
-    serving) timeout "${SERVING_TIMEOUT:-300}" $PY benchmarks/serving.py --models mid ${SERVING_ARGS:-} \
+    serving) JAX_PLATFORMS=${SERVING_PLATFORMS:-cuda} timeout "${SERVING_TIMEOUT:-300}" $PY benchmarks/serving.py \
+               --models mid ${SERVING_ARGS:-} \
                --out "$OUT/serving_gpu.json" 2>&1 | tee "$OUT/serving.log" ;;
     tiles) timeout "${TILES_TIMEOUT:-540}" $PY benchmarks/pallas_tiles.py ${TILES_ARGS:-} --out "$OUT/pallas_tiles.json" \
              2>&1 | tee "$OUT/pallas_tiles.log" ;;

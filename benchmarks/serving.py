@@ -9,6 +9,8 @@ tokens per request T in {1, 16, 256} and concurrent clients C in {1, 64}:
   latency p50 / p99. The measured window is at least 3 rounds of C requests (capped at 60 s).
 - in-process: the same engine called directly, one step after the other, with the rows the
   batcher would merge for that load: ``min(C * T, 256)``. Throughput in tokens/s, step time p50 / p99.
+- the engine runs where ``JAX_PLATFORMS`` says, on the CPU where it is unset (so a GPU host measures
+  its cores unless told ``JAX_PLATFORMS=cuda``); the JSON's ``machine.device`` names it.
 
 - CPU per request in the measured window: the server process's (sampled here) and the load
   generator's (it reports its own), so a run shows which side is the bottleneck.
