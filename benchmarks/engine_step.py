@@ -11,10 +11,7 @@ sizes, four ways, interleaved in one process so the machine's drift hits all of 
               device_put:  `jax.device_put` of each onto the replicated sharding first
   results     asarray:     `np.asarray` of each result (the engine's way on CPU, where results
                            already sit in host memory)
-              device_get:  `jax.device_get` of the results
-              packed:      the step returns its results as one buffer, read with one `device_get`
-                           and viewed on the host (`Engine(pack_results=True)`: the engine's way
-                           off the CPU; with host inputs only)
+              device_get:  `jax.device_get` of the results (the engine's way on other platforms)
 
 Also timed alone, on results that are ready: each way of reading results back. Reports the median
 per step (us) and the ratio of each way to ``device_put + device_get`` (the engine's cycle before
@@ -25,7 +22,6 @@ per step (us) and the ratio of each way to ``device_put + device_get`` (the engi
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import os
 import sys
@@ -46,7 +42,6 @@ from expertd.server.warmup import warm_up  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "engine_step.json")
 INPUTS = ("host", "device_put")
 READS = ("asarray", "device_get")
-PACKED = ("host", "packed")
 BASELINE = ("device_put", "device_get")
 
 
@@ -57,11 +52,6 @@ def bucket_for(engine: Engine, rows: int) -> int:
 def forward_executable(engine: Engine, rows: int):
     """Layer 0's compiled forward step for `rows` tokens (warmed up)."""
     return engine.executable(0, bucket_for(engine, rows), steps.FORWARD)
-
-
-def served_forward(engine: Engine, rows: int, x: np.ndarray) -> np.ndarray:
-    """One forward step of x [rows, H] as the batcher runs it (`Engine.forward`); its output."""
-    return engine.forward(0, steps.pad_rows([x.astype(engine.dtype)], bucket_for(engine, rows)), rows).output
 
 
 def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
@@ -117,26 +107,20 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
-    base = build_engine(serving.build_layers("mid"), buckets=rows_list, dtype=args.dtype).engine
-    # The same placed weights twice: results read one by one (the four ways), and packed.
-    engine, packed = (Engine(list(base.layers.values()), base.placement, dtype=args.dtype, buckets=base.buckets,
-                             backend=base.backend, pack_results=pack) for pack in (False, True))
+    engine = build_engine(serving.build_layers("mid"), buckets=rows_list, dtype=args.dtype).engine
     warm_up(engine)
-    warm_up(packed)
-    ways = [*itertools.product(INPUTS, READS), PACKED]
+    ways = list(itertools.product(INPUTS, READS))
     rng = np.random.default_rng(0)
     table = []
     print(f"{'rows':>5} " + " ".join(f"{i + '+' + r:>22}" for i, r in ways)
           + "   read alone: asarray / device_get / packed")
     for rows in rows_list:
         x = rng.standard_normal((rows, engine.layers[0].cfg.hidden_size), dtype=np.float32)
-        runs = {way: step_cycle(engine, rows, *way) for way in ways if way != PACKED}
-        runs[PACKED] = functools.partial(served_forward, packed, rows)
-        answer = served_forward(engine, rows, x)
+        runs = {way: step_cycle(engine, rows, *way) for way in ways}
+        padded = steps.pad_rows([x.astype(engine.dtype)], bucket_for(engine, rows))
+        served = engine.forward(0, padded, rows).output
         for way, run in runs.items():  # every way computes the engine's answer
-            # packed is another compiled program: XLA may fuse or pick kernels differently
-            np.testing.assert_allclose(run(x).astype(np.float32), answer.astype(np.float32), err_msg=str(way),
-                                       rtol=0 if way != PACKED else 1e-3, atol=0 if way != PACKED else 1e-5)
+            np.testing.assert_array_equal(run(x).astype(np.float32), served.astype(np.float32), err_msg=str(way))
         samples = {way: [] for way in ways}
         for _ in range(args.rounds):
             for way, run in runs.items():

@@ -25,9 +25,7 @@ the vocabulary), pad them to the bucket and pass them as one more step input. Ot
 them and compile no such input.
 
 Host inputs go to the compiled step as numpy arrays (``placement.step_input``: the step places them
-itself) and results come back as numpy (``placement.fetch``), cut to the valid rows. Off the CPU,
-in one process, each step returns its results packed into one buffer, read back in one transfer
-(``pack_results``; ``expertd.server.result_packing``). Multi-host:
+itself) and results come back as numpy (``placement.fetch``), cut to the valid rows. Multi-host:
 every process builds the same Engine and runs the same steps in the same order
 (``expertd.server.multihost``).
 
@@ -51,7 +49,6 @@ from expertd.server import steps
 from expertd.server.errors import InvalidRequest
 from expertd.server.model import LoadedLayer
 from expertd.server.placement import AXIS, MeshPlacement
-from expertd.server.result_packing import PackedStep, ResultLayout, unpack
 
 
 class ForwardOutput(NamedTuple):
@@ -103,12 +100,10 @@ class Engine:
       dtype: the compute dtype (expert weights and hidden states).
       buckets: the token buckets, ascending (what warm-up compiles).
       backend: the expert FFN backend, "auto" or one of ``experts.BACKENDS``.
-      pack_results: whether compiled steps return their results as one buffer (``result_packing``);
-        None: off the CPU in one process (on CPU results are read where they are).
     """
 
     def __init__(self, layers: Sequence[LoadedLayer], placement: MeshPlacement, *, dtype, buckets: Sequence[int],
-                 backend: str = "auto", pack_results: bool | None = None):
+                 backend: str = "auto"):
         self.layers = {layer.index: layer for layer in layers}
         self.placement = placement
         self.devices, self.mesh = placement.devices, placement.mesh
@@ -116,16 +111,12 @@ class Engine:
         self.dtype = np.dtype(dtype)
         self.buckets = tuple(buckets)
         self.backend = backend
-        if pack_results is None:
-            pack_results = self.platform != "cpu" and jax.process_count() == 1
-        self.pack_results = bool(pack_results)
         self.compilations = 0
         self.compile_seconds = 0.0
         self.warm = False
         self.lock = threading.RLock()
         self._listeners: list[Callable[[CompileEvent], None]] = []
         self._executables: dict[tuple, object] = {}
-        self._layouts: dict[tuple, ResultLayout] = {}  # (key, bucket, kind) -> packed results' layout
         self._keys = {index: self._key(layer) for index, layer in self.layers.items()}
         # Expert-parallel layers: the host placement and its device tables (read by forward steps).
         self._placements = {index: placement.expert_placement(layer.cfg) for index, layer in self.layers.items()
@@ -175,26 +166,18 @@ class Engine:
             self._placements[layer], self._tables[layer] = placement, tables
 
     def executable(self, layer: int, bucket: int, kind: str):
-        """Layer ``layer``'s compiled step ``kind`` for ``bucket`` rows (compiled now if need be); with
-        ``pack_results`` it returns one packed buffer (``result_layout`` says how to unpack it)."""
+        """Layer ``layer``'s compiled step ``kind`` for ``bucket`` rows (compiled now if need be)."""
         key = self._keys[layer]
         with self.lock:
             step = self._executables.get((key, bucket, kind))
             return step if step is not None else self._compile(key, (layer,), bucket, kind)
-
-    def result_layout(self, layer: int, bucket: int, kind: str) -> ResultLayout | None:
-        """How a compiled step's packed buffer holds its results (None without ``pack_results``)."""
-        return self._layouts.get((self._keys[layer], bucket, kind))
 
     def _run(self, index: int, kind: str, tokens: np.ndarray, num_valid: int, coeff: float = 0.0,
              token_ids: np.ndarray | None = None) -> list[np.ndarray]:
         with self.lock:
             step = self.executable(index, tokens.shape[0], kind)
             params, *inputs = self._step_args(index, kind, tokens, num_valid, coeff, token_ids)
-            results = step(params, *map(self.placement.step_input, inputs))
-            if not self.pack_results:
-                return self.placement.fetch(results)
-            return unpack(self.placement.fetch((results,))[0], self.result_layout(index, tokens.shape[0], kind))
+            return self.placement.fetch(step(params, *map(self.placement.step_input, inputs)))
 
     def _step_args(self, index: int, kind: str, tokens, num_valid: int, coeff: float, token_ids=None):
         """A compiled step's arguments: the placed params it reads, then its host inputs (tokens,
@@ -274,13 +257,8 @@ class Engine:
         else:
             step = functools.partial(steps.ep_forward_step, cfg=cfg, backend=self.backend, mesh=self.mesh,
                                      ep=self.placement.ep, axis=AXIS)
-        if self.pack_results:
-            step = PackedStep(step)
         options = self.step_options(cfg, bucket, kind)
-        lowered = jax.jit(step, out_shardings=replicated, compiler_options=options or None).lower(*abstract)
-        if self.pack_results:
-            self._layouts[(key, bucket, kind)] = step.layout
-        return lowered
+        return jax.jit(step, out_shardings=replicated, compiler_options=options or None).lower(*abstract)
 
     def record(self, key, layers: tuple[int, ...], bucket: int, kind: str, executable, seconds: float,
                done: int = 0, total: int = 0) -> CompileEvent:

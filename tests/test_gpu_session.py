@@ -42,7 +42,7 @@ def test_gpu_session_engine_step_times_every_way_on_cpu(tmp_path):
     _run_step("engine", tmp_path, ENGINE_STEP_ARGS="--rows 1,16 --rounds 2 --calls 2")
     result = json.loads((tmp_path / "engine_step_gpu.json").read_text())
     assert [r["rows"] for r in result["rows"]] == [1, 16]
-    ways = {"host+asarray", "host+device_get", "device_put+asarray", "device_put+device_get", "host+packed"}
+    ways = {"host+asarray", "host+device_get", "device_put+asarray", "device_put+device_get"}
     for row in result["rows"]:
         assert set(row["step_us"]) == ways and all(t > 0 for t in row["step_us"].values())
         assert row["ratio_to_device_put_device_get"]["device_put+device_get"] == 1.0
