@@ -21,7 +21,9 @@ Load: one process per measurement, C callers on one channel sending a prepared r
 for Forward, so no client library's cost is in it), warm-up then ``--duration`` s. Servers and
 rounds alternate; the table gives each server's range over ``--rounds``. Each load also records
 the server's CPU per call (``server_cpu_us_per_call``, and by thread name, from ``/proc`` where
-there is one): the whole load's, warm-up included, over all its calls.
+there is one): the whole load's, warm-up included, over all its calls; and the load's own
+(``load_cpu_us_per_call``, and ``load_busiest_thread``: its name and the share of the load's wall
+time it ran), which says whether the load itself is the ceiling.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/python_floor.py [--rounds 3] [--duration 4]
 
@@ -176,7 +178,7 @@ async def _load(target: str, method: str, concurrency: int, warmup: float, durat
         else:
             call = expert_pb2_grpc.ExpertServiceStub(channel).Forward
             request = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(np.ones((1, 64), np.float32)))
-        start = time.perf_counter()
+        cpu_before, start = thread_cpu_s(os.getpid()), time.perf_counter()
         measured_from, stop = start + warmup, start + warmup + duration
         latencies: list[float] = []
 
@@ -191,9 +193,16 @@ async def _load(target: str, method: str, concurrency: int, warmup: float, durat
                     latencies.append(time.perf_counter() - now)
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    spent = {name: seconds - cpu_before.get(name, 0.0) for name, seconds in thread_cpu_s(os.getpid()).items()}
     latencies.sort()
-    return {"requests_per_s": len(latencies) / duration, "p50_ms": latencies[len(latencies) // 2] * 1e3,
-            "calls": calls}
+    result = {"requests_per_s": len(latencies) / duration, "p50_ms": latencies[len(latencies) // 2] * 1e3,
+              "calls": calls}
+    if spent:  # the load's own CPU: is the load, not the server, what stops the rate?
+        busiest = max(spent, key=spent.get)
+        result |= {"load_cpu_us_per_call": round(sum(spent.values()) / calls * 1e6, 1),
+                   "load_busiest_thread": {"name": busiest, "busy": round(spent[busiest] / wall, 3)}}
+    return result
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
@@ -309,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                 if "server_cpu_by_thread" in row[load]:
                     threads = ", ".join(f"{name} {us:.0f}" for name, us in sorted(
                         row[load]["server_cpu_by_thread"].items(), key=lambda item: -item[1]))
-                    print(f"    {load}: server CPU {row[load]['server_cpu_us_per_call']:.0f} us a call ({threads})",
+                    busiest = row[load].get("load_busiest_thread")
+                    print(f"    {load}: server CPU {row[load]['server_cpu_us_per_call']:.0f} us a call ({threads})"
+                          + (f"; the load's {busiest['name']} thread {busiest['busy']:.0%} busy, "
+                             f"{row[load]['load_cpu_us_per_call']:.0f} us a call in all" if busiest else ""),
                           flush=True)
     print(f"\n{'server':>12} | Forward p50 ms | Check p50 ms | hop / Check (goal <= 1.3) | 64 callers: Forward / "
           "Check req/s (goal >= 0.85)")
