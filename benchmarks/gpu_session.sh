@@ -25,7 +25,9 @@
 #   bash benchmarks/gpu_session.sh floor    # benchmarks/python_floor.py (expertd, bare, bare-batched;
 #                                           # the engine on the host's CPU): the thin hop on its cores;
 #                                           # expertd-native too where .native-front is carried
-#                                           # (made by benchmarks/native_front_carry.sh)
+#                                           # (made by benchmarks/native_front_carry.sh);
+#                                           # FLOOR_ARGS="--load-processes 4": the 64 callers
+#                                           # over four load processes
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
 #   bash benchmarks/gpu_session.sh brief    # all six, cut to fit one call of a 15-minute lease
 #                                           # (check --quick, router --quick, the bf16 layer at

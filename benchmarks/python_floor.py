@@ -18,7 +18,8 @@ against three servers, each in its own process, all on grpc.aio with uvloop and 
   libgrpc++, left out with the reason where it cannot be built).
 
 Load: one process per measurement, C callers on one channel sending a prepared request (a raw stub
-for Forward, so no client library's cost is in it), warm-up then ``--duration`` s. Servers and
+for Forward, so no client library's cost is in it), warm-up then ``--duration`` s; with
+``--load-processes`` P, the 64 callers are split over P such processes that start together. Servers and
 rounds alternate; the table gives each server's range over ``--rounds``. Each load also records
 the server's CPU per call (``server_cpu_us_per_call``, and by thread name, from ``/proc`` where
 there is one): the whole load's, warm-up included, over all its calls; and the load's own
@@ -46,6 +47,9 @@ import time
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "python_floor.json"
 BUCKETS = (1, 16, 64, 256)
 SERVERS = ("expertd", "bare", "bare-batched", "expertd-native")
+LOAD_START_S = 3.0
+"""Several load processes start their callers together this long after being launched (more than
+their imports take)."""
 
 
 # ---------------------------------------------------------------------- the servers
@@ -164,7 +168,10 @@ def serve(kind: str, port: int) -> None:
 
 # ---------------------------------------------------------------------- the load
 
-async def _load(target: str, method: str, concurrency: int, warmup: float, duration: float) -> dict:
+async def _load(target: str, method: str, concurrency: int, warmup: float, duration: float,
+                start_at: float | None = None) -> dict:
+    """``concurrency`` callers of ``method`` (from ``start_at``, a ``time.time()``, where given) for
+    ``warmup`` then ``duration`` seconds: {calls, latencies_ms of the measured ones, the load's CPU}."""
     import grpc
     import numpy as np
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -178,6 +185,8 @@ async def _load(target: str, method: str, concurrency: int, warmup: float, durat
         else:
             call = expert_pb2_grpc.ExpertServiceStub(channel).Forward
             request = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(np.ones((1, 64), np.float32)))
+        if start_at is not None:  # several load processes begin together
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu_before, start = thread_cpu_s(os.getpid()), time.perf_counter()
         measured_from, stop = start + warmup, start + warmup + duration
         latencies: list[float] = []
@@ -195,9 +204,7 @@ async def _load(target: str, method: str, concurrency: int, warmup: float, durat
         await asyncio.gather(*(caller() for _ in range(concurrency)))
     wall = time.perf_counter() - start
     spent = {name: seconds - cpu_before.get(name, 0.0) for name, seconds in thread_cpu_s(os.getpid()).items()}
-    latencies.sort()
-    result = {"requests_per_s": len(latencies) / duration, "p50_ms": latencies[len(latencies) // 2] * 1e3,
-              "calls": calls}
+    result = {"calls": calls, "latencies_ms": [round(t * 1e3, 4) for t in latencies]}
     if spent:  # the load's own CPU: is the load, not the server, what stops the rate?
         busiest = max(spent, key=spent.get)
         result |= {"load_cpu_us_per_call": round(sum(spent.values()) / calls * 1e6, 1),
@@ -220,13 +227,31 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     return cpu
 
 
-def measure(port: int, method: str, concurrency: int, duration: float, server_pid: int | None = None) -> dict:
-    """``_load`` in its own process (its CPU is not the server's); with ``server_pid``, the server's
-    CPU per call meanwhile (in all and by thread, microseconds)."""
+def measure(port: int, method: str, concurrency: int, duration: float, server_pid: int | None = None,
+            processes: int = 1) -> dict:
+    """``_load`` in processes of its own (their CPU is not the server's), the callers split evenly
+    over ``processes`` of them (fewer where there are fewer callers); with ``server_pid``, the
+    server's CPU per call meanwhile (in all and by thread, microseconds)."""
+    processes = max(1, min(processes, concurrency))
     before = thread_cpu_s(server_pid) if server_pid else {}
-    out = subprocess.run([sys.executable, __file__, "--load", f"127.0.0.1:{port}", method, str(concurrency),
-                          str(duration)], check=True, capture_output=True, text=True, timeout=duration + 120).stdout
-    result = json.loads(out)
+    start_at = [str(time.time() + LOAD_START_S)] if processes > 1 else []
+    loads = [subprocess.Popen([sys.executable, __file__, "--load", f"127.0.0.1:{port}", method,
+                               str(concurrency // processes + (i < concurrency % processes)), str(duration),
+                               *start_at], stdout=subprocess.PIPE, text=True) for i in range(processes)]
+    parts = []
+    for load in loads:
+        out, _ = load.communicate(timeout=duration + 120)
+        if load.returncode:
+            raise RuntimeError(f"a {method} load process failed ({load.returncode})")
+        parts.append(json.loads(out))
+    latencies = sorted(t for part in parts for t in part["latencies_ms"])
+    result = {"requests_per_s": len(latencies) / duration, "p50_ms": latencies[len(latencies) // 2],
+              "calls": sum(part["calls"] for part in parts), "load_processes": processes}
+    if all("load_cpu_us_per_call" in part for part in parts):
+        result |= {"load_cpu_us_per_call": round(sum(part["load_cpu_us_per_call"] * part["calls"] for part in parts)
+                                                 / result["calls"], 1),
+                   "load_busiest_thread": max((part["load_busiest_thread"] for part in parts),
+                                              key=lambda thread: thread["busy"])}
     if before:
         spent = {name: seconds - before.get(name, 0.0) for name, seconds in thread_cpu_s(server_pid).items()}
         per_call = {name: round(seconds / result["calls"] * 1e6, 1) for name, seconds in spent.items() if seconds > 0}
@@ -258,8 +283,9 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_server(kind: str, duration: float, step_ms: float) -> dict:
-    """One round against a fresh server of ``kind``: Check and Forward at 1 and 64 callers."""
+def run_server(kind: str, duration: float, step_ms: float, load_processes: int = 1) -> dict:
+    """One round against a fresh server of ``kind``: Check and Forward at 1 and 64 callers (these
+    over ``load_processes``)."""
     port = _free_port()
     process = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -269,7 +295,8 @@ def run_server(kind: str, duration: float, step_ms: float) -> dict:
         row = {"server": kind}
         for method in ("Check", "Forward"):
             for concurrency in (1, 64):
-                row[f"{method}_{concurrency}"] = measure(port, method, concurrency, duration, process.pid)
+                row[f"{method}_{concurrency}"] = measure(port, method, concurrency, duration, process.pid,
+                                                         load_processes)
     finally:
         process.kill()
         process.wait(30)
@@ -288,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0, help="seconds measured per load (after 1 s warm-up)")
     parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
+    parser.add_argument("--load-processes", type=int, default=1,
+                        help="processes the 64 callers are split over (default 1), so the load is not the ceiling")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     servers = args.servers.split(",")
@@ -308,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for round_index in range(args.rounds):
         for kind in servers:
-            row = run_server(kind, args.duration, step_ms) | {"round": round_index}
+            row = run_server(kind, args.duration, step_ms, args.load_processes) | {"round": round_index}
             rows.append(row)
             print(f"round {round_index} {kind:>12}: Check p50 {row['Check_1']['p50_ms']:.3f} ms, Forward p50 "
                   f"{row['Forward_1']['p50_ms']:.3f} ms: hop / Check {row['hop_over_check']:.2f}; 64 callers "
@@ -337,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "benchmark": "python_floor", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
-        "duration_s": args.duration, "in_process_step_p50_ms": step_ms, "left_out": skipped, "rows": rows},
+        "duration_s": args.duration, "load_processes": args.load_processes, "in_process_step_p50_ms": step_ms,
+        "left_out": skipped, "rows": rows},
         indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
@@ -348,6 +378,7 @@ if __name__ == "__main__":
         serve(sys.argv[2], int(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--load":
         target, method, concurrency, duration = sys.argv[2:6]
-        print(json.dumps(asyncio.run(_load(target, method, int(concurrency), 1.0, float(duration)))))
+        start_at = float(sys.argv[6]) if len(sys.argv) > 6 else None
+        print(json.dumps(asyncio.run(_load(target, method, int(concurrency), 1.0, float(duration), start_at))))
     else:
         sys.exit(main())

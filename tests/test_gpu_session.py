@@ -2,8 +2,9 @@
 on CPU (one family at the quick point), imports the package the way the GPU machine does (links on PYTHONPATH, no
 install) and finds every backend within the oracle's tolerance; its engine step (one short round)
 times every way of the step cycle; its tiles step (the smoke shape, interpreted) checks and times
-every tiling; its semantics step splits the families over processes and sums them up; several
-steps in one call leave one archive."""
+every tiling; its semantics step splits the families over processes and sums them up; its floor
+step measures a server with the callers split over load processes; several steps in one call
+leave one archive."""
 import json
 import os
 import pathlib
@@ -46,6 +47,21 @@ def test_gpu_session_engine_step_times_every_way_on_cpu(tmp_path):
     for row in result["rows"]:
         assert set(row["step_us"]) == ways and all(t > 0 for t in row["step_us"].values())
         assert row["ratio_to_device_put_device_get"]["device_put+device_get"] == 1.0
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_floor_step_splits_the_callers_over_load_processes(tmp_path):
+    _run_step("floor", tmp_path, FLOOR_ARGS="--servers bare --rounds 1 --duration 0.2 --load-processes 2")
+    result = json.loads((tmp_path / "python_floor_gpu_host.json").read_text())
+    assert result["load_processes"] == 2 and [row["server"] for row in result["rows"]] == ["bare"]
+    row = result["rows"][0]
+    for load, processes in (("Check_1", 1), ("Forward_1", 1), ("Check_64", 2), ("Forward_64", 2)):
+        assert row[load]["load_processes"] == processes and row[load]["calls"] > 0, load
+        assert row[load]["requests_per_s"] > 0 and row[load]["p50_ms"] > 0, load
+        if sys.platform == "linux":  # the CPU readings come from /proc
+            assert row[load]["server_cpu_us_per_call"] > 0 and row[load]["load_busiest_thread"]["busy"] > 0
+    assert row["hop_over_check"] == pytest.approx(
+        (row["Forward_1"]["p50_ms"] - result["in_process_step_p50_ms"]) / row["Check_1"]["p50_ms"])
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
