@@ -15,8 +15,8 @@
 // one FIFO queue; a call that finds the queue empty signals an eventfd. The server's event loop
 // watches that fd; woken, it reads it and takes batches (one a loop turn) until none is left:
 // calls of one (layer, dtype, with or without token ids), in arrival order, up to
-// `max_batch_tokens` rows (a larger call alone; the first call alone while no batch is in flight),
-// their rows concatenated. Python answers a batch with `finish` (the output rows in the callers'
+// `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived after the
+// last batch was answered alone), their rows concatenated. Python answers a batch with `finish` (the output rows in the callers'
 // dtype, split back per call) or `fail` (one status for each of its calls). Calls cancelled or
 // past their deadline while queued are answered CANCELLED when a take meets them, not run.
 //
@@ -297,14 +297,16 @@ class Front final
   }
 
   // The next batch's id and calls, or none when nothing is queued (or once stopped).
-  // With no batch in flight the batch is the first call alone: an idle server starts it at once and
-  // answers it on its own, as the main port does, so calls that arrive together (one client's
-  // micro-batches) are not tied to one answer; calls arriving while batches are in flight merge.
+  // With no batch in flight, a first call that arrived after the last batch was answered goes alone:
+  // an idle server starts it at once and answers it on its own, as the main port does, so calls that
+  // arrive together at an idle port (one client's micro-batches) are not tied to one answer. Calls
+  // that queued behind a batch (arriving while it was in flight) merge, as on the main port, even
+  // when every batch has been answered by the time they are taken.
   std::pair<int64_t, std::vector<Call>> TryTake() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       if (stopping_ || queue_.empty()) return {0, {}};
-      const bool alone = in_flight_.empty();
+      bool alone = false;
       std::vector<Call> calls;
       std::vector<Call> dropped;
       int64_t rows = 0;
@@ -319,6 +321,7 @@ class Front final
         }
         if (calls.empty()) {
           key = KeyOf(*it->request);
+          alone = in_flight_.empty() && it->arrived > last_answered_;
         } else if (!(KeyOf(*it->request) == key) || rows + it->rows > max_batch_tokens) {
           if (rows >= max_batch_tokens) break;
           ++it;
@@ -350,6 +353,7 @@ class Front final
     if (it == in_flight_.end()) return false;
     *calls = std::move(it->second);
     in_flight_.erase(it);
+    last_answered_ = Clock::now();
     return true;
   }
 
@@ -585,6 +589,7 @@ class Front final
   double min_retry_s_ = 0.0;
   int64_t last_batch_ = 0;
   std::map<int64_t, std::vector<Call>> in_flight_;
+  Clock::time_point last_answered_{};  // when the latest batch left in_flight_ (answered or failed)
 
   std::mutex info_mu_;
   expertd::v1::GetModelInfoResponse model_info_;

@@ -11,9 +11,10 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   batcher's seconds per token, refreshed at most every RETRY_HINT_INTERVAL_S), then queues it. A
   call that finds the queue empty signals an eventfd the server's event loop watches; woken, the
   loop takes the queued batches, one a turn (calls of one layer and dtype, up to the largest
-  bucket's rows, their rows concatenated by C++; the first call alone while no batch is in
-  flight, so an idle port answers calls that arrive together, such as one client's
-  micro-batches, one by one, as the main port does) and submits each to the server's batcher as
+  bucket's rows, their rows concatenated by C++; with no batch in flight, a call that arrived
+  after the last answer goes alone, so an idle port answers calls that arrive together, such as
+  one client's micro-batches, one by one, as the main port does, while calls that queued behind
+  a batch leave together) and submits each to the server's batcher as
   one request, so admission, the step-time estimates, the idle fast path, merging with the main
   port's requests, expert-load counts and the step metrics are the main port's; Python runs once
   per batch, not once per call, and no thread hand-over is added. A batch the batcher refuses or

@@ -38,10 +38,11 @@ from expertd.client.errors import (
 )
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server import errors as errors_log
-from expertd.server import steps
+from expertd.server import native_front, steps
 from expertd.server.admission import MIN_RETRY_S
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig, SecurityConfig
+from expertd.server.metrics import LATENCY_BUCKETS
 from expertd.server.model import load_preset
 from expertd.server.native_front import front
 
@@ -136,6 +137,60 @@ def test_calls_arriving_together_at_an_idle_port_get_steps_of_their_own(tmp_path
             together = threading.Barrier(2)
             assert all(out.shape == (4, H) for out in pool.map(call, (2 * pair, 2 * pair + 1), (together, together)))
         assert steps() - before == 40
+
+
+def test_calls_that_queued_behind_a_batch_leave_together_even_once_it_is_answered():
+    """The port's take policy (C++; driven here through the module as front.py drives it): a call
+    reaching an idle port goes alone; calls that queued while a batch was in flight leave as one
+    batch even when it was answered before they are taken (64 closed-loop callers otherwise got a
+    one-call step before nearly every full one); calls arriving after that, at an idle port, go
+    alone again."""
+    require_native_front()
+    module = native_front.load()
+    handle, port, _ = module.start("127.0.0.1:0", {0: H}, MAX_REQUEST_TOKENS, 256, 1024, 64, 1 << 22,
+                                   expert_pb2.GetModelInfoResponse().SerializeToString(), None, None,
+                                   LATENCY_BUCKETS, "warming up")
+    module.set_accepting(handle, True, "")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = expert_pb2_grpc.ExpertServiceStub(channel)
+    calls, taken = [], {}  # the calls sent; the batches taken and not answered yet (id -> calls)
+
+    def send(n: int) -> None:
+        queued = module.stats(handle)["queued_calls"]
+        calls.extend(stub.Forward.future(expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(rows(1, i))),
+                                         timeout=30) for i in range(n))
+        poll(lambda: module.stats(handle)["queued_calls"] == queued + n)
+
+    def take() -> tuple[int, int]:
+        batch = module.take(handle)
+        taken[batch[0]] = len(batch[3]) // (4 * H)  # its calls: one row each
+        return batch[0], taken[batch[0]]
+
+    def finish(batch: int) -> None:
+        module.finish(handle, batch, np.zeros((taken.pop(batch), H), np.float32))
+
+    try:
+        send(1)
+        first, n = take()
+        assert n == 1
+        send(3)  # while the first is in flight
+        finish(first)  # nothing in flight now, three calls queued behind it
+        behind, n = take()
+        assert n == 3, "the calls that queued behind a batch leave together"
+        finish(behind)
+        send(2)  # arriving at an idle port
+        alone, n = take()
+        assert n == 1, "an idle port starts the first call alone"
+        second, n = take()
+        assert n == 1 and module.take(handle) is None
+        finish(alone)
+        finish(second)
+        assert all(list(call.result().output.shape) == [1, H] for call in calls)
+    finally:
+        for batch in list(taken):  # a failed check must not leave the port waiting for answers
+            finish(batch)
+        channel.close()
+        module.stop(handle, 0.0)
 
 
 def _tensor(dtype: int, shape: list[int], nbytes: int | None = None) -> expert_pb2.Tensor:

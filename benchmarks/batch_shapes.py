@@ -1,0 +1,116 @@
+"""How a closed-loop load is cut into engine steps, on the main port and on the native Forward port.
+
+The real server runs in this process (``create_server``: serving.py's ``tiny`` layer, fp32, buckets
+1/16/64/256, default batching) with its engine's ``forward`` wrapped to record each step: its valid
+rows, its bucket, its seconds and the thread that ran it. The load is python_floor.py's (C callers
+on one channel, a raw stub, one single-token request each, in a process of its own). Over the
+measured window: requests/s and p50, steps/s, rows per step, the share of one-row steps, the
+engine's busy share (step seconds over the window) and the steps run on the event loop (the idle
+fast path) against the device thread. Ports alternate over ``--rounds``.
+
+    flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/batch_shapes.py [--callers 64] [--rounds 3]
+
+JSON in benchmarks/results/batch_shapes.json.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "batch_shapes.json"
+FLOOR = pathlib.Path(__file__).resolve().parent / "python_floor.py"
+WARMUP_S = 1.0  # python_floor's load warms up this long before it measures
+
+
+def measure(port_kind: str, callers: int, duration: float) -> dict:
+    """One server with the load on ``port_kind`` ("main" or "native")."""
+    from prometheus_client import CollectorRegistry
+
+    from expertd.server.app import create_server
+    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
+    from expertd.server.model import load_preset
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    native = port_kind == "native"
+    config = ServerConfig(host="127.0.0.1", port=0 if native else port, metrics_port=0,
+                          native_port=port if native else None, model=ModelConfig(dtype="float32", num_devices=1),
+                          batching=BatchingConfig(bucket_sizes=(1, 16, 64, 256)))
+    server = create_server(config, registry=CollectorRegistry(),
+                           layers=load_preset("tiny", num_layers=1, dtype="float32"))
+    try:
+        server.wait_ready(timeout=600)
+        engine, steps = server.engine, []
+        forward = engine.forward
+
+        def recording(layer, tokens, num_valid, **options):
+            start = time.perf_counter()
+            try:
+                return forward(layer, tokens, num_valid, **options)
+            finally:
+                steps.append((start, time.perf_counter() - start, num_valid, len(tokens),
+                              threading.current_thread().name))
+
+        engine.forward = recording
+        launched = time.perf_counter()
+        load = json.loads(subprocess.run([sys.executable, str(FLOOR), "--load", f"127.0.0.1:{port}", "Forward",
+                                          str(callers), str(duration)], check=True, capture_output=True, text=True,
+                                         timeout=duration + 120).stdout)
+    finally:
+        server.stop()
+    window = [s for s in steps if s[0] >= launched + WARMUP_S]
+    span = max(s[0] + s[1] for s in window) - min(s[0] for s in window)
+    latencies = sorted(load["latencies_ms"])
+    return {"port": port_kind, "callers": callers, "requests_per_s": len(latencies) / duration,
+            "p50_ms": latencies[len(latencies) // 2], "steps_per_s": len(window) / span,
+            "rows_per_step": sum(s[2] for s in window) / len(window),
+            "one_row_steps": sum(s[2] == 1 for s in window) / len(window),
+            "engine_busy": sum(s[1] for s in window) / span,
+            "on_event_loop": sum(s[4] == "expertd-grpc" for s in window) / len(window),
+            "buckets": dict(collections.Counter(s[3] for s in window))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ports", default="main,native", help="comma-separated: main, native")
+    parser.add_argument("--callers", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per load (after 1 s warm-up)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    ports = args.ports.split(",")
+    if unknown := set(ports) - {"main", "native"}:
+        parser.error(f"--ports: unknown {', '.join(sorted(unknown))}; expected main and / or native")
+    rows = []
+    print(f"{'port':>6} | req/s | p50 ms | steps/s | rows/step | one-row steps | engine busy | on the loop", flush=True)
+    for round_index in range(args.rounds):
+        for port in ports:
+            row = measure(port, args.callers, args.duration) | {"round": round_index}
+            rows.append(row)
+            print(f"{port:>6} | {row['requests_per_s']:5.0f} | {row['p50_ms']:6.2f} | {row['steps_per_s']:7.0f} | "
+                  f"{row['rows_per_step']:9.1f} | {row['one_row_steps']:13.0%} | {row['engine_busy']:11.0%} | "
+                  f"{row['on_event_loop']:.0%}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "batch_shapes", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
+        "duration_s": args.duration, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
