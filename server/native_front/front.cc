@@ -15,10 +15,11 @@
 // one FIFO queue; a call that finds the queue empty signals an eventfd. The server's event loop
 // watches that fd; woken, it reads it and takes batches (one a loop turn) until none is left:
 // calls of one (layer, dtype, with or without token ids), in arrival order, up to
-// `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived after the
-// last batch was answered alone), their rows concatenated. Python answers a batch with `finish` (the output rows in the callers'
-// dtype, split back per call) or `fail` (one status for each of its calls). Calls cancelled or
-// past their deadline while queued are answered CANCELLED when a take meets them, not run.
+// `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived after
+// the last batch was answered alone), their rows concatenated. Python answers a batch with
+// `finish` (the output rows in the callers' dtype, split back per call) or `fail` (one status for
+// each of its calls). Calls cancelled or past their deadline while queued are answered CANCELLED
+// when a take meets them, not run.
 //
 // Python API (every function takes the handle `start` returned; fronts live until the process ends):
 //   start(address, layers: dict[int, int] (layer -> H), max_request_tokens, max_batch_tokens,
