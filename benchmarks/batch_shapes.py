@@ -6,7 +6,9 @@ rows, its bucket, its seconds and the thread that ran it. The load is python_flo
 on one channel, a raw stub, one single-token request each, in a process of its own). Over the
 measured window: requests/s and p50, steps/s, rows per step, the share of one-row steps, the
 engine's busy share (step seconds over the window) and the steps run on the event loop (the idle
-fast path) against the device thread. Ports alternate over ``--rounds``.
+fast path) against the device thread. Ports alternate over ``--rounds``. ``--step-padding-ms``
+makes every step that much longer (spinning), as a slower device's would be (a single-token step
+on the H100 took 0.65-0.74 ms against the host CPU's 0.25).
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/batch_shapes.py [--callers 64] [--rounds 3]
 
@@ -34,8 +36,8 @@ FLOOR = pathlib.Path(__file__).resolve().parent / "python_floor.py"
 WARMUP_S = 1.0  # python_floor's load warms up this long before it measures
 
 
-def measure(port_kind: str, callers: int, duration: float) -> dict:
-    """One server with the load on ``port_kind`` ("main" or "native")."""
+def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.0) -> dict:
+    """One server with the load on ``port_kind`` ("main" or "native"), each step ``padding_s`` longer."""
     from prometheus_client import CollectorRegistry
 
     from expertd.server.app import create_server
@@ -61,6 +63,9 @@ def measure(port_kind: str, callers: int, duration: float) -> dict:
             try:
                 return forward(layer, tokens, num_valid, **options)
             finally:
+                padded_until = time.perf_counter() + padding_s
+                while time.perf_counter() < padded_until:
+                    pass
                 steps.append((start, time.perf_counter() - start, num_valid, len(tokens),
                               threading.current_thread().name))
 
@@ -89,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--callers", type=int, default=64)
     parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per load (after 1 s warm-up)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--step-padding-ms", type=float, default=0.0, help="make every step this much longer")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     ports = args.ports.split(",")
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'port':>6} | req/s | p50 ms | steps/s | rows/step | one-row steps | engine busy | on the loop", flush=True)
     for round_index in range(args.rounds):
         for port in ports:
-            row = measure(port, args.callers, args.duration) | {"round": round_index}
+            row = measure(port, args.callers, args.duration, args.step_padding_ms / 1e3) | {"round": round_index}
             rows.append(row)
             print(f"{port:>6} | {row['requests_per_s']:5.0f} | {row['p50_ms']:6.2f} | {row['steps_per_s']:7.0f} | "
                   f"{row['rows_per_step']:9.1f} | {row['one_row_steps']:13.0%} | {row['engine_busy']:11.0%} | "
@@ -107,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "benchmark": "batch_shapes", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
-        "duration_s": args.duration, "rows": rows}, indent=1) + "\n")
+        "duration_s": args.duration, "callers": args.callers, "step_padding_ms": args.step_padding_ms, "rows": rows},
+        indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 
