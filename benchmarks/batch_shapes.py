@@ -24,15 +24,15 @@ import os
 import pathlib
 import platform
 import socket
-import subprocess
 import sys
 import threading
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import python_floor  # noqa: E402  (the load)
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "batch_shapes.json"
-FLOOR = pathlib.Path(__file__).resolve().parent / "python_floor.py"
 WARMUP_S = 1.0  # python_floor's load warms up this long before it measures
 
 
@@ -71,16 +71,13 @@ def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.
 
         engine.forward = recording
         launched = time.perf_counter()
-        load = json.loads(subprocess.run([sys.executable, str(FLOOR), "--load", f"127.0.0.1:{port}", "Forward",
-                                          str(callers), str(duration)], check=True, capture_output=True, text=True,
-                                         timeout=duration + 120).stdout)
+        load = python_floor.measure(port, "Forward", callers, duration)
     finally:
         server.stop()
     window = [s for s in steps if s[0] >= launched + WARMUP_S]
     span = max(s[0] + s[1] for s in window) - min(s[0] for s in window)
-    latencies = sorted(load["latencies_ms"])
-    return {"port": port_kind, "callers": callers, "requests_per_s": len(latencies) / duration,
-            "p50_ms": latencies[len(latencies) // 2], "steps_per_s": len(window) / span,
+    return {"port": port_kind, "callers": callers, "requests_per_s": load["requests_per_s"],
+            "p50_ms": load["p50_ms"], "steps_per_s": len(window) / span,
             "rows_per_step": sum(s[2] for s in window) / len(window),
             "one_row_steps": sum(s[2] == 1 for s in window) / len(window),
             "engine_busy": sum(s[1] for s in window) / span,

@@ -21,9 +21,9 @@ nothing here checks them again:
    once into one buffer of that many rows (``steps.pad_rows``; no copy when one range fills it),
    which the engine runs as one step (``device_steps.run_step``) on the single device-worker
    thread, except on the idle fast path (``_runs_inline``): a lone request, the device thread free,
-   no step ended within its step time or BURST_GAP_S if shorter (a burst comes within microseconds,
-   a lone client a round trip later; the queue delay if padded), a step within --inline-step-max-ms:
-   run on the loop, saving two thread switches. A step's seconds on its thread feed the estimates.
+   traffic sparse (no step within the last step time, or queue delay if padded), a step expected
+   within ``--inline-step-max-ms``: run on the loop, saving two thread switches. A step's seconds
+   on the thread that ran it feed the step-time estimates.
    Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
    with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
    re-run one by one, so one bad request never fails the others in its batch.
@@ -63,7 +63,6 @@ DRAINING = "draining: not accepting new requests"
 """Why a request is refused UNAVAILABLE before warm-up ends and from the drain on (every front end says the same)."""
 
 DEADLINE_TOLERANCE_S = 0.01  # a call cancelled this close to its deadline ended by its deadline
-BURST_GAP_S = 2e-4  # a request this soon after a step's end may have company: the fast path waits
 
 
 @dataclasses.dataclass(slots=True)
@@ -316,8 +315,9 @@ class Batcher:
 
     # -- execution ------------------------------------------------------------------------------
     def _runs_inline(self, queue: LayerQueue, rows: int) -> bool:
-        """The idle fast path (module docstring, step 4): the only request admitted, the device thread
-        idle, its step expected within --inline-step-max-ms, no step ended in the last quiet time."""
+        """The idle fast path (module docstring, step 4): this request is the only one admitted, the
+        device thread has nothing to do, its step is expected within --inline-step-max-ms, and no
+        step ran within that time (or, for a padded batch, within the queue delay)."""
         limit_s = self.config.inline_step_max_ms / 1e3
         if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and queue.queued == 0
                 and rows <= self.max_part_tokens):
@@ -326,7 +326,7 @@ class Batcher:
         expected = self.times.estimate(queue.step_key, bucket)
         if expected > limit_s:
             return False
-        quiet = min(expected, BURST_GAP_S) if rows == bucket else max(expected, self.config.max_queue_delay_ms / 1e3)
+        quiet = expected if rows == bucket else max(expected, self.config.max_queue_delay_ms / 1e3)
         return time.monotonic() - self._last_step_end >= quiet
 
     async def _execute(self, queue: LayerQueue, batch: Batch, inline: bool = False) -> None:

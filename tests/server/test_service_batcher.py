@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from expertd.kernels.moe import MoEConfig
-from expertd.server.batcher import BURST_GAP_S, Batcher
+from expertd.server.batcher import Batcher
 from expertd.server.config import BatchingConfig
 from expertd.server.description import MeshDescription, ModelDescription
 from expertd.server.engine import ForwardOutput, RouteOutput
@@ -193,34 +193,6 @@ def test_a_lone_request_runs_inline_and_concurrent_ones_still_merge():
     assert steps[0] == 1 and sum(steps) == 4
     # the next arrived right after that step: queued, so the ones behind it could merge
     assert max(steps[1:]) >= 2 and all(name.startswith("expertd-device") for name in threads[1:])
-
-
-def test_a_lone_client_stays_on_the_fast_path_when_steps_outlast_its_round_trip():
-    """A step slower than a lone client's round trip (a single-token step on a GPU) must not push
-    the client off the fast path: a request that comes BURST_GAP_S or more after the last step's end
-    runs inline although the step's expected time has not passed (one that comes right behind a
-    step is queued: the test above)."""
-    threads = []
-
-    async def work(batcher):
-        engine_forward = batcher.engine.forward
-
-        def recording(*args, **kwargs):
-            threads.append(threading.current_thread().name)
-            time.sleep(0.02)  # a step of 20 ms, far longer than the round trip below
-            return engine_forward(*args, **kwargs)
-
-        batcher.engine.forward = recording
-        outputs = []
-        for i in range(3):
-            outputs.append(await forward(batcher, rows(10 * i, 2)))  # a whole bucket: no padding to gather for
-            await asyncio.sleep(5 * BURST_GAP_S)  # the client's round trip
-        return outputs
-
-    results, steps = run(work, max_queue_delay_ms=50, inline_step_max_ms=50.0)
-    for i, result in enumerate(results):
-        np.testing.assert_array_equal(result.output, 2 * rows(10 * i, 2))
-    assert steps == [2, 2, 2] and threads == [threading.main_thread().name] * 3
 
 
 def test_the_fast_path_is_off_with_zero():
