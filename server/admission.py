@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Hashable, Iterable
 
 from expertd.server.errors import Overloaded
@@ -110,6 +111,36 @@ class StepTimes:
             return seconds
         smaller = [b for b in self._buckets.get(key, ()) if b < bucket]
         return table[(key, smaller[-1])] if smaller else 0.0
+
+
+class RunningSteps:
+    """The steps handed to run and not ended, each with its expected seconds when handed over: the
+    running work admission counts (``seconds_left``). O(1) per call."""
+
+    def __init__(self):
+        self._steps: dict[int, tuple[float, float]] = {}  # step -> (monotonic start, expected s)
+        self._seconds = 0.0  # their expected seconds, summed
+        self._started = 0
+
+    def start(self, expected: float) -> int:
+        """A step expected to take ``expected`` seconds is handed over now: its id for ``end``."""
+        self._started += 1
+        self._steps[self._started] = (time.monotonic(), expected)
+        self._seconds += expected
+        return self._started
+
+    def end(self, step: int) -> None:
+        """Step ``step`` ended (again: nothing)."""
+        since_expected = self._steps.pop(step, None)
+        if since_expected is not None:  # a sum left by the last step is rounding: reset it
+            self._seconds = self._seconds - since_expected[1] if self._steps else 0.0
+
+    def seconds_left(self, now: float) -> float:
+        """Expected seconds left of the steps: the oldest runs (the first handed over), the others wait."""
+        if not self._steps:
+            return 0.0
+        since, first = next(iter(self._steps.values()))
+        return max(self._seconds - min(now - since, first), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,11 +22,9 @@ nothing here checks them again:
    which the engine runs as one step (``device_steps.run_step``) on the single device-worker
    thread, except on the idle fast path (``_runs_inline``): a lone request, the device thread free,
    traffic sparse (no step within the last step time, or queue delay if padded), a step expected
-   within ``--inline-step-max-ms``: run on the loop, saving two thread switches. A step's seconds
-   on the thread that ran it feed the step-time estimates.
-   Outputs that are not finite (inputs whose magnitude overflows the layer) fail their request
-   with INVALID_ARGUMENT instead of answering NaN / Inf. If a merged step fails, its row ranges are
-   re-run one by one, so one bad request never fails the others in its batch.
+   within ``--inline-step-max-ms``: run on the loop, saving two thread switches.
+   Step seconds feed the step-time estimates. Non-finite outputs (inputs that overflow the layer)
+   fail their request INVALID_ARGUMENT; a failed merged step is re-run range by range (a bad request fails alone).
 5. Results are cut back per request (views) and joined into the client's own result types
    (``expertd.server.results``; a large request's off the event loop, ``offload``), each
    request's output cast once to its caller's dtype, with its ``Timing``: ``compute_seconds``
@@ -49,10 +47,10 @@ import numpy as np
 
 from expertd.client.messages import ForwardResult, RouteResult
 from expertd.server import device_steps, offload, results, steps
-from expertd.server.admission import Admission, Limits, StepTimes
+from expertd.server.admission import Admission, Limits, RunningSteps, StepTimes
 from expertd.server.config import BatchingConfig
 from expertd.server.description import ModelDescription
-from expertd.server.errors import DeadlineExpired, InvalidRequest, NotReady, Overloaded
+from expertd.server.errors import DeadlineExpired, NotReady, Overloaded
 from expertd.server.expert_load import ExpertLoadTracker
 from expertd.server.metrics import Metrics
 from expertd.server.queues import Batch, LayerQueue, QueuedRequest, Queues, Ticket
@@ -107,11 +105,9 @@ class Batcher:
         self.draining = False
         self._buckets = frozenset(model.buckets)
         self._pending = 0
-        self._in_flight: dict[int, tuple[float, float]] = {}  # steps handed over: step -> (since, expected s)
-        self._in_flight_seconds = 0.0  # their expected seconds, summed
+        self._running = RunningSteps()  # the steps handed over and not ended
         self._device_jobs = 0  # jobs handed to the device thread and not finished (steps, warm-up, swaps)
         self._last_step_end = 0.0  # monotonic end of the latest step
-        self._steps = 0
         self._idle = asyncio.Event()
         self._idle.set()
         metrics.track_pending(lambda: self._pending)
@@ -127,7 +123,7 @@ class Batcher:
         now = time.monotonic()
         try:
             self.admission.check(queue, header.tokens, None if deadline is None else deadline - now,
-                                 queues=self.queues.values(), running_s=self._running_seconds(now),
+                                 queues=self.queues.values(), running_s=self._running.seconds_left(now),
                                  pending=self._pending, queued_tokens=self.queues.queued_tokens, now=now)
         except Overloaded as exc:
             self.metrics.observe_rejected(exc.reason)
@@ -165,7 +161,7 @@ class Batcher:
         for _ in range(3):
             try:
                 now = time.monotonic()
-                return self.admission.backlog(self.queues.values(), self._running_seconds(now), now)
+                return self.admission.backlog(self.queues.values(), self._running.seconds_left(now), now)
             except RuntimeError:  # a dict changed size while this thread read it
                 continue
         return 0.0
@@ -300,19 +296,6 @@ class Batcher:
             finally:
                 queue.gather_until = 0.0
 
-    def _running_seconds(self, now: float) -> float:
-        """Expected seconds left of the steps handed to the device thread, each at its estimate when
-        handed over: the oldest runs (the first in ``_in_flight``), the others wait. O(1) per call."""
-        if not self._in_flight:
-            return 0.0
-        since, first = next(iter(self._in_flight.values()))
-        return max(self._in_flight_seconds - min(now - since, first), 0.0)
-
-    def _step_ended(self, step: int) -> None:
-        since_expected = self._in_flight.pop(step, None)
-        if since_expected is not None:  # a sum left by the last step is rounding: reset it
-            self._in_flight_seconds = self._in_flight_seconds - since_expected[1] if self._in_flight else 0.0
-
     # -- execution ------------------------------------------------------------------------------
     def _runs_inline(self, queue: LayerQueue, rows: int) -> bool:
         """The idle fast path (module docstring, step 4): this request is the only one admitted, the
@@ -332,11 +315,7 @@ class Batcher:
     async def _execute(self, queue: LayerQueue, batch: Batch, inline: bool = False) -> None:
         rows = sum(stop - start for _, start, stop in batch)
         bucket = self.model.bucket_for(rows)
-        self._steps += 1
-        step = self._steps
-        expected = self.times.estimate(queue.step_key, bucket)
-        self._in_flight[step] = (time.monotonic(), expected)
-        self._in_flight_seconds += expected
+        step = self._running.start(self.times.estimate(queue.step_key, bucket))
         try:
             # token ids ride with their rows, padded to the bucket; None unless every request has them
             ids = None if any(r.token_ids is None for r, _, _ in batch) else \
@@ -346,7 +325,7 @@ class Batcher:
             result, seconds, bad_rows = device_steps.run_step(*args) if inline else \
                 await self.run_on_device(device_steps.run_step, *args)
         except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
-            self._step_ended(step)
+            self._running.end(step)
             if len(batch) > 1:
                 for entry in batch:  # isolate the failing request; the others still get answers
                     await self._execute(queue, [entry])
@@ -354,7 +333,7 @@ class Batcher:
                 self._fail(batch[0][0], exc)
             return
         finally:
-            self._step_ended(step)
+            self._running.end(step)
             self._last_step_end = time.monotonic()
         ended = self._last_step_end
         self.times.observe(queue.step_key, bucket, seconds)
@@ -366,29 +345,15 @@ class Batcher:
             if request.ended or request.future.done():
                 continue
             if bad_rows is not None and bad_rows[span].any():
-                token = start + int(np.argmax(bad_rows[span]))
-                self._fail(request, InvalidRequest(request.field, f"the layer's result is not finite at token {token}: "
-                                                   "the input's magnitude overflows the layer's arithmetic"))
+                self._fail(request, results.not_finite(request.field, start + int(np.argmax(bad_rows[span]))))
                 continue
-            self._deliver(request, start, stop, queue.kind, result, span, seconds, ended)
+            self._deliver(request, start, results.step_piece(queue.kind, result, span), seconds, ended)
 
-    def _deliver(self, request: QueuedRequest, start: int, stop: int, kind: str, result, span: slice, seconds: float,
-                 ended: float) -> None:
-        """Rows ``start:stop`` of ``request`` computed (rows ``span`` of the step's result)."""
-        if kind == steps.FORWARD:
-            piece = (result.output[span], result.topk_ids[span], result.topk_weights[span])
-        else:  # the range's own score sums [E], in fp64: the request's aux loss is computed from them
-            piece = (result.topk_ids[span], result.topk_weights[span],
-                     result.aux_scores[span].sum(axis=0, dtype=np.float64))
-        request.pieces.append((start, piece))
-        request.computed += stop - start
-        request.compute_seconds += seconds
-        request.last_end = ended
-        if request.computed == len(request.tokens):
+    def _deliver(self, request: QueuedRequest, start: int, piece: tuple, seconds: float, ended: float) -> None:
+        """Rows ``start:`` of ``request`` computed (``piece``, ``results.step_piece``)."""
+        if (pieces := request.add(start, piece, seconds, ended)) is not None:
             self.queues.end(request)
-            pieces = request.pieces
-            request.future.set_result([pieces[0][1]] if len(pieces) == 1 else
-                                      [piece for _, piece in sorted(pieces, key=lambda p: p[0])])
+            request.future.set_result(pieces)
 
     def _record(self, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float, result) -> None:
         metric_kind = "forward" if kind == steps.FORWARD else "route"

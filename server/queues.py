@@ -99,6 +99,17 @@ class QueuedRequest:
     def remaining(self) -> int:
         return len(self.tokens) - self.taken
 
+    def add(self, start: int, piece: tuple, seconds: float, ended: float) -> list | None:
+        """Rows ``start:`` of ``piece``'s length computed by a step of ``seconds`` that ended at
+        ``ended``: the pieces in row order once every row is computed, else None."""
+        self.pieces.append((start, piece))
+        self.computed += len(piece[0])
+        self.compute_seconds += seconds
+        self.last_end = ended
+        if self.computed < len(self.tokens):
+            return None
+        return [self.pieces[0][1]] if len(self.pieces) == 1 else [p for _, p in sorted(self.pieces, key=lambda p: p[0])]
+
 
 Batch = list[tuple[QueuedRequest, int, int]]  # one step's row ranges: (request, first row, end row)
 

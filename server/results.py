@@ -26,6 +26,21 @@ def tokens_per_expert(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
     return np.bincount(topk_ids.reshape(-1), minlength=num_experts)
 
 
+def step_piece(kind: str, result, rows: slice) -> tuple:
+    """One request's ``rows`` of a step's ``result`` (the engine's, of ``kind``): (output, topk_ids,
+    topk_weights) for ``steps.FORWARD``, else (topk_ids, topk_weights, the rows' own score sums
+    ``[E]`` in fp64, from which the request's aux loss is computed)."""
+    if kind == steps.FORWARD:
+        return result.output[rows], result.topk_ids[rows], result.topk_weights[rows]
+    return result.topk_ids[rows], result.topk_weights[rows], result.aux_scores[rows].sum(axis=0, dtype=np.float64)
+
+
+def not_finite(field: str, token: int) -> InvalidRequest:
+    """The error of a request whose result is NaN / Inf from ``token`` on (its input overflowed the layer)."""
+    return InvalidRequest(field, f"the layer's result is not finite at token {token}: the input's magnitude "
+                                 "overflows the layer's arithmetic")
+
+
 def forward_result(pieces: list, out_dtype, num_experts: int) -> ForwardResult:
     """From the (output, topk_ids, topk_weights) rows of each step, in row order."""
     output, ids, weights = pieces[0] if len(pieces) == 1 else (np.concatenate(p) for p in zip(*pieces))
