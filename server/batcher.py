@@ -22,7 +22,8 @@ nothing here checks them again:
    which the engine runs as one step (``device_steps.run_step``) on the single device-worker
    thread, except on the idle fast path (``_runs_inline``): a lone request, the device thread free,
    traffic sparse (no step within the last step time, or queue delay if padded), a step expected
-   within ``--inline-step-max-ms``: run on the loop, saving two thread switches.
+   within ``--inline-step-max-ms``: run on the loop, saving two thread switches; ``forward_now``
+   is that path for a front end's own thread (the native port's), when nothing at all is admitted.
    Step seconds feed the step-time estimates. Non-finite outputs (inputs that overflow the layer)
    fail their request INVALID_ARGUMENT; a failed merged step is re-run range by range (a bad request fails alone).
 5. Results are cut back per request (views) and joined into the client's own result types
@@ -42,11 +43,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from expertd.client.messages import ForwardResult, RouteResult
-from expertd.server import device_steps, offload, results, steps
+from expertd.server import device_steps, offload, requests, results, steps
 from expertd.server.admission import Admission, Limits, RunningSteps, StepTimes
 from expertd.server.config import BatchingConfig
 from expertd.server.description import ModelDescription
@@ -76,8 +78,8 @@ class Batcher:
     """Per-(layer, step kind) queues in front of one engine (see module docstring).
 
     Args:
-      engine: runs the steps (``expertd.server.engine.Engine``, or the multi-host leader's wrapper);
-        called only from the device-worker thread.
+      engine: runs the steps (``expertd.server.engine.Engine``, whose lock serializes them, or the
+        multi-host leader's wrapper, never given to ``forward_now``'s callers).
       model: the served layers and buckets.
       config: batching and admission limits.
       metrics: where batches, queue times, drops, refusals and routing are recorded.
@@ -107,6 +109,7 @@ class Batcher:
         self._pending = 0
         self._running = RunningSteps()  # the steps handed over and not ended
         self._device_jobs = 0  # jobs handed to the device thread and not finished (steps, warm-up, swaps)
+        self._direct = False  # a forward_now step is running (on another thread)
         self._last_step_end = 0.0  # monotonic end of the latest step
         self._idle = asyncio.Event()
         self._idle.set()
@@ -142,6 +145,38 @@ class Batcher:
         result = await offload.run(results.forward_result, parts, request.out_dtype,
                                    self.model.layers[request.layer].num_experts, elements=request.tokens.size)
         return result, timing
+
+    def forward_now(self, request: ForwardRequest, answer: Callable[[np.ndarray], None]) -> bool:
+        """Compute ``request`` at once on the calling thread, off the event loop (the native port's
+        gRPC thread, the GIL held), and ``answer`` its output ``[T, H]`` in the caller's dtype, then
+        record the step as ``_execute`` does; False, doing nothing, where the server is not idle:
+        accepting, nothing admitted, queued or on the device thread, no other such step, the step
+        expected within --inline-step-max-ms and the deadline. Reads the loop's state without
+        changing it (steps serialize on the engine's lock). InvalidRequest for a non-finite output."""
+        rows, cfg, now = len(request.tokens), self.model.layers[request.layer], time.monotonic()
+        if not (self.accepting and not self._direct and self._pending == 0 and self._device_jobs == 0
+                and self.queues.queued_tokens == 0 and rows <= self.max_part_tokens):
+            return False
+        key, bucket = self.step_key(cfg, steps.FORWARD), self.model.bucket_for(rows)
+        expected = self.times.estimate(key, bucket)
+        late = request.deadline is not None and request.deadline < now + expected
+        if late or expected > self.config.inline_step_max_ms / 1e3:
+            return False
+        self._direct = True
+        try:
+            ids = None if request.token_ids is None else steps.pad_rows([request.token_ids], bucket)
+            result, seconds, bad_rows = device_steps.run_step(self.engine, request.layer, steps.FORWARD,
+                                                              [request.tokens], bucket, rows, ids)
+        finally:
+            self._direct, self._last_step_end = False, time.monotonic()
+        if bad_rows is None:
+            answer(requests.cast(result.output, request.out_dtype))
+        self.times.observe(key, bucket, seconds)
+        self._record(request.layer, steps.FORWARD, rows, bucket, 1, seconds, result)
+        self.metrics.observe_queue("forward", 0.0)
+        if bad_rows is not None:
+            raise results.not_finite(request.field, int(np.argmax(bad_rows)))
+        return True
 
     async def route(self, request: RouteRequest, ticket: Ticket | None = None) -> tuple[RouteResult, Timing]:
         """Top-k routing of hidden states ``[T, H]`` or logits ``[T, E]``; aux loss times the request's coefficient."""
@@ -302,7 +337,7 @@ class Batcher:
         device thread has nothing to do, its step is expected within --inline-step-max-ms, and no
         step ran within that time (or, for a padded batch, within the queue delay)."""
         limit_s = self.config.inline_step_max_ms / 1e3
-        if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and queue.queued == 0
+        if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and not self._direct and queue.queued == 0
                 and rows <= self.max_part_tokens):
             return False
         bucket = self.model.bucket_for(rows)

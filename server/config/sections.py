@@ -71,15 +71,13 @@ class ModelConfig:
                                 "--num-layers)", parse=optional_str, metavar="LIST")
     num_layers: int | None = option(None, "serve the first N MoE layers (default: all; tiny has 2)", parse=int,
                                     metavar="N")
-    dtype: str = option("auto", "weight and compute dtype: float32 or bfloat16; auto (default): a checkpoint's "
-                        "own (float32 -> float32, bfloat16 / float16 / FP8 / FP4 / INT4 -> bfloat16), bfloat16 for "
-                        "presets")
+    dtype: str = option("auto", "weight and compute dtype: float32 or bfloat16; auto: a checkpoint's own (float32 "
+                        "-> float32, bfloat16 / float16 / FP8 / FP4 / INT4 -> bfloat16), bfloat16 for presets")
     seed: int = option(0, "seed of the preset weights (a pure function of seed, layer and tensor name)", parse=int)
     num_devices: int | None = option(None, "devices of the expert-parallel mesh (default: all visible devices)",
                                      parse=int, metavar="N")
     backend: str = option("auto", f"expert kernel backend: auto or one of {', '.join(EXPERT_BACKENDS)}")
-    huge_pages: bool = option(True, "on CPU, move the weights onto transparent huge pages at load (BENCHMARKS.md "
-                                    "has what it is worth)")
+    huge_pages: bool = option(True, "on CPU, move the weights onto transparent huge pages at load (BENCHMARKS.md)")
     panel_weights: bool = option(True, "on CPU with the native kernel, relay the expert weights out panel-major at "
                                        "load (same results, read faster; BENCHMARKS.md)")
     num_redundant_experts: int = option(0, "EPLB: extra expert slots per MoE layer on an expert-parallel mesh, "
@@ -318,6 +316,8 @@ class ServerConfig:
     native_port: int | None = option(None, "also serve Forward from gRPC C++ on this port, no Python per call "
                                      "(0: a free port; needs the system's libgrpc++: docs/serving.md; "
                                      "$EXPERTD_NATIVE_PORT)", parse=int, metavar="PORT", env="EXPERTD_NATIVE_PORT")
+    native_direct: bool = option(True, "on --native-port, a lone call finding the server idle runs its step on its "
+                                       "gRPC thread, not waking the event loop (if --inline-step-max-ms > 0)")
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
                                       "when auth is on and --metrics-auth is not: unauthenticated metrics of an "
                                       "authenticated server stay local unless asked)", metavar="ADDRESS",

@@ -16,7 +16,10 @@
 // watches that fd; woken, it reads it and takes batches (one a loop turn) until none is left:
 // calls of one (layer, dtype, with or without token ids), in arrival order, up to
 // `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived after
-// the last batch was answered alone), their rows concatenated. Python answers a batch with
+// the last batch was answered alone), their rows concatenated. Where Python gave a direct callable
+// (`set_direct`), a call that finds nothing queued or in flight skips the queue and the event loop:
+// it becomes a batch of its own at once, and its gRPC thread calls `direct` with the GIL held (the
+// arguments `take` would return), which answers it. Python answers a batch with
 // `finish` (the output rows in the callers' dtype, split back per call) or `fail` (one status for
 // each of its calls). Calls cancelled or past their deadline while queued are answered CANCELLED
 // when a take meets them, not run.
@@ -32,6 +35,9 @@
 //                  GetModelInfoResponse: the main port's, when an expert placement changes)
 //   set_retry_hint(handle, seconds_per_token: dict[int, float] (layer -> s), min_s: float)
 //                  what a RESOURCE_EXHAUSTED refusal's RetryInfo delay is computed from
+//   set_direct(handle, direct: callable | None)   direct(batch, layer, dtype, rows, token_ids, remaining_s)
+//                  for lone calls on an idle port, called on a gRPC thread; it must answer the batch
+//                  (finish, fail, or later from the event loop); None: every call is queued
 //   take(handle) -> (batch, layer, dtype, rows: bytes, token_ids: bytes | None,
 //                    seconds to the latest caller's deadline | None) | None
 //                  never waits: None when nothing is queued, or once stopped
@@ -212,6 +218,7 @@ class Front final
     grpc::Status refusal = Parse(context, body, request.get());
     if (refusal.ok()) refusal = Check(*request);
     bool notify = false;
+    int64_t direct = 0;
     if (!refusal.ok()) {
       Complete(reactor, refusal, arrived);
       return reactor;
@@ -229,6 +236,9 @@ class Front final
         refusal = Overloaded("overloaded: " + std::to_string(queue_.size()) + " calls queued on the native port, "
                              "the limit is " + std::to_string(max_queued_calls) + "; retry later",
                              RetryDelay(request->layer(), queued_tokens_ / std::max<int64_t>(queue_.size(), 1)));
+      } else if (direct_ != nullptr && queue_.empty() && in_flight_.empty()) {
+        direct = ++last_batch_;  // a lone call on an idle port: its own batch, run on this thread
+        in_flight_[direct] = {Call{context, reactor, std::move(request), response, rows, arrived}};
       } else {
         queued_tokens_ += rows;
         notify = queue_.empty();  // Python drains the queue after each wake-up: only the first call wakes it
@@ -239,6 +249,7 @@ class Front final
       Complete(reactor, refusal, arrived);
       return reactor;
     }
+    if (direct != 0) RunDirect(direct);
     if (notify) Wake();
     return reactor;
   }
@@ -448,6 +459,7 @@ class Front final
       if (stopping_) return;
       accepting_ = false;
       stopping_ = true;
+      direct_ = nullptr;
       reason_ = "the server is shutting down";
       queued.swap(queue_);
       queued_tokens_ = 0;
@@ -459,6 +471,106 @@ class Front final
     SetHealth(false);
     server->Shutdown(std::chrono::system_clock::now() +
                      std::chrono::microseconds(static_cast<int64_t>(std::max(grace_s, 0.0) * 1e6)));
+  }
+
+  // Lone calls on an idle port from now on run on their gRPC thread through `direct` (None: never).
+  // The callable is kept for the process's life, as the front is (a call may be using it).
+  void SetDirect(PyObject* direct) {
+    if (direct != Py_None) Py_INCREF(direct);
+    std::lock_guard<std::mutex> lock(mu_);
+    direct_ = direct == Py_None ? nullptr : direct;
+  }
+
+  // Batch `id`, one lone call that Forward registered as in flight, run on this gRPC thread: the
+  // direct callable gets take's tuple with the GIL held and answers with finish or fail (or hands
+  // the batch to the event loop, which answers it later). If it raises, the call gets INTERNAL.
+  void RunDirect(int64_t id) {
+    std::vector<Call> calls;
+    PyObject* direct;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      calls = in_flight_.at(id);
+      direct = direct_;
+    }
+    if (direct == nullptr) {  // stopped since Forward registered the call
+      if (Release(id, &calls)) {
+        Complete(calls.front().reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"),
+                 calls.front().arrived);
+      }
+      return;
+    }
+    bool failed = false;
+    {
+      const PyGILState_STATE gil = PyGILState_Ensure();
+      PyObject* args = BatchArgs(id, calls);
+      PyObject* result = args == nullptr ? nullptr : PyObject_CallObject(direct, args);
+      failed = result == nullptr;
+      if (failed) PyErr_WriteUnraisable(direct);
+      Py_XDECREF(args);
+      Py_XDECREF(result);
+      PyGILState_Release(gil);
+    }
+    if (failed && Release(id, &calls)) {
+      for (const Call& call : calls) {
+        Complete(call.reactor, grpc::Status(grpc::StatusCode::INTERNAL, "internal error"), call.arrived);
+      }
+    }
+  }
+
+  // take's answer for batch `id` (its `calls`, in flight): (batch, layer, dtype, rows: bytes,
+  // token_ids: bytes | None, seconds to the latest caller's deadline | None). Called with the GIL
+  // held; nullptr with a Python error (the batch then answered RESOURCE_EXHAUSTED).
+  PyObject* BatchArgs(int64_t id, const std::vector<Call>& calls) {
+    const ForwardRequest& first = *calls.front().request;
+    const int64_t width = hidden.at(first.layer());
+    const int itemsize = ItemSize(first.hidden_states().dtype());
+    int64_t rows = 0;
+    for (const Call& call : calls) rows += call.rows;
+    PyObject* rows_bytes = PyBytes_FromStringAndSize(nullptr, rows * width * itemsize);
+    PyObject* ids_bytes = Py_None;
+    Py_INCREF(Py_None);
+    if (first.has_token_ids()) {
+      Py_DECREF(Py_None);
+      ids_bytes = PyBytes_FromStringAndSize(nullptr, rows * 4);
+    }
+    if (rows_bytes == nullptr || ids_bytes == nullptr) {
+      Py_XDECREF(rows_bytes);
+      Py_XDECREF(ids_bytes);
+      std::vector<Call> lost;
+      if (Release(id, &lost)) {
+        for (const Call& call : lost) {
+          Complete(call.reactor, grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of memory"), call.arrived);
+        }
+      }
+      return nullptr;
+    }
+    char* to = PyBytes_AS_STRING(rows_bytes);
+    char* ids_to = ids_bytes == Py_None ? nullptr : PyBytes_AS_STRING(ids_bytes);
+    Py_BEGIN_ALLOW_THREADS
+    for (const Call& call : calls) {
+      const std::string& data = call.request->hidden_states().data();
+      std::memcpy(to, data.data(), data.size());
+      to += data.size();
+      if (ids_to != nullptr) {
+        const std::string& ids = call.request->token_ids().data();
+        std::memcpy(ids_to, ids.data(), ids.size());
+        ids_to += ids.size();
+      }
+    }
+    Py_END_ALLOW_THREADS
+    // The batch is worth computing until its last caller's deadline; None: a caller set none.
+    const auto latest = std::max_element(calls.begin(), calls.end(), [](const Call& a, const Call& b) {
+                          return a.context->deadline() < b.context->deadline();
+                        })->context->deadline();
+    PyObject* remaining;
+    if (latest == std::chrono::system_clock::time_point::max()) {
+      Py_INCREF(Py_None);
+      remaining = Py_None;
+    } else {
+      remaining = PyFloat_FromDouble(std::chrono::duration<double>(latest - std::chrono::system_clock::now()).count());
+    }
+    return Py_BuildValue("(LIiNNN)", static_cast<long long>(id), first.layer(),
+                         first.hidden_states().dtype(), rows_bytes, ids_bytes, remaining);
   }
 
   void InitStats() { latency_counts_.assign(latency_bounds.size() + 1, 0); }
@@ -591,6 +703,7 @@ class Front final
   int64_t last_batch_ = 0;
   std::map<int64_t, std::vector<Call>> in_flight_;
   Clock::time_point last_answered_{};  // when the latest batch left in_flight_ (answered or failed)
+  PyObject* direct_ = nullptr;         // SetDirect's callable (a reference held forever), or none
 
   std::mutex info_mu_;
   expertd::v1::GetModelInfoResponse model_info_;
@@ -752,59 +865,8 @@ PyObject* Take(PyObject*, PyObject* args) {
   Front* front = OnlyHandle(args);
   if (front == nullptr) return nullptr;
   std::pair<int64_t, std::vector<Call>> batch = front->TryTake();
-  const std::vector<Call>& calls = batch.second;
-  if (calls.empty()) Py_RETURN_NONE;
-  const ForwardRequest& first = *calls.front().request;
-  const int64_t width = front->hidden.at(first.layer());
-  const int itemsize = ItemSize(first.hidden_states().dtype());
-  int64_t rows = 0;
-  for (const Call& call : calls) rows += call.rows;
-  PyObject* rows_bytes = PyBytes_FromStringAndSize(nullptr, rows * width * itemsize);
-  PyObject* ids_bytes = Py_None;
-  Py_INCREF(Py_None);
-  if (first.has_token_ids()) {
-    Py_DECREF(Py_None);
-    ids_bytes = PyBytes_FromStringAndSize(nullptr, rows * 4);
-  }
-  if (rows_bytes == nullptr || ids_bytes == nullptr) {
-    Py_XDECREF(rows_bytes);
-    Py_XDECREF(ids_bytes);
-    std::vector<Call> lost;
-    if (front->Release(batch.first, &lost)) {
-      for (const Call& call : lost) {
-        front->Complete(call.reactor, grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of memory"),
-                        call.arrived);
-      }
-    }
-    return nullptr;
-  }
-  char* to = PyBytes_AS_STRING(rows_bytes);
-  char* ids_to = ids_bytes == Py_None ? nullptr : PyBytes_AS_STRING(ids_bytes);
-  Py_BEGIN_ALLOW_THREADS
-  for (const Call& call : calls) {
-    const std::string& data = call.request->hidden_states().data();
-    std::memcpy(to, data.data(), data.size());
-    to += data.size();
-    if (ids_to != nullptr) {
-      const std::string& ids = call.request->token_ids().data();
-      std::memcpy(ids_to, ids.data(), ids.size());
-      ids_to += ids.size();
-    }
-  }
-  Py_END_ALLOW_THREADS
-  // The batch is worth computing until its last caller's deadline; None: a caller set none.
-  const auto latest = std::max_element(calls.begin(), calls.end(), [](const Call& a, const Call& b) {
-                        return a.context->deadline() < b.context->deadline();
-                      })->context->deadline();
-  PyObject* remaining;
-  if (latest == std::chrono::system_clock::time_point::max()) {
-    Py_INCREF(Py_None);
-    remaining = Py_None;
-  } else {
-    remaining = PyFloat_FromDouble(std::chrono::duration<double>(latest - std::chrono::system_clock::now()).count());
-  }
-  return Py_BuildValue("(LIiNNN)", static_cast<long long>(batch.first), first.layer(),
-                       first.hidden_states().dtype(), rows_bytes, ids_bytes, remaining);
+  if (batch.second.empty()) Py_RETURN_NONE;
+  return front->BatchArgs(batch.first, batch.second);
 }
 
 PyObject* Finish(PyObject*, PyObject* args) {
@@ -878,6 +940,20 @@ PyObject* Fail(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* SetDirect(PyObject*, PyObject* args) {
+  long long handle;
+  PyObject* direct;
+  if (!PyArg_ParseTuple(args, "LO", &handle, &direct)) return nullptr;
+  Front* front = Lookup(handle);
+  if (front == nullptr) return nullptr;
+  if (direct != Py_None && !PyCallable_Check(direct)) {
+    PyErr_SetString(PyExc_TypeError, "direct: expected a callable or None");
+    return nullptr;
+  }
+  front->SetDirect(direct);
+  Py_RETURN_NONE;
+}
+
 PyObject* SetRetryHint(PyObject*, PyObject* args) {
   long long handle;
   PyObject* rates;
@@ -927,6 +1003,7 @@ PyMethodDef kMethods[] = {
     {"set_accepting", SetAccepting, METH_VARARGS, "set_accepting(handle, accepting, reason)"},
     {"set_model_info", SetModelInfo, METH_VARARGS, "set_model_info(handle, model_info)"},
     {"set_retry_hint", SetRetryHint, METH_VARARGS, "set_retry_hint(handle, seconds_per_token, min_s)"},
+    {"set_direct", SetDirect, METH_VARARGS, "set_direct(handle, direct)"},
     {"take", Take, METH_VARARGS, "take(handle) -> (batch, layer, dtype, rows, token_ids, remaining_s) | None"},
     {"finish", Finish, METH_VARARGS, "finish(handle, batch, output)"},
     {"fail", Fail, METH_VARARGS, "fail(handle, batch, code, message, details)"},

@@ -19,6 +19,13 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   port's requests, expert-load counts and the step metrics are the main port's; Python runs once
   per batch, not once per call, and no thread hand-over is added. A batch the batcher refuses or
   fails answers each of its calls with that status (details included).
+  The direct path (``direct``, ``--native-direct``, on by default in one process): a call that
+  finds nothing queued or in flight on the port does not wake the event loop. Its gRPC thread
+  takes the GIL and offers it to ``Batcher.forward_now``, which computes and answers it there when
+  the whole server is idle (nothing admitted, queued or running; the step expected within
+  --inline-step-max-ms and the deadline) and records the step as the batcher records every step;
+  otherwise the call is handed to the event loop as a taken batch. Steps serialize on the
+  engine's lock, so a direct step and the batcher's never overlap.
 - ``ExpertService/GetModelInfo``: the main port's answer (``model_info()``), read at start and
   again by ``refresh_model_info`` (the server calls it whenever an expert placement is swapped in).
 - ``grpc.health.v1``: SERVING once warm-up is done, NOT_SERVING from the drain on.
@@ -32,7 +39,9 @@ status code, never a traceback), read from C++ every REFUSAL_LOG_INTERVAL_S.
 
 Metrics (on the server's registry): ``expertd_native_forward_handled_total{grpc_code}``,
 ``expertd_native_forward_handling_seconds`` (arrival to answer, as ``grpc_server_handling_seconds``
-measures the main port's calls) and ``expertd_native_forward_queued_tokens``.
+measures the main port's calls), ``expertd_native_forward_queued_tokens`` and
+``expertd_native_forward_direct_total{outcome}`` (lone calls computed on their gRPC thread, or
+handed over to the event loop).
 
 Drain: ``set_accepting(False, ...)`` (new calls UNAVAILABLE, health NOT_SERVING), ``quiesce``
 (the queued calls are run and answered), then ``stop`` (the port closes; calls still unanswered
@@ -41,6 +50,7 @@ after the grace are cancelled).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import time
@@ -96,6 +106,7 @@ class NativeFront:
         self._batches: set[asyncio.Task] = set()  # batches in flight (held: the loop keeps weak references)
         self._handing = False  # a batch was handed to the batcher this loop turn (``_take``)
         self._hint_refreshed = 0.0  # monotonic time of the last set_retry_hint
+        self.direct_calls = {"computed": 0, "handed_over": 0}  # lone calls given to ``_direct``, by outcome
         loop.add_reader(ready_fd, self._on_ready)
         self._refusal_timer = loop.call_later(REFUSAL_LOG_INTERVAL_S, self._log_refusals)
 
@@ -103,9 +114,11 @@ class NativeFront:
     def start(cls, address: str, *, model: ModelDescription, model_info: Callable[[], GetModelInfoResponse],
               batcher: Batcher, loop: asyncio.AbstractEventLoop, queue_tokens: int, queue_calls: int,
               max_message_bytes: int, token: str | None = None, tls: TlsMaterial | None = None,
-              cache_dir: str | None = None) -> NativeFront:
+              cache_dir: str | None = None, direct: bool = False) -> NativeFront:
         """Listen on ``address`` (port 0: a free one), not accepting until ``set_accepting(True)``;
         GetModelInfo answers ``model_info()`` (as of start, then of each ``refresh_model_info``).
+        ``direct``: a lone call on an idle server runs on its gRPC thread (module docstring); only
+        where the batcher's engine may be called from any thread (one process).
 
         Raises ``NativeUnavailable`` where the module cannot be built, OSError where the
         address cannot be bound.
@@ -117,7 +130,11 @@ class NativeFront:
             None if token is None else token.encode(),
             None if tls is None else (tls.private_key, tls.certificate_chain, tls.client_ca), LATENCY_BUCKETS,
             WARMING_UP)
-        return cls(module, handle, port, ready_fd, model, model_info, batcher, loop)
+        front = cls(module, handle, port, ready_fd, model, model_info, batcher, loop)
+        if direct:
+            module.set_direct(handle, front._direct)
+            atexit.register(module.set_direct, handle, None)  # no gRPC thread enters a finalizing interpreter
+        return front
 
     def set_accepting(self, accepting: bool, reason: str = "") -> None:
         """Accept calls (health SERVING), or refuse new ones UNAVAILABLE with ``reason``."""
@@ -198,7 +215,7 @@ class NativeFront:
         batch = self._module.take(self._handle)
         if batch is None:
             return
-        task = asyncio.ensure_future(self._serve(*batch))  # its first step runs before _handed
+        task = asyncio.ensure_future(self._serve(batch[0], None, *batch[1:]))  # its first step runs before _handed
         self._batches.add(task)
         task.add_done_callback(self._answered)
         self._handing = True
@@ -228,25 +245,62 @@ class NativeFront:
             self._refresh_retry_hint()
         self._take()
 
-    async def _serve(self, batch_id: int, layer: int, dtype: int, rows: bytes, token_ids: bytes | None,
-                     remaining_s: float | None) -> None:
-        """Compute one batch and answer its calls (each failure answers them all with its status);
-        the batcher drops it when its last caller's deadline passes first."""
+    def _direct(self, batch_id: int, *batch) -> None:
+        """A lone call on an idle port, on its gRPC thread with the GIL held (C++'s ``set_direct``;
+        ``batch`` as ``take`` gives it): computed and answered here where the batcher is idle too
+        (``Batcher.forward_now``, which records the step after the answer), else handed to the
+        event loop as a taken batch."""
+        answered = False
+
+        def answer(output: np.ndarray) -> None:
+            nonlocal answered
+            answered = True
+            self._answer(self._module.finish, batch_id, np.ascontiguousarray(output))
+
         try:
-            wire = codec.numpy_dtype(dtype)
-            tokens = np.frombuffer(rows, wire).reshape(-1, self._model.layers[layer].hidden_size)
-            request = requests.ForwardRequest(
-                layer, requests.cast(tokens, self._model.dtype), wire,
-                deadline=None if remaining_s is None else time.monotonic() + remaining_s,
-                token_ids=None if token_ids is None else np.frombuffer(token_ids, np.int32))
-            result, _timing = await self._batcher.forward(request)
+            request = self._request(*batch)
+            computed = self._batcher.forward_now(request, answer)
+            self.direct_calls["computed" if computed else "handed_over"] += 1  # one such call at a time
+            if not computed:
+                self._loop.call_soon_threadsafe(self._adopt, batch_id, request)
+        except Exception as exc:  # noqa: BLE001 - a failure before the answer answers the call
+            if not answered:
+                self._fail(batch_id, exc)
+            else:
+                log.exception("native Forward port: recording a direct step failed")
+
+    def _adopt(self, batch_id: int, request: requests.ForwardRequest) -> None:
+        """Serve on the loop a batch C++ took for ``_direct`` (counted among the batches in flight)."""
+        task = asyncio.ensure_future(self._serve(batch_id, request))
+        self._batches.add(task)
+        task.add_done_callback(self._answered)
+
+    def _request(self, layer: int, dtype: int, rows: bytes, token_ids: bytes | None,
+                 remaining_s: float | None) -> requests.ForwardRequest:
+        """A taken batch (``take``'s tuple after the batch id) as one ForwardRequest."""
+        wire = codec.numpy_dtype(dtype)
+        tokens = np.frombuffer(rows, wire).reshape(-1, self._model.layers[layer].hidden_size)
+        return requests.ForwardRequest(
+            layer, requests.cast(tokens, self._model.dtype), wire,
+            deadline=None if remaining_s is None else time.monotonic() + remaining_s,
+            token_ids=None if token_ids is None else np.frombuffer(token_ids, np.int32))
+
+    async def _serve(self, batch_id: int, request: requests.ForwardRequest | None, *batch) -> None:
+        """Compute one batch (``request``, or None and ``take``'s tuple after the batch id) and answer
+        its calls (each failure answers them all with its status); the batcher drops it when its
+        last caller's deadline passes first."""
+        try:
+            result, _timing = await self._batcher.forward(request or self._request(*batch))
             output = np.ascontiguousarray(result.output)
         except Exception as exc:  # noqa: BLE001 - every failure answers the batch's calls
-            status = errors.status_of(exc)
-            self._answer(self._module.fail, batch_id, status[0].value[0], status[1],
-                         errors.rich_status(status).SerializeToString())
+            self._fail(batch_id, exc)
             return
         self._answer(self._module.finish, batch_id, output)
+
+    def _fail(self, batch_id: int, exc: Exception) -> None:
+        status = errors.status_of(exc)
+        self._answer(self._module.fail, batch_id, status[0].value[0], status[1],
+                     errors.rich_status(status).SerializeToString())
 
     def _answer(self, answer: Callable, batch_id: int, *args) -> None:
         """``answer(handle, batch_id, *args)`` (C++ ``finish`` or ``fail``). Its ValueError is a server
@@ -269,7 +323,8 @@ class _Collector(Collector):
     def describe(self) -> list:
         return [CounterMetricFamily("expertd_native_forward_handled", "", labels=("grpc_code",)),
                 HistogramMetricFamily("expertd_native_forward_handling_seconds", ""),
-                GaugeMetricFamily("expertd_native_forward_queued_tokens", "")]
+                GaugeMetricFamily("expertd_native_forward_queued_tokens", ""),
+                CounterMetricFamily("expertd_native_forward_direct", "", labels=("outcome",))]
 
     def collect(self) -> Iterator:
         stats = self._front.stats()
@@ -287,7 +342,12 @@ class _Collector(Collector):
         seconds.add_metric([], buckets, total)
         queued = GaugeMetricFamily("expertd_native_forward_queued_tokens", "Tokens of Forward calls queued on the "
                                    "native port, not yet handed to the batcher.", value=stats["queued_tokens"])
-        yield from (handled, seconds, queued)
+        direct = CounterMetricFamily("expertd_native_forward_direct", "Lone Forward calls on the native port (nothing "
+                                     "queued or in flight there) by outcome: computed on their gRPC thread, or "
+                                     "handed over to the event loop (the server was busy).", labels=("outcome",))
+        for outcome, count in self._front.direct_calls.items():
+            direct.add_metric([outcome], count)
+        yield from (handled, seconds, queued, direct)
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
