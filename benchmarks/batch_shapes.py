@@ -6,9 +6,11 @@ rows, its bucket, its seconds and the thread that ran it. The load is python_flo
 on one channel, a raw stub, one single-token request each, in a process of its own). Over the
 measured window: requests/s and p50, steps/s, rows per step, the share of one-row steps, the
 engine's busy share (step seconds over the window) and the steps run on the event loop (the idle
-fast path) against the device thread. Ports alternate over ``--rounds``. ``--step-padding-ms``
-makes every step that much longer (spinning), as a slower device's would be (a single-token step
-on the H100 took 0.65-0.74 ms against the host CPU's 0.25).
+fast path) or on a gRPC thread (the native port's direct path) against the device thread. Ports
+alternate over ``--rounds``, and within them the batcher's ``--max-queue-delay-ms`` values (a
+comma-separated list; default: the server's). ``--step-padding-ms`` makes every step that much
+longer (spinning), as a slower device's would be (a single-token step on the H100 took
+0.65-0.74 ms against the host CPU's 0.25).
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/batch_shapes.py [--callers 64] [--rounds 3]
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import itertools
 import json
 import os
 import pathlib
@@ -36,8 +39,10 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "batch_shapes.js
 WARMUP_S = 1.0  # python_floor's load warms up this long before it measures
 
 
-def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.0) -> dict:
-    """One server with the load on ``port_kind`` ("main" or "native"), each step ``padding_s`` longer."""
+def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.0,
+            max_queue_delay_ms: float | None = None) -> dict:
+    """One server with the load on ``port_kind`` ("main" or "native"), each step ``padding_s`` longer;
+    ``max_queue_delay_ms``: the batcher's (None: its default)."""
     from prometheus_client import CollectorRegistry
 
     from expertd.server.app import create_server
@@ -50,7 +55,9 @@ def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.
     native = port_kind == "native"
     config = ServerConfig(host="127.0.0.1", port=0 if native else port, metrics_port=0,
                           native_port=port if native else None, model=ModelConfig(dtype="float32", num_devices=1),
-                          batching=BatchingConfig(bucket_sizes=(1, 16, 64, 256)))
+                          batching=BatchingConfig(bucket_sizes=(1, 16, 64, 256),
+                                                  **({} if max_queue_delay_ms is None else
+                                                     {"max_queue_delay_ms": max_queue_delay_ms})))
     server = create_server(config, registry=CollectorRegistry(),
                            layers=load_preset("tiny", num_layers=1, dtype="float32"))
     try:
@@ -82,6 +89,8 @@ def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.
             "one_row_steps": sum(s[2] == 1 for s in window) / len(window),
             "engine_busy": sum(s[1] for s in window) / span,
             "on_event_loop": sum(s[4] == "expertd-grpc" for s in window) / len(window),
+            # a thread Python did not start: the native port's gRPC thread (its direct path)
+            "on_grpc_thread": sum(s[4].startswith("Dummy-") for s in window) / len(window),
             "buckets": dict(collections.Counter(s[3] for s in window))}
 
 
@@ -92,20 +101,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per load (after 1 s warm-up)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-padding-ms", type=float, default=0.0, help="make every step this much longer")
+    parser.add_argument("--max-queue-delay-ms", default="",
+                        help="comma-separated batcher queue delays, alternated within each round (default: "
+                             "the server's)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
+    delays = [float(d) for d in args.max_queue_delay_ms.split(",")] if args.max_queue_delay_ms else [None]
     ports = args.ports.split(",")
     if unknown := set(ports) - {"main", "native"}:
         parser.error(f"--ports: unknown {', '.join(sorted(unknown))}; expected main and / or native")
     rows = []
-    print(f"{'port':>6} | req/s | p50 ms | steps/s | rows/step | one-row steps | engine busy | on the loop", flush=True)
+    print(f"{'port':>6} | delay ms | req/s | p50 ms | steps/s | rows/step | one-row steps | engine busy | "
+          "on the loop | on gRPC's", flush=True)
     for round_index in range(args.rounds):
-        for port in ports:
-            row = measure(port, args.callers, args.duration, args.step_padding_ms / 1e3) | {"round": round_index}
+        for port, delay in itertools.product(ports, delays):
+            row = measure(port, args.callers, args.duration, args.step_padding_ms / 1e3, delay) | {
+                "round": round_index, "max_queue_delay_ms": delay}
             rows.append(row)
-            print(f"{port:>6} | {row['requests_per_s']:5.0f} | {row['p50_ms']:6.2f} | {row['steps_per_s']:7.0f} | "
-                  f"{row['rows_per_step']:9.1f} | {row['one_row_steps']:13.0%} | {row['engine_busy']:11.0%} | "
-                  f"{row['on_event_loop']:.0%}", flush=True)
+            print(f"{port:>6} | {'default' if delay is None else delay:>8} | {row['requests_per_s']:5.0f} | "
+                  f"{row['p50_ms']:6.2f} | {row['steps_per_s']:7.0f} | {row['rows_per_step']:9.1f} | "
+                  f"{row['one_row_steps']:13.0%} | {row['engine_busy']:11.0%} | "
+                  f"{row['on_event_loop']:11.0%} | {row['on_grpc_thread']:.0%}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "batch_shapes", "date": datetime.datetime.now().isoformat(timespec="seconds"),

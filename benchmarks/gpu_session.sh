@@ -24,8 +24,8 @@
 #                                           # point); one summary line
 #   bash benchmarks/gpu_session.sh floor    # benchmarks/python_floor.py (expertd, bare, bare-batched;
 #                                           # the engine on the host's CPU): the thin hop on its cores;
-#                                           # expertd-native too where .native-front is carried
-#                                           # (made by benchmarks/native_front_carry.sh);
+#                                           # expertd-native(-queued) too where .native-front is
+#                                           # carried (made by benchmarks/native_front_carry.sh);
 #                                           # FLOOR_ARGS="--load-processes 4": the 64 callers
 #                                           # over four load processes
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
@@ -82,8 +82,8 @@ step() {
              2>&1 | tee "$OUT/pallas_tiles.log" ;;
     semantics) semantics ;;
     floor) local servers=expertd,bare,bare-batched
-           [ -d .native-front ] && servers+=,expertd-native
-           timeout "${FLOOR_TIMEOUT:-300}" $PY benchmarks/python_floor.py --servers "$servers" \
+           [ -d .native-front ] && servers+=,expertd-native,expertd-native-queued
+           timeout "${FLOOR_TIMEOUT:-420}" $PY benchmarks/python_floor.py --servers "$servers" \
              ${FLOOR_ARGS:-} --out "$OUT/python_floor_gpu_host.json" 2>&1 | tee "$OUT/python_floor.log" ;;
     *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | semantics | floor | all | brief)"
        return 2 ;;

@@ -15,7 +15,10 @@ against three servers, each in its own process, all on grpc.aio with uvloop and 
 - ``expertd-native``: the real server's native Forward port (``--native-port``; the load, Check
   included, goes to that port): gRPC C++ checks and queues each Forward, Python runs once per batch
   through the same batcher (``expertd.server.native_front``; built on first use with the system's
-  libgrpc++, left out with the reason where it cannot be built).
+  libgrpc++, left out with the reason where it cannot be built); a lone call that finds the
+  server idle is computed on its gRPC thread (``--native-direct``).
+- ``expertd-native-queued``: the same with ``--no-native-direct``: every call goes through the
+  event loop.
 
 Load: one process per measurement, C callers on one channel sending a prepared request (a raw stub
 for Forward, so no client library's cost is in it), warm-up then ``--duration`` s; with
@@ -46,7 +49,8 @@ import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "python_floor.json"
 BUCKETS = (1, 16, 64, 256)
-SERVERS = ("expertd", "bare", "bare-batched", "expertd-native")
+SERVERS = ("expertd", "bare", "bare-batched", "expertd-native", "expertd-native-queued")
+NATIVE = ("expertd-native", "expertd-native-queued")
 LOAD_START_S = 3.0
 """Several load processes start their callers together this long after being launched (more than
 their imports take)."""
@@ -138,8 +142,9 @@ async def _serve_bare(port: int, batched: bool) -> None:
             merger.cancel()
 
 
-def _serve_expertd(port: int, native: bool = False) -> None:
-    """The real server; ``native``: its native Forward port on ``port`` (the main port on a free one)."""
+def _serve_expertd(port: int, native: bool = False, direct: bool = True) -> None:
+    """The real server; ``native``: its native Forward port on ``port`` (the main port on a free one),
+    ``direct``: with ``--native-direct``."""
     from prometheus_client import CollectorRegistry
 
     from expertd.server.app import create_server
@@ -147,7 +152,8 @@ def _serve_expertd(port: int, native: bool = False) -> None:
     from expertd.server.model import load_preset
 
     config = ServerConfig(host="127.0.0.1", port=0 if native else port, metrics_port=0,
-                          native_port=port if native else None, model=ModelConfig(dtype="float32", num_devices=1),
+                          native_port=port if native else None, native_direct=direct,
+                          model=ModelConfig(dtype="float32", num_devices=1),
                           batching=BatchingConfig(bucket_sizes=BUCKETS))
     server = create_server(config, registry=CollectorRegistry(), layers=load_preset("tiny", num_layers=1,
                                                                                     dtype="float32"))
@@ -158,8 +164,8 @@ def _serve_expertd(port: int, native: bool = False) -> None:
 
 def serve(kind: str, port: int) -> None:
     """Run server ``kind`` on ``port`` until killed (the ``--serve`` entry point)."""
-    if kind in ("expertd", "expertd-native"):
-        _serve_expertd(port, native=kind == "expertd-native")
+    if kind in ("expertd", *NATIVE):
+        _serve_expertd(port, native=kind in NATIVE, direct=kind != "expertd-native-queued")
         return
     import uvloop
 
@@ -323,15 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(servers) - set(SERVERS):
         parser.error(f"--servers: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(SERVERS)}")
     skipped = {}
-    if "expertd-native" in servers:
+    if native := [kind for kind in servers if kind in NATIVE]:
         from expertd.server.native_front import NativeUnavailable, load
 
         try:
             load()  # built (or found built), and its libraries found
         except (NativeUnavailable, ImportError) as exc:
-            skipped["expertd-native"] = str(exc)
-            servers.remove("expertd-native")
-            print(f"expertd-native: left out: {exc}", flush=True)
+            for kind in native:
+                skipped[kind] = str(exc)
+                servers.remove(kind)
+            print(f"{', '.join(native)}: left out: {exc}", flush=True)
     step_ms = in_process_step_ms()
     print(f"in-process single-token step p50 {step_ms:.3f} ms", flush=True)
     rows = []
