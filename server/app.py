@@ -270,8 +270,8 @@ class ServerHandle:
                 address, model=self.model, model_info=servicer.current_model_info, batcher=servicer.batcher,
                 loop=asyncio.get_running_loop(), queue_tokens=config.batching.queue_tokens,
                 queue_calls=config.batching.max_queue_size, max_message_bytes=limit, token=credentials.token,
-                tls=credentials.tls, cache_dir=config.native_cpu.cache_dir, direct=config.native_direct
-                and self._step_runner is self.engine and config.batching.inline_step_max_ms > 0)
+                tls=credentials.tls, cache_dir=config.native_cpu.cache_dir,
+                direct=config.native_direct and self._step_runner is self.engine)
         except OSError as exc:
             await server.stop(0)
             await endpoint.close()

@@ -151,16 +151,16 @@ class Batcher:
         gRPC thread, the GIL held), and ``answer`` its output ``[T, H]`` in the caller's dtype, then
         record the step as ``_execute`` does; False, doing nothing, where the server is not idle:
         accepting, nothing admitted, queued or on the device thread, no other such step, the step
-        expected within --inline-step-max-ms and the deadline. Reads the loop's state without
-        changing it (steps serialize on the engine's lock). InvalidRequest for a non-finite output."""
+        (one, of any length: it holds neither the loop nor the device thread) expected within the
+        deadline. Reads the loop's state without changing it (steps serialize on the engine's
+        lock). InvalidRequest for a non-finite output."""
         rows, cfg, now = len(request.tokens), self.model.layers[request.layer], time.monotonic()
         if not (self.accepting and not self._direct and self._pending == 0 and self._device_jobs == 0
                 and self.queues.queued_tokens == 0 and rows <= self.max_part_tokens):
             return False
         key, bucket = self.step_key(cfg, steps.FORWARD), self.model.bucket_for(rows)
         expected = self.times.estimate(key, bucket)
-        late = request.deadline is not None and request.deadline < now + expected
-        if late or expected > self.config.inline_step_max_ms / 1e3:
+        if request.deadline is not None and request.deadline < now + expected:
             return False
         self._direct = True
         try:

@@ -317,7 +317,7 @@ class ServerConfig:
                                      "(0: a free port; needs the system's libgrpc++: docs/serving.md; "
                                      "$EXPERTD_NATIVE_PORT)", parse=int, metavar="PORT", env="EXPERTD_NATIVE_PORT")
     native_direct: bool = option(True, "on --native-port, a lone call finding the server idle runs its step on its "
-                                       "gRPC thread, not waking the event loop (if --inline-step-max-ms > 0)")
+                                       "gRPC thread, not waking the event loop (one process only)")
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
                                       "when auth is on and --metrics-auth is not: unauthenticated metrics of an "
                                       "authenticated server stay local unless asked)", metavar="ADDRESS",

@@ -22,8 +22,8 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   The direct path (``direct``, ``--native-direct``, on by default in one process): a call that
   finds nothing queued or in flight on the port does not wake the event loop. Its gRPC thread
   takes the GIL and offers it to ``Batcher.forward_now``, which computes and answers it there when
-  the whole server is idle (nothing admitted, queued or running; the step expected within
-  --inline-step-max-ms and the deadline) and records the step as the batcher records every step;
+  the whole server is idle (nothing admitted, queued or running; one step, expected within the
+  deadline) and records the step as the batcher records every step;
   otherwise the call is handed to the event loop as a taken batch. Steps serialize on the
   engine's lock, so a direct step and the batcher's never overlap.
 - ``ExpertService/GetModelInfo``: the main port's answer (``model_info()``), read at start and

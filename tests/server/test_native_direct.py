@@ -50,11 +50,12 @@ class StepThreads:
         return ["grpc" if not name.startswith(PYTHON_THREADS) else name.split("_")[0] for name in self.names[start:]]
 
 
-def start(tmp_path_factory, **options):
-    """A started server, tiny fp32 with one layer, the native port on (``options``: ServerConfig fields)."""
+def start(tmp_path_factory, batching: dict | None = None, **options):
+    """A started server, tiny fp32 with one layer, the native port on (``options``: ServerConfig
+    fields; ``batching``: BatchingConfig fields)."""
     require_native_front()
     config = server_config(tmp_path_factory, model=ModelConfig(preset="tiny", num_layers=1, dtype="float32",
-                                                               num_devices=1))
+                                                               num_devices=1), **(batching or {}))
     handle = create_server(dataclasses.replace(config, native_port=0, **options))
     handle.wait_ready(timeout=300)
     handle.steps = StepThreads(handle.engine)
@@ -72,6 +73,10 @@ def direct_calls(server, outcome: str) -> float:
     """``expertd_native_forward_direct_total{outcome}``, read from the registry (the event loop, which
     serves /metrics, may be held by a test)."""
     return server.registry.get_sample_value("expertd_native_forward_direct_total", {"outcome": outcome})
+
+
+def pending(server) -> float:
+    return server.registry.get_sample_value("expertd_pending_requests")
 
 
 def batches_in_flight(server) -> int:
@@ -134,7 +139,7 @@ def test_calls_meeting_a_busy_server_wait_their_turn_and_each_gets_its_rows(serv
     """The engine's lock held as a long step would hold it. A native call first takes the direct path
     and waits in its step; a main-port call and a second native call meanwhile go through the event
     loop (the latter queued on the port behind the first). Released, every call gets its own rows;
-    lone calls are direct again once the step-time estimate is back within --inline-step-max-ms."""
+    then a lone call is direct again."""
     inputs = [rows(1 + i, 40 + i) for i in range(3)]
     with client(server, "main") as main:
         expected = [main.forward(x, layer=0) for x in inputs]
@@ -153,12 +158,10 @@ def test_calls_meeting_a_busy_server_wait_their_turn_and_each_gets_its_rows(serv
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # merged steps: other buckets
         names = steps.since(first)
         assert names[0] == "grpc" and "grpc" not in names[1:], names
-        again = len(steps.names)  # the held step's seconds raised the estimate: direct once it is back down
-        for _ in range(200):
-            np.testing.assert_array_equal(native.forward(inputs[0], layer=0), expected[0])
-            if steps.since(again)[-1] == "grpc":
-                break
-        assert steps.since(again)[-1] == "grpc"
+        poll(lambda: batches_in_flight(server) == 0 and pending(server) == 0)  # idle again
+        again = len(steps.names)
+        np.testing.assert_array_equal(native.forward(inputs[0], layer=0), expected[0])
+        assert steps.since(again) == ["grpc"]
 
 
 def test_a_call_at_a_busy_server_goes_through_the_event_loop(server):
@@ -208,5 +211,20 @@ def test_no_native_direct_sends_every_call_through_the_event_loop(tmp_path_facto
         with client(handle, "main") as main, client(handle) as native:
             np.testing.assert_array_equal(native.forward(x, layer=0), main.forward(x, layer=0))
         assert "grpc" not in handle.steps.since(first)
+    finally:
+        handle.stop(grace=5)
+
+
+def test_the_event_loops_step_limit_does_not_bound_the_direct_path(tmp_path_factory):
+    """--inline-step-max-ms 0 keeps every step off the event loop; a direct step holds a gRPC
+    thread, not the loop, so lone native calls still run there."""
+    handle = start(tmp_path_factory, batching={"inline_step_max_ms": 0.0})
+    try:
+        x = rows(3, 6)
+        with client(handle, "main") as main, client(handle) as native:
+            want = main.forward(x, layer=0)
+            first = len(handle.steps.names)
+            np.testing.assert_array_equal(native.forward(x, layer=0), want)
+        assert handle.steps.since(first) == ["grpc"]
     finally:
         handle.stop(grace=5)
