@@ -28,6 +28,10 @@
 #                                           # carried (made by benchmarks/native_front_carry.sh);
 #                                           # FLOOR_ARGS="--load-processes 4": the 64 callers
 #                                           # over four load processes
+#   bash benchmarks/gpu_session.sh shapes   # benchmarks/batch_shapes.py: how 64 callers are cut into
+#                                           # steps on each port, the engine on the GPU
+#                                           # (SHAPES_PLATFORMS=cpu: the host's cores), with and
+#                                           # without the batcher's queue delay (SHAPES_ARGS)
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
 #   bash benchmarks/gpu_session.sh brief    # all six, cut to fit one call of a 15-minute lease
 #                                           # (check --quick, router --quick, the bf16 layer at
@@ -81,11 +85,14 @@ step() {
     tiles) timeout "${TILES_TIMEOUT:-540}" $PY benchmarks/pallas_tiles.py ${TILES_ARGS:-} --out "$OUT/pallas_tiles.json" \
              2>&1 | tee "$OUT/pallas_tiles.log" ;;
     semantics) semantics ;;
+    shapes) JAX_PLATFORMS=${SHAPES_PLATFORMS:-cuda} timeout "${SHAPES_TIMEOUT:-300}" $PY benchmarks/batch_shapes.py \
+              ${SHAPES_ARGS:---ports main,native --max-queue-delay-ms 2,0 --rounds 2 --duration 2} \
+              --out "$OUT/batch_shapes_gpu.json" 2>&1 | tee "$OUT/batch_shapes.log" ;;
     floor) local servers=expertd,bare,bare-batched
            [ -d .native-front ] && servers+=,expertd-native,expertd-native-queued
            timeout "${FLOOR_TIMEOUT:-420}" $PY benchmarks/python_floor.py --servers "$servers" \
              ${FLOOR_ARGS:-} --out "$OUT/python_floor_gpu_host.json" 2>&1 | tee "$OUT/python_floor.log" ;;
-    *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | semantics | floor | all | brief)"
+    *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | semantics | floor | shapes | all | brief)"
        return 2 ;;
   esac
 }

@@ -3,8 +3,8 @@ on CPU (one family at the quick point), imports the package the way the GPU mach
 install) and finds every backend within the oracle's tolerance; its engine step (one short round)
 times every way of the step cycle; its tiles step (the smoke shape, interpreted) checks and times
 every tiling; its semantics step splits the families over processes and sums them up; its floor
-step measures a server with the callers split over load processes; several steps in one call
-leave one archive."""
+step measures a server with the callers split over load processes; its shapes step alternates
+the batcher's queue delays; several steps in one call leave one archive."""
 import json
 import os
 import pathlib
@@ -36,6 +36,15 @@ def test_gpu_session_check_step_passes_on_cpu(tmp_path):
     assert {r["family"] for r in rows} == {"mixtral"} and {r["dtype"] for r in rows} == {"float32", "bfloat16"}
     assert all(r["ok"] for r in rows) and len(rows) == 18
     assert "CpuDevice" in (tmp_path / "env.txt").read_text()  # the environment step ran, with the package importable
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_shapes_step_alternates_the_queue_delays(tmp_path):
+    _run_step("shapes", tmp_path, SHAPES_PLATFORMS="cpu",
+              SHAPES_ARGS="--ports main --callers 4 --rounds 1 --duration 0.3 --max-queue-delay-ms 2,0")
+    rows = json.loads((tmp_path / "batch_shapes_gpu.json").read_text())["rows"]
+    assert [(r["port"], r["max_queue_delay_ms"]) for r in rows] == [("main", 2.0), ("main", 0.0)]
+    assert all(r["requests_per_s"] > 0 and r["steps_per_s"] > 0 and r["on_grpc_thread"] == 0 for r in rows)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
