@@ -259,15 +259,20 @@ class NativeFront:
 
         try:
             request = self._request(*batch)
+        except Exception as exc:  # noqa: BLE001 - every failure answers the call
+            self._fail(batch_id, exc)
+            return
+        try:
             computed = self._batcher.forward_now(request, answer)
-            self.direct_calls["computed" if computed else "handed_over"] += 1  # one such call at a time
-            if not computed:
-                self._loop.call_soon_threadsafe(self._adopt, batch_id, request)
-        except Exception as exc:  # noqa: BLE001 - a failure before the answer answers the call
+        except Exception as exc:  # noqa: BLE001 - its step ran: a non-finite result, or recording failed
+            computed = True
             if not answered:
                 self._fail(batch_id, exc)
             else:
                 log.exception("native Forward port: recording a direct step failed")
+        self.direct_calls["computed" if computed else "handed_over"] += 1  # one such call at a time
+        if not computed:
+            self._loop.call_soon_threadsafe(self._adopt, batch_id, request)
 
     def _adopt(self, batch_id: int, request: requests.ForwardRequest) -> None:
         """Serve on the loop a batch C++ took for ``_direct`` (counted among the batches in flight)."""
@@ -343,8 +348,9 @@ class _Collector(Collector):
         queued = GaugeMetricFamily("expertd_native_forward_queued_tokens", "Tokens of Forward calls queued on the "
                                    "native port, not yet handed to the batcher.", value=stats["queued_tokens"])
         direct = CounterMetricFamily("expertd_native_forward_direct", "Lone Forward calls on the native port (nothing "
-                                     "queued or in flight there) by outcome: computed on their gRPC thread, or "
-                                     "handed over to the event loop (the server was busy).", labels=("outcome",))
+                                     "queued or in flight there) by outcome: computed on their gRPC thread (answered "
+                                     "there, OK or not), or handed over to the event loop (the server was busy).",
+                                     labels=("outcome",))
         for outcome, count in self._front.direct_calls.items():
             direct.add_metric([outcome], count)
         yield from (handled, seconds, queued, direct)

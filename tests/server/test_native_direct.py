@@ -127,12 +127,13 @@ def test_a_call_larger_than_one_step_goes_through_the_event_loop(server):
 
 
 def test_a_result_that_overflows_is_refused_naming_the_field_and_the_next_call_is_served(server):
-    first = len(server.steps.names)
+    first, computed = len(server.steps.names), direct_calls(server, "computed")
     with client(server) as native:
         with pytest.raises(InvalidArgumentError, match="hidden_states: the layer's result is not finite at token 0"):
             native.forward(np.full((2, H), 3e38, np.float32), layer=0)
         assert np.isfinite(native.forward(rows(2, 1), layer=0)).all()
     assert server.steps.since(first) == ["grpc", "grpc"]
+    assert direct_calls(server, "computed") == computed + 2
 
 
 def test_calls_meeting_a_busy_server_wait_their_turn_and_each_gets_its_rows(server):
