@@ -489,7 +489,9 @@ class Front final
     PyObject* direct;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      calls = in_flight_.at(id);
+      auto it = in_flight_.find(id);
+      if (it == in_flight_.end()) return;  // not reached: only Python, which has not seen `id`, releases it
+      calls = it->second;
       direct = direct_;
     }
     if (direct == nullptr) {  // stopped since Forward registered the call
