@@ -23,8 +23,9 @@ install: $(STAMP)
 lint: install
 	$(BIN)/ruff check .
 
-# Tests marked `exclusive` measure the server's timing against its own estimates: they run after
-# the others, alone, so that another worker's burst of CPU does not change the machine under them.
+# Tests marked `exclusive` measure the server's timing against its own estimates, or recovery
+# bounds (the failover chaos): they run after the others, alone, so that another worker's burst of
+# CPU does not change the machine under them.
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not exclusive"
 	$(BIN)/python -m pytest -m exclusive

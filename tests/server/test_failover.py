@@ -6,7 +6,9 @@ AsyncExpertClient, one with the client's retries and one with none. Bounds (issu
 <= 2 % of those sent in the window without retries, none with them (Forward is idempotent and is
 retried on another replica); throughput back within 5 s of the kill; the restarted replica gets
 calls again within 5 s of serving. No other timing is asserted: the replicas, the load and the
-restart share the machine's cores.
+restart share the machine's cores. The chaos tests run alone (``exclusive``): beside another
+worker's multi-process test on two cores, the 5 s recovery bound and the retrying client's
+health-checked picks were seen to fail.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def failover_benchmark():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.exclusive
 def test_a_killed_replica_costs_no_retried_call_and_throughput_recovers(tmp_path_factory):
     failover = failover_benchmark()
     config = failover.ChaosConfig(concurrency=4, before_s=2.0, down_s=1.0, after_s=2.0, startup_timeout_s=240,
@@ -51,6 +54,7 @@ def test_a_killed_replica_costs_no_retried_call_and_throughput_recovers(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.exclusive
 def test_large_calls_on_a_killed_replica_are_retried_too(tmp_path_factory):
     """512 KiB Forwards (2,048 tokens x H 64 fp32): past gRPC's default per-call retry buffer (256
     KiB) a call would commit as it is sent, and one in flight on the killed replica would fail."""
