@@ -26,7 +26,6 @@ import json
 import os
 import pathlib
 import platform
-import socket
 import sys
 import threading
 import time
@@ -49,9 +48,7 @@ def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.
     from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
     from expertd.server.model import load_preset
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = python_floor.free_port()
     native = port_kind == "native"
     config = ServerConfig(host="127.0.0.1", port=0 if native else port, metrics_port=0,
                           native_port=port if native else None, model=ModelConfig(dtype="float32", num_devices=1),

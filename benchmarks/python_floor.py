@@ -283,7 +283,7 @@ def in_process_step_ms(duration: float = 2.0) -> float:
 
 # ---------------------------------------------------------------------- the run
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -292,7 +292,7 @@ def _free_port() -> int:
 def run_server(kind: str, duration: float, step_ms: float, load_processes: int = 1) -> dict:
     """One round against a fresh server of ``kind``: Check and Forward at 1 and 64 callers (these
     over ``load_processes``)."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:

@@ -25,7 +25,8 @@ nothing here checks them again:
    within ``--inline-step-max-ms``: run on the loop, saving two thread switches; ``forward_now``
    is that path for a front end's own thread (the native port's), when nothing at all is admitted.
    Step seconds feed the step-time estimates. Non-finite outputs (inputs that overflow the layer)
-   fail their request INVALID_ARGUMENT; a failed merged step is re-run range by range (a bad request fails alone).
+   fail their request INVALID_ARGUMENT; a failed merged step is re-run range by range, so a bad
+   request fails alone.
 5. Results are cut back per request (views) and joined into the client's own result types
    (``expertd.server.results``; a large request's off the event loop, ``offload``), each
    request's output cast once to its caller's dtype, with its ``Timing``: ``compute_seconds``
@@ -147,13 +148,11 @@ class Batcher:
         return result, timing
 
     def forward_now(self, request: ForwardRequest, answer: Callable[[np.ndarray], None]) -> bool:
-        """Compute ``request`` at once on the calling thread, off the event loop (the native port's
-        gRPC thread, the GIL held), and ``answer`` its output ``[T, H]`` in the caller's dtype, then
-        record the step as ``_execute`` does; False, doing nothing, where the server is not idle:
-        accepting, nothing admitted, queued or on the device thread, no other such step, the step
-        (one, of any length: it holds neither the loop nor the device thread) expected within the
-        deadline. Reads the loop's state without changing it (steps serialize on the engine's
-        lock). InvalidRequest for a non-finite output."""
+        """Compute ``request`` now on the calling thread (the native port's gRPC thread, GIL held), ``answer``
+        its output ``[T, H]`` in the caller's dtype, then ``_record`` the step; False, doing nothing, unless
+        the server is idle (accepting; nothing admitted, queued, on the device thread or in another such
+        step; one step of any length, expected within the deadline). Reads the loop's state, never changes
+        it (steps serialize on the engine's lock). InvalidRequest for a non-finite output."""
         rows, cfg, now = len(request.tokens), self.model.layers[request.layer], time.monotonic()
         if not (self.accepting and not self._direct and self._pending == 0 and self._device_jobs == 0
                 and self.queues.queued_tokens == 0 and rows <= self.max_part_tokens):
@@ -171,8 +170,7 @@ class Batcher:
             self._direct, self._last_step_end = False, time.monotonic()
         if bad_rows is None:
             answer(requests.cast(result.output, request.out_dtype))
-        self.times.observe(key, bucket, seconds)
-        self._record(request.layer, steps.FORWARD, rows, bucket, 1, seconds, result)
+        self._record(key, request.layer, steps.FORWARD, rows, bucket, 1, seconds, result)
         self.metrics.observe_queue("forward", 0.0)
         if bad_rows is not None:
             raise results.not_finite(request.field, int(np.argmax(bad_rows)))
@@ -371,8 +369,7 @@ class Batcher:
             self._running.end(step)
             self._last_step_end = time.monotonic()
         ended = self._last_step_end
-        self.times.observe(queue.step_key, bucket, seconds)
-        self._record(queue.layer, queue.kind, rows, bucket, len(batch), seconds, result)
+        self._record(queue.step_key, queue.layer, queue.kind, rows, bucket, len(batch), seconds, result)
         offset = 0
         for request, start, stop in batch:
             span = slice(offset, offset + stop - start)
@@ -390,7 +387,10 @@ class Batcher:
             self.queues.end(request)
             request.future.set_result(pieces)
 
-    def _record(self, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float, result) -> None:
+    def _record(self, step_key, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float,
+                result) -> None:
+        """One step of ``seconds`` done: the step-time estimates, the metrics, the expert loads."""
+        self.times.observe(step_key, bucket, seconds)
         metric_kind = "forward" if kind == steps.FORWARD else "route"
         self.metrics.observe_batch(layer=layer, kind=metric_kind, num_valid=rows, bucket=bucket,
                                    num_requests=num_parts, seconds=seconds)
