@@ -18,8 +18,10 @@
 // `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived after
 // the last batch was answered alone), their rows concatenated. Where Python gave a direct callable
 // (`set_direct`), a call that finds nothing queued or in flight skips the queue and the event loop:
-// it becomes a batch of its own at once, and its gRPC thread calls `direct` with the GIL held (the
-// arguments `take` would return), which answers it. Python answers a batch with
+// it becomes a batch of its own at once, and its gRPC thread, the direct runner, calls `direct` with
+// the GIL held (the arguments `take` would return), which answers it; then, while nothing else is in
+// flight, the runner takes what queued meanwhile as its next batch, and queued calls do not signal
+// the eventfd while it runs (RunDirect). Python answers a batch with
 // `finish` (the output rows in the callers' dtype, split back per call) or `fail` (one status for
 // each of its calls). Calls cancelled or past their deadline while queued are answered CANCELLED
 // when a take meets them, not run.
@@ -36,8 +38,9 @@
 //   set_retry_hint(handle, seconds_per_token: dict[int, float] (layer -> s), min_s: float)
 //                  what a RESOURCE_EXHAUSTED refusal's RetryInfo delay is computed from
 //   set_direct(handle, direct: callable | None)   direct(batch, layer, dtype, rows, token_ids, remaining_s)
-//                  for lone calls on an idle port, called on a gRPC thread; it must answer the batch
-//                  (finish, fail, or later from the event loop); None: every call is queued
+//                  for the direct runner's batches (RunDirect), called on a gRPC thread; it must
+//                  answer the batch (finish, fail, or later from the event loop); None: every call
+//                  is queued
 //   take(handle) -> (batch, layer, dtype, rows: bytes, token_ids: bytes | None,
 //                    seconds to the latest caller's deadline | None) | None
 //                  never waits: None when nothing is queued, or once stopped
@@ -236,12 +239,15 @@ class Front final
         refusal = Overloaded("overloaded: " + std::to_string(queue_.size()) + " calls queued on the native port, "
                              "the limit is " + std::to_string(max_queued_calls) + "; retry later",
                              RetryDelay(request->layer(), queued_tokens_ / std::max<int64_t>(queue_.size(), 1)));
-      } else if (direct_ != nullptr && queue_.empty() && in_flight_.empty()) {
-        direct = ++last_batch_;  // a lone call on an idle port: its own batch, run on this thread
+      } else if (direct_ != nullptr && !direct_running_ && queue_.empty() && in_flight_.empty()) {
+        direct = ++last_batch_;  // a lone call on an idle port: its own batch, and this thread the runner
         in_flight_[direct] = {Call{context, reactor, std::move(request), response, rows, arrived}};
+        direct_running_ = true;
       } else {
         queued_tokens_ += rows;
-        notify = queue_.empty();  // Python drains the queue after each wake-up: only the first call wakes it
+        // Python drains the queue after each wake-up: only the first call wakes it, and none while a
+        // direct runner is on, which takes the queue itself after its step (RunDirect).
+        notify = queue_.empty() && !direct_running_;
         queue_.push_back({context, reactor, std::move(request), response, rows, arrived});
       }
     }
@@ -318,44 +324,52 @@ class Front final
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       if (stopping_ || queue_.empty()) return {0, {}};
-      bool alone = false;
-      std::vector<Call> calls;
-      std::vector<Call> dropped;
-      int64_t rows = 0;
-      Key key{};
-      for (auto it = queue_.begin(); it != queue_.end();) {
-        if (alone && !calls.empty()) break;
-        if (it->context->IsCancelled()) {
-          queued_tokens_ -= it->rows;
-          dropped.push_back(*it);
-          it = queue_.erase(it);
-          continue;
-        }
-        if (calls.empty()) {
-          key = KeyOf(*it->request);
-          alone = in_flight_.empty() && it->arrived > last_answered_;
-        } else if (!(KeyOf(*it->request) == key) || rows + it->rows > max_batch_tokens) {
-          if (rows >= max_batch_tokens) break;
-          ++it;
-          continue;
-        }
-        rows += it->rows;
-        queued_tokens_ -= it->rows;
-        calls.push_back(*it);
-        it = queue_.erase(it);
-      }
-      if (!dropped.empty()) {
-        lock.unlock();
-        for (const Call& call : dropped) {
-          Complete(call.reactor, grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while queued"), call.arrived);
-        }
-        lock.lock();
-      }
+      std::vector<Call> calls = NextBatchLocked(lock);
       if (calls.empty()) continue;
       const int64_t id = ++last_batch_;
       in_flight_[id] = calls;
       return {id, std::move(calls)};
     }
+  }
+
+  // The first queued calls that make one batch (TryTake's rule; `behind`: every call queued behind
+  // a batch, none goes alone), removed from the queue; none when every call met was cancelled
+  // (those are answered CANCELLED, with `lock` on mu_ let go meanwhile).
+  std::vector<Call> NextBatchLocked(std::unique_lock<std::mutex>& lock, bool behind = false) {
+    bool alone = false;
+    std::vector<Call> calls;
+    std::vector<Call> dropped;
+    int64_t rows = 0;
+    Key key{};
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (alone && !calls.empty()) break;
+      if (it->context->IsCancelled()) {
+        queued_tokens_ -= it->rows;
+        dropped.push_back(*it);
+        it = queue_.erase(it);
+        continue;
+      }
+      if (calls.empty()) {
+        key = KeyOf(*it->request);
+        alone = !behind && in_flight_.empty() && it->arrived > last_answered_;
+      } else if (!(KeyOf(*it->request) == key) || rows + it->rows > max_batch_tokens) {
+        if (rows >= max_batch_tokens) break;
+        ++it;
+        continue;
+      }
+      rows += it->rows;
+      queued_tokens_ -= it->rows;
+      calls.push_back(*it);
+      it = queue_.erase(it);
+    }
+    if (!dropped.empty()) {
+      lock.unlock();
+      for (const Call& call : dropped) {
+        Complete(call.reactor, grpc::Status(grpc::StatusCode::CANCELLED, "cancelled while queued"), call.arrived);
+      }
+      lock.lock();
+    }
+    return calls;
   }
 
   // The calls of batch `id` (removed from the batches in flight), or false if there is none.
@@ -481,42 +495,73 @@ class Front final
     direct_ = direct == Py_None ? nullptr : direct;
   }
 
-  // Batch `id`, one lone call that Forward registered as in flight, run on this gRPC thread: the
-  // direct callable gets take's tuple with the GIL held and answers with finish or fail (or hands
-  // the batch to the event loop, which answers it later). If it raises, the call gets INTERNAL.
+  // The direct runner, on the gRPC thread of the lone call that found the port idle (batch `id`,
+  // which Forward registered as in flight): each batch goes to the direct callable with take's tuple
+  // and the GIL held, which answers it with finish or fail, or hands it to the event loop (which
+  // answers it later). A batch whose callable raises gets INTERNAL. Then, while nothing else is in
+  // flight, the calls that queued meanwhile are the next batch (TryTake's rule), so a steady load
+  // is served step after step here without waking the event loop; otherwise the runner stops,
+  // waking Python for what is queued.
   void RunDirect(int64_t id) {
-    std::vector<Call> calls;
-    PyObject* direct;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = in_flight_.find(id);
-      if (it == in_flight_.end()) return;  // not reached: only Python, which has not seen `id`, releases it
-      calls = it->second;
-      direct = direct_;
-    }
-    if (direct == nullptr) {  // stopped since Forward registered the call
-      if (Release(id, &calls)) {
-        Complete(calls.front().reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"),
-                 calls.front().arrived);
+    while (id != 0) {
+      std::vector<Call> calls;
+      PyObject* direct;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = in_flight_.find(id);
+        if (it != in_flight_.end()) calls = it->second;  // always found: only this thread has seen `id`
+        direct = direct_;
       }
-      return;
-    }
-    bool failed = false;
-    {
-      const PyGILState_STATE gil = PyGILState_Ensure();
-      PyObject* args = BatchArgs(id, calls);
-      PyObject* result = args == nullptr ? nullptr : PyObject_CallObject(direct, args);
-      failed = result == nullptr;
-      if (failed) PyErr_WriteUnraisable(direct);
-      Py_XDECREF(args);
-      Py_XDECREF(result);
-      PyGILState_Release(gil);
-    }
-    if (failed && Release(id, &calls)) {
-      for (const Call& call : calls) {
-        Complete(call.reactor, grpc::Status(grpc::StatusCode::INTERNAL, "internal error"), call.arrived);
+      if (direct == nullptr) {  // stopped since the batch was registered
+        if (Release(id, &calls)) {
+          for (const Call& call : calls) {
+            Complete(call.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"),
+                     call.arrived);
+          }
+        }
+      } else if (!calls.empty()) {
+        bool failed = false;
+        {
+          const PyGILState_STATE gil = PyGILState_Ensure();
+          PyObject* args = BatchArgs(id, calls);
+          PyObject* result = args == nullptr ? nullptr : PyObject_CallObject(direct, args);
+          failed = result == nullptr;
+          if (failed) PyErr_WriteUnraisable(direct);
+          Py_XDECREF(args);
+          Py_XDECREF(result);
+          PyGILState_Release(gil);
+        }
+        if (failed && Release(id, &calls)) {
+          for (const Call& call : calls) {
+            Complete(call.reactor, grpc::Status(grpc::StatusCode::INTERNAL, "internal error"), call.arrived);
+          }
+        }
       }
+      id = NextDirect();
     }
+  }
+
+  // The direct runner's next batch, registered in flight (its id), when it may go on: direct is
+  // on, nothing is in flight (a batch handed to the event loop ends the run) and calls are queued.
+  // Every queued call waited for the runner's last batch (its step, answer and record), so they
+  // merge as calls queued behind a batch do. Else 0: the runner stops, and Python is woken if calls
+  // are queued.
+  // The runner does not wait for calls to fill a step (the batcher's queue delay): what queued
+  // during one step is the next (BENCHMARKS.md, the native port's direct runner).
+  int64_t NextDirect() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (direct_ != nullptr && !stopping_ && in_flight_.empty() && !queue_.empty()) {
+      std::vector<Call> calls = NextBatchLocked(lock, /*behind=*/true);
+      if (calls.empty()) continue;
+      const int64_t id = ++last_batch_;
+      in_flight_[id] = std::move(calls);
+      return id;
+    }
+    direct_running_ = false;
+    const bool wake = !stopping_ && !queue_.empty();
+    lock.unlock();
+    if (wake) Wake();
+    return 0;
   }
 
   // take's answer for batch `id` (its `calls`, in flight): (batch, layer, dtype, rows: bytes,
@@ -706,6 +751,7 @@ class Front final
   std::map<int64_t, std::vector<Call>> in_flight_;
   Clock::time_point last_answered_{};  // when the latest batch left in_flight_ (answered or failed)
   PyObject* direct_ = nullptr;         // SetDirect's callable (a reference held forever), or none
+  bool direct_running_ = false;        // a gRPC thread is in RunDirect (queued calls wait for it)
 
   std::mutex info_mu_;
   expertd::v1::GetModelInfoResponse model_info_;

@@ -21,11 +21,17 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   fails answers each of its calls with that status (details included).
   The direct path (``direct``, ``--native-direct``, on by default in one process): a call that
   finds nothing queued or in flight on the port does not wake the event loop. Its gRPC thread
-  takes the GIL and offers it to ``Batcher.forward_now``, which computes and answers it there when
-  the whole server is idle (nothing admitted, queued or running; one step, expected within the
-  deadline) and records the step as the batcher records every step;
-  otherwise the call is handed to the event loop as a taken batch. Steps serialize on the
-  engine's lock, so a direct step and the batcher's never overlap.
+  becomes the direct runner: it takes the GIL and offers the call to ``Batcher.forward_now``,
+  which computes and answers it there when the whole server is idle (nothing admitted, queued or
+  running; one step, expected within the deadline) and records the step as the batcher records
+  every step; otherwise the batch is handed to the event loop as a taken batch. Calls arriving
+  meanwhile queue without waking the loop; when the step is done and nothing else is in flight,
+  the runner takes them as its next batch (all of them merge: they queued behind a batch) and
+  offers it the same way, until the queue is empty or a batch is handed over (then the loop is
+  woken for what is queued). So a steady load on this port alone runs step after step on one gRPC
+  thread, each step what queued during the last (no queue delay), with no thread hand-over and
+  no event-loop turn. Steps serialize on the engine's lock, so a direct step and the batcher's
+  never overlap.
 - ``ExpertService/GetModelInfo``: the main port's answer (``model_info()``), read at start and
   again by ``refresh_model_info`` (the server calls it whenever an expert placement is swapped in).
 - ``grpc.health.v1``: SERVING once warm-up is done, NOT_SERVING from the drain on.
@@ -40,8 +46,8 @@ status code, never a traceback), read from C++ every REFUSAL_LOG_INTERVAL_S.
 Metrics (on the server's registry): ``expertd_native_forward_handled_total{grpc_code}``,
 ``expertd_native_forward_handling_seconds`` (arrival to answer, as ``grpc_server_handling_seconds``
 measures the main port's calls), ``expertd_native_forward_queued_tokens`` and
-``expertd_native_forward_direct_total{outcome}`` (lone calls computed on their gRPC thread, or
-handed over to the event loop).
+``expertd_native_forward_direct_total{outcome}`` (the direct runner's batches: computed on its
+gRPC thread, or handed over to the event loop).
 
 Drain: ``set_accepting(False, ...)`` (new calls UNAVAILABLE, health NOT_SERVING), ``quiesce``
 (the queued calls are run and answered), then ``stop`` (the port closes; calls still unanswered
@@ -106,7 +112,7 @@ class NativeFront:
         self._batches: set[asyncio.Task] = set()  # batches in flight (held: the loop keeps weak references)
         self._handing = False  # a batch was handed to the batcher this loop turn (``_take``)
         self._hint_refreshed = 0.0  # monotonic time of the last set_retry_hint
-        self.direct_calls = {"computed": 0, "handed_over": 0}  # lone calls given to ``_direct``, by outcome
+        self.direct_calls = {"computed": 0, "handed_over": 0}  # batches given to ``_direct``, by outcome
         loop.add_reader(ready_fd, self._on_ready)
         self._refusal_timer = loop.call_later(REFUSAL_LOG_INTERVAL_S, self._log_refusals)
 
@@ -117,7 +123,8 @@ class NativeFront:
               cache_dir: str | None = None, direct: bool = False) -> NativeFront:
         """Listen on ``address`` (port 0: a free one), not accepting until ``set_accepting(True)``;
         GetModelInfo answers ``model_info()`` (as of start, then of each ``refresh_model_info``).
-        ``direct``: a lone call on an idle server runs on its gRPC thread (module docstring); only
+        ``direct``: a lone call on an idle server, and what queues behind it, runs on its gRPC thread
+        (module docstring); only
         where the batcher's engine may be called from any thread (one process).
 
         Raises ``NativeUnavailable`` where the module cannot be built, OSError where the
@@ -246,7 +253,8 @@ class NativeFront:
         self._take()
 
     def _direct(self, batch_id: int, *batch) -> None:
-        """A lone call on an idle port, on its gRPC thread with the GIL held (C++'s ``set_direct``;
+        """One of the direct runner's batches (a lone call on an idle port, or the calls queued behind
+        the runner's last batch), on its gRPC thread with the GIL held (C++'s ``set_direct``;
         ``batch`` as ``take`` gives it): computed and answered here where the batcher is idle too
         (``Batcher.forward_now``, which records the step after the answer), else handed to the
         event loop as a taken batch."""
@@ -270,7 +278,7 @@ class NativeFront:
                 self._fail(batch_id, exc)
             else:
                 log.exception("native Forward port: recording a direct step failed")
-        self.direct_calls["computed" if computed else "handed_over"] += 1  # one such call at a time
+        self.direct_calls["computed" if computed else "handed_over"] += 1  # one runner at a time
         if not computed:
             self._loop.call_soon_threadsafe(self._adopt, batch_id, request)
 
@@ -347,10 +355,10 @@ class _Collector(Collector):
         seconds.add_metric([], buckets, total)
         queued = GaugeMetricFamily("expertd_native_forward_queued_tokens", "Tokens of Forward calls queued on the "
                                    "native port, not yet handed to the batcher.", value=stats["queued_tokens"])
-        direct = CounterMetricFamily("expertd_native_forward_direct", "Lone Forward calls on the native port (nothing "
-                                     "queued or in flight there) by outcome: computed on their gRPC thread (answered "
-                                     "there, OK or not), or handed over to the event loop (the server was busy).",
-                                     labels=("outcome",))
+        direct = CounterMetricFamily("expertd_native_forward_direct", "Batches of the native port's direct runner (a "
+                                     "lone call at an idle port, then what queued behind it) by outcome: computed on "
+                                     "its gRPC thread (answered there, OK or not), or handed over to the event loop "
+                                     "(the server was busy).", labels=("outcome",))
         for outcome, count in self._front.direct_calls.items():
             direct.add_metric([outcome], count)
         yield from (handled, seconds, queued, direct)

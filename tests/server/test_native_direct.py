@@ -84,6 +84,11 @@ def batches_in_flight(server) -> int:
     return server._parts.native.stats()["batches_in_flight"]
 
 
+def queued_calls(server) -> int:
+    """Calls queued on the native port (its own counter)."""
+    return server._parts.native.stats()["queued_calls"]
+
+
 def rows(tokens: int, seed: int, dtype=np.float32) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((tokens, H)).astype(dtype)
 
@@ -138,9 +143,10 @@ def test_a_result_that_overflows_is_refused_naming_the_field_and_the_next_call_i
 
 def test_calls_meeting_a_busy_server_wait_their_turn_and_each_gets_its_rows(server):
     """The engine's lock held as a long step would hold it. A native call first takes the direct path
-    and waits in its step; a main-port call and a second native call meanwhile go through the event
-    loop (the latter queued on the port behind the first). Released, every call gets its own rows;
-    then a lone call is direct again."""
+    and waits in its step; meanwhile a main-port call goes through the event loop and a second native
+    call queues on the port behind the first. Released, every call gets its own rows (the queued one
+    on the event loop or, should the main-port call be answered first, direct); then a lone call is
+    direct again."""
     inputs = [rows(1 + i, 40 + i) for i in range(3)]
     with client(server, "main") as main:
         expected = [main.forward(x, layer=0) for x in inputs]
@@ -153,16 +159,40 @@ def test_calls_meeting_a_busy_server_wait_their_turn_and_each_gets_its_rows(serv
             direct = pool.submit(native.forward, inputs[0], layer=0)
             assert steps.entered.wait(30)
             behind = [pool.submit(main.forward, inputs[1], layer=0), pool.submit(native.forward, inputs[2], layer=0)]
-            poll(lambda: len(steps.names) >= first + 2 and batches_in_flight(server) == 2, 30)
+            poll(lambda: len(steps.names) >= first + 2 and queued_calls(server) == 1, 30)
         outputs = [direct.result(60)] + [future.result(60) for future in behind]
         for got, want in zip(outputs, expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # merged steps: other buckets
         names = steps.since(first)
-        assert names[0] == "grpc" and "grpc" not in names[1:], names
+        assert names[0] == "grpc" and names[1] == "expertd-device", names
         poll(lambda: batches_in_flight(server) == 0 and pending(server) == 0)  # idle again
         again = len(steps.names)
         np.testing.assert_array_equal(native.forward(inputs[0], layer=0), expected[0])
         assert steps.since(again) == ["grpc"]
+
+
+def test_calls_queued_behind_a_direct_step_are_the_next_direct_step(server):
+    """While a direct step runs, native calls queue on the port without waking the event loop; when
+    it ends, the same gRPC thread takes them (they queued behind a batch, so they merge) as its next
+    step, and each call gets its own rows."""
+    inputs = [rows(tokens, 60 + tokens) for tokens in (2, 1, 2, 3)]  # the queued 6 fit one step (8)
+    with client(server, "main") as main:
+        expected = [main.forward(x, layer=0) for x in inputs]
+    steps, computed = server.steps, direct_calls(server, "computed")
+    with client(server, timeout=60) as native, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        first = len(steps.names)
+        with server.engine.lock:
+            steps.entered.clear()
+            direct = pool.submit(native.forward, inputs[0], layer=0)
+            assert steps.entered.wait(30)
+            behind = [pool.submit(native.forward, x, layer=0) for x in inputs[1:]]
+            poll(lambda: queued_calls(server) == 3, 30)
+            assert batches_in_flight(server) == 1 and pending(server) == 0  # the loop has seen none of them
+        outputs = [direct.result(60)] + [future.result(60) for future in behind]
+    for got, want in zip(outputs, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # merged: another bucket
+    assert steps.since(first) == ["grpc", "grpc"]
+    assert direct_calls(server, "computed") == computed + 2
 
 
 def test_a_call_at_a_busy_server_goes_through_the_event_loop(server):
