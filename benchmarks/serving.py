@@ -15,12 +15,17 @@ tokens per request T in {1, 16, 256} and concurrent clients C in {1, 64}:
 - CPU per request in the measured window: the server process's (sampled here) and the load
   generator's (it reports its own), so a run shows which side is the bottleneck.
 - the gRPC floor: the same concurrency of ``grpc.health.v1`` Check calls (no model, no batcher)
-  against the same server, with the same CPU accounting: what grpc.aio itself costs per call.
+  against the same server, with the same CPU accounting: what grpc.aio itself costs per call. Its
+  load is a raw stub sending a prepared request; single-token Forwards from the same load program
+  (a raw Forward stub, one prepared ``[1, H]`` float32 request) run beside it, so the thin-hop
+  ratios compare the server's two methods, not two clients.
 
 Reported: rpc / in-process throughput, and the speed-up of 64 single-token clients over one
 (goals: >= 0.9 at saturation, i.e. C=64 with T=256; >= 10x for C=64, T=1). The thin hop
 (``hop_summary``): single-token Forward p50 minus the in-process step p50 against the Check p50
-(goal <= 1.3x), 64 single-token clients' requests/s against 64 Check callers' (goal >= 0.85), and
+(goal <= 1.3x), 64 single-token clients' requests/s against 64 Check callers' (goal >= 0.85), both
+from the raw-stub load and, beside them, with ``expertd loadtest``'s Forwards (the client library
+and the load harness: on a box where the load shares the cores, their CPU per call counts), and
 ForwardStream's per-message cost (lock-step round trip; pipelined, 64 in flight on one stream). Beside
 it, where one client's single-token call goes, from the server's own histograms read around each
 load (means): Forward's handling time and its step in the server, and the Check's handling time.
@@ -93,16 +98,23 @@ def in_process(engine, layer: int, rows: int, hidden: int, duration: float) -> d
             "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
 
 
-# Health Check calls from C concurrent callers on one grpc.aio channel: the transport's own floor.
-GRPC_FLOOR_SCRIPT = """
+# One unary method from C concurrent callers on one grpc.aio channel, a raw stub and a prepared
+# request: health Check (the transport's own floor) or a single-token Forward [1, H] float32.
+UNARY_LOAD_SCRIPT = """
 import asyncio, json, sys, time
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from expertd.client import codec
+from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 
-async def main(target, concurrency, warmup, duration):
+async def main(target, method, hidden, concurrency, warmup, duration):
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        request = health_pb2.HealthCheckRequest()
+        if method == "Check":
+            call, request = health_pb2_grpc.HealthStub(channel).Check, health_pb2.HealthCheckRequest()
+        else:
+            call = expert_pb2_grpc.ExpertServiceStub(channel).Forward
+            request = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(np.ones((1, hidden), np.float32)))
         start = time.perf_counter()
         window = {}
 
@@ -110,7 +122,7 @@ async def main(target, concurrency, warmup, duration):
 
         async def caller():
             while (now := time.perf_counter()) < start + warmup + duration:
-                await stub.Check(request)
+                await call(request)
                 if now >= start + warmup:
                     if not window:
                         window.update(n=0, wall=time.time(), cpu=time.process_time(), t=now)
@@ -124,7 +136,8 @@ async def main(target, concurrency, warmup, duration):
                 "window_unix_s": [window["wall"], time.time()],
                 "client_cpu_ms_per_request": (time.process_time() - window["cpu"]) * 1e3 / window["n"]}
 
-print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])))))
+print(json.dumps(asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
+                                 float(sys.argv[6])))))
 """
 
 
@@ -251,18 +264,20 @@ def server_means(before: dict, after: dict, method: str) -> dict:
     return means
 
 
-def grpc_floor(port: int, concurrency: int, duration: float, totals=None) -> dict:
-    """Health Check calls at ``concurrency`` against the server, in their own process;
-    ``totals``: the server's ``server_totals`` (a zero-argument callable), for its in-server means."""
+def unary_load(port: int, method: str, concurrency: int, duration: float, hidden: int = 0, totals=None) -> dict:
+    """``method`` ("Check", or "Forward" with single-token ``[1, hidden]`` requests) at ``concurrency``
+    against the server from a raw stub, in its own process; ``totals``: the server's ``server_totals``
+    (a zero-argument callable), for its in-server means."""
     sampler = CpuSampler()
     before = totals() if totals else {}
     with sampler:
-        out = subprocess.run([sys.executable, "-c", GRPC_FLOOR_SCRIPT, f"127.0.0.1:{port}", str(concurrency), "1.0",
-                              f"{duration:.1f}"], check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([sys.executable, "-c", UNARY_LOAD_SCRIPT, f"127.0.0.1:{port}", method, str(hidden),
+                              str(concurrency), "1.0", f"{duration:.1f}"], check=True, capture_output=True,
+                             text=True).stdout
     report = json.loads(out)
     report["requests"] = report.pop("ok")
     if totals:
-        report.update(server_means(before, totals(), "Check"))
+        report.update(server_means(before, totals(), method))
     return with_server_cpu(report, sampler)
 
 
@@ -274,33 +289,43 @@ def stream_cost(port: int, hidden: int, duration: float) -> dict:
 
 
 def hop_summary(model: str, rows: list[dict], floor: list[dict], stream: dict) -> dict:
-    """The thin-hop ratios (issue 26 item 3): single-token Forward p50 minus the in-process step p50
-    over the health Check p50 (goal <= 1.3); 64-client single-token Forward requests/s over 64-client
-    Check requests/s (goal >= 0.85); ForwardStream's per-message cost beside unary."""
+    """The thin-hop ratios (issue 26 item 3), from the raw-stub load (``floor``: Check and Forward
+    rows): single-token Forward p50 minus the in-process step p50 over the health Check p50 (goal
+    <= 1.3); 64-client single-token Forward requests/s over 64-client Check requests/s (goal >=
+    0.85); the same two with ``expertd loadtest``'s Forwards (``rows``) under ``loadtest``;
+    ForwardStream's per-message cost beside unary."""
     one = next(r for r in rows if r["model"] == model and r["tokens_per_request"] == 1 and r["clients"] == 1)
     many = next(r for r in rows if r["model"] == model and r["tokens_per_request"] == 1 and r["clients"] == 64)
-    check = {f["clients"]: f for f in floor if f["model"] == model}
-    hop_ms = one["rpc"]["p50_ms"] - one["in_process"]["p50_ms"]
-    return {"model": model, "forward_p50_ms": one["rpc"]["p50_ms"], "step_p50_ms": one["in_process"]["p50_ms"],
-            "check_p50_ms": check[1]["p50_ms"], "hop_over_check": hop_ms / check[1]["p50_ms"],
-            "forward_64_requests_per_s": many["rpc"]["requests_per_s"],
-            "check_64_requests_per_s": check[64]["requests_per_s"],
-            "throughput_over_check": many["rpc"]["requests_per_s"] / check[64]["requests_per_s"], "stream": stream,
+    check = {f["clients"]: f for f in floor if f["model"] == model and f["method"] == "Check"}
+    raw = {f["clients"]: f for f in floor if f["model"] == model and f["method"] == "Forward"}
+    step_ms = one["in_process"]["p50_ms"]
+
+    def ratios(forward_1: dict, forward_64: dict) -> dict:
+        return {"forward_p50_ms": forward_1["p50_ms"],
+                "hop_over_check": (forward_1["p50_ms"] - step_ms) / check[1]["p50_ms"],
+                "forward_64_requests_per_s": forward_64["requests_per_s"],
+                "throughput_over_check": forward_64["requests_per_s"] / check[64]["requests_per_s"]}
+
+    return {"model": model, "step_p50_ms": step_ms, "check_p50_ms": check[1]["p50_ms"],
+            "check_64_requests_per_s": check[64]["requests_per_s"], **ratios(raw[1], raw[64]),
+            "loadtest": ratios(one["rpc"], many["rpc"]), "stream": stream,
             # where the single-token call's time goes, from the server's own histograms (means)
-            "in_server": {"forward_handling_ms": one["rpc"].get("server_handling_ms_mean"),
-                          "forward_step_ms": one["rpc"].get("server_step_ms_mean"),
+            "in_server": {"forward_handling_ms": raw[1].get("server_handling_ms_mean"),
+                          "forward_step_ms": raw[1].get("server_step_ms_mean"),
                           "check_handling_ms": check[1].get("server_handling_ms_mean")}}
 
 
 def print_hop(summary: dict) -> None:
-    stream = summary["stream"]
+    stream, by_loadtest = summary["stream"], summary["loadtest"]
     print(f"{summary['model']}: hop = Forward p50 {summary['forward_p50_ms']:.3f} - step p50 "
           f"{summary['step_p50_ms']:.3f} = {summary['forward_p50_ms'] - summary['step_p50_ms']:.3f} ms vs Check p50 "
           f"{summary['check_p50_ms']:.3f} ms: {summary['hop_over_check']:.2f}x (goal <= 1.3); 64 clients "
           f"{summary['forward_64_requests_per_s']:.0f} vs Check {summary['check_64_requests_per_s']:.0f} req/s: "
-          f"{summary['throughput_over_check']:.2f} (goal >= 0.85); ForwardStream lock-step p50 "
-          f"{stream['lockstep_p50_ms']:.3f} ms, pipelined {stream['pipelined_us_per_message']:.0f} us/message",
-          flush=True)
+          f"{summary['throughput_over_check']:.2f} (goal >= 0.85); both loads a raw stub", flush=True)
+    print(f"{summary['model']}: with expertd loadtest's Forwards: hop {by_loadtest['hop_over_check']:.2f}x, 64 clients "
+          f"{by_loadtest['forward_64_requests_per_s']:.0f} req/s: {by_loadtest['throughput_over_check']:.2f}; "
+          f"ForwardStream lock-step p50 {stream['lockstep_p50_ms']:.3f} ms, pipelined "
+          f"{stream['pipelined_us_per_message']:.0f} us/message", flush=True)
     inside = summary["in_server"]
     if inside["forward_handling_ms"] is not None and inside["forward_step_ms"] is not None:
         check = inside["check_handling_ms"]  # None on the native port: gRPC C++'s health service keeps no histogram
@@ -312,7 +337,7 @@ def print_hop(summary: dict) -> None:
 
 def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: float, totals=None) -> dict:
     """``expertd loadtest`` in its own process (its CPU time is not the server's GIL); ``totals``
-    as for ``grpc_floor``."""
+    as for ``unary_load``."""
     command = [sys.executable, "-c", "import sys; from expertd.client.cli import main; sys.exit(main(sys.argv[1:]))",
                "loadtest", "--target", f"127.0.0.1:{port}", "--layer", "0", "--concurrency", str(concurrency),
                "--tokens", str(tokens), "--dtype", "float32", "--duration", f"{duration:.1f}",
@@ -357,9 +382,11 @@ def run_model(model: str, duration: float, queue_delay_ms: float,
     rows, floor = [], []
     try:
         stream = stream_cost(server.port, cfg.hidden_size, duration)
-        for concurrency in CONCURRENCY:
-            floor.append({"model": model, "clients": concurrency, **grpc_floor(port, concurrency, duration, totals)})
-            print_floor(floor[-1])
+        for method in ("Check", "Forward"):  # the raw-stub load: the thin hop's like-for-like pair
+            for concurrency in CONCURRENCY:
+                floor.append({"model": model, "method": method, "clients": concurrency,
+                              **unary_load(port, method, concurrency, duration, cfg.hidden_size, totals)})
+                print_floor(floor[-1])
         for tokens in TOKENS:
             for concurrency in CONCURRENCY:
                 batch = min(concurrency * tokens, BUCKETS[-1]) if tokens <= BUCKETS[-1] else BUCKETS[-1]
@@ -393,9 +420,9 @@ def _cpu(result: dict) -> str:
 
 
 def print_floor(row: dict) -> None:
-    print(f"{row['model']:>5} health Check (gRPC floor) {row['clients']:>3} clients: "
-          f"{row['requests_per_s']:>8.0f} req/s"
-          f" | CPU ms/request server client {_cpu(row)}", flush=True)
+    what = "health Check (gRPC floor)" if row["method"] == "Check" else "Forward T=1 (raw stub)  "
+    print(f"{row['model']:>5} {what} {row['clients']:>3} clients: {row['requests_per_s']:>8.0f} req/s, p50 "
+          f"{row['p50_ms']:.3f} ms | CPU ms/request server client {_cpu(row)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         "buckets": list(BUCKETS), "max_queue_delay_ms": args.max_queue_delay_ms, "duration_s": args.duration,
         "inline_step_max_ms": args.inline_step_max_ms, "event_loop": args.event_loop, "native_port": args.native,
         "rows": rows,
-        "grpc_floor": floor,
+        "raw_stub_load": floor,
         "thin_hop": hops,
         "single_token_speedup_64_over_1": speedups,
     }, indent=2) + "\n")
