@@ -216,20 +216,25 @@ def test_a_call_at_a_busy_server_goes_through_the_event_loop(server):
     assert "grpc" not in steps.since(first)
 
 
-def test_a_direct_call_computing_when_the_drain_begins_is_answered(tmp_path_factory):
+def test_a_direct_call_computing_when_the_drain_begins_and_the_calls_queued_behind_it_are_answered(
+        tmp_path_factory):
     handle = start(tmp_path_factory)
     stopped = threading.Thread(target=handle.stop, kwargs={"grace": 30})
-    x = rows(4, 3)
+    inputs = [rows(4, 3), rows(1, 4), rows(2, 5)]
     with client(handle, "main") as main:
-        want = main.forward(x, layer=0)
-    with client(handle, timeout=60) as native, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        expected = [main.forward(x, layer=0) for x in inputs]
+    with client(handle, timeout=60) as native, concurrent.futures.ThreadPoolExecutor(3) as pool:
         with handle.engine.lock:
             handle.steps.entered.clear()
-            call = pool.submit(native.forward, x, layer=0)
+            direct = pool.submit(native.forward, inputs[0], layer=0)
             assert handle.steps.entered.wait(30)
+            behind = [pool.submit(native.forward, x, layer=0) for x in inputs[1:]]
+            poll(lambda: queued_calls(handle) == 2, 30)
             stopped.start()
             poll(lambda: handle.registry.get_sample_value("expertd_model_ready") == 0, 30)  # the drain began
-        np.testing.assert_array_equal(call.result(60), want)
+        np.testing.assert_array_equal(direct.result(60), expected[0])
+        for call, want in zip(behind, expected[1:], strict=True):
+            np.testing.assert_allclose(call.result(60), want, rtol=1e-6, atol=1e-6)  # merged: another bucket
     stopped.join(60)
     assert not stopped.is_alive()
 
