@@ -6,7 +6,8 @@ rows, its bucket, its seconds and the thread that ran it. The load is python_flo
 on one channel, a raw stub, one single-token request each, in a process of its own). Over the
 measured window: requests/s and p50, steps/s, rows per step, the share of one-row steps, the
 engine's busy share (step seconds over the window) and the steps run on the event loop (the idle
-fast path) or on a gRPC thread (the native port's direct path) against the device thread. Ports
+fast path) or directly (the native port's direct path: a gRPC thread, or its runner thread)
+against the device thread. Ports
 alternate over ``--rounds``, and within them the batcher's ``--max-queue-delay-ms`` values (a
 comma-separated list; default: the server's). ``--step-padding-ms`` makes every step that much
 longer (spinning), as a slower device's would be (a single-token step on the H100 took
@@ -87,7 +88,7 @@ def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.
             "engine_busy": sum(s[1] for s in window) / span,
             "on_event_loop": sum(s[4] == "expertd-grpc" for s in window) / len(window),
             # a thread Python did not start: the native port's gRPC thread (its direct path)
-            "on_grpc_thread": sum(s[4].startswith("Dummy-") for s in window) / len(window),
+            "direct": sum(s[4].startswith("Dummy-") for s in window) / len(window),
             "buckets": dict(collections.Counter(s[3] for s in window))}
 
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ports: unknown {', '.join(sorted(unknown))}; expected main and / or native")
     rows = []
     print(f"{'port':>6} | delay ms | req/s | p50 ms | steps/s | rows/step | one-row steps | engine busy | "
-          "on the loop | on gRPC's", flush=True)
+          "on the loop | direct", flush=True)
     for round_index in range(args.rounds):
         for port, delay in itertools.product(ports, delays):
             row = measure(port, args.callers, args.duration, args.step_padding_ms / 1e3, delay) | {
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{port:>6} | {'default' if delay is None else delay:>8} | {row['requests_per_s']:5.0f} | "
                   f"{row['p50_ms']:6.2f} | {row['steps_per_s']:7.0f} | {row['rows_per_step']:9.1f} | "
                   f"{row['one_row_steps']:13.0%} | {row['engine_busy']:11.0%} | "
-                  f"{row['on_event_loop']:11.0%} | {row['on_grpc_thread']:.0%}", flush=True)
+                  f"{row['on_event_loop']:11.0%} | {row['direct']:.0%}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "batch_shapes", "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -44,7 +44,7 @@ def test_gpu_session_shapes_step_alternates_the_queue_delays(tmp_path):
               SHAPES_ARGS="--ports main --callers 4 --rounds 1 --duration 0.3 --max-queue-delay-ms 2,0")
     rows = json.loads((tmp_path / "batch_shapes_gpu.json").read_text())["rows"]
     assert [(r["port"], r["max_queue_delay_ms"]) for r in rows] == [("main", 2.0), ("main", 0.0)]
-    assert all(r["requests_per_s"] > 0 and r["steps_per_s"] > 0 and r["on_grpc_thread"] == 0 for r in rows)
+    assert all(r["requests_per_s"] > 0 and r["steps_per_s"] > 0 and r["direct"] == 0 for r in rows)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

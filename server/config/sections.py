@@ -317,7 +317,7 @@ class ServerConfig:
                                      "(0: a free port; needs the system's libgrpc++: docs/serving.md; "
                                      "$EXPERTD_NATIVE_PORT)", parse=int, metavar="PORT", env="EXPERTD_NATIVE_PORT")
     native_direct: bool = option(True, "on --native-port, a lone call at an idle server, and what queues behind it, "
-                                       "runs on its gRPC thread, not waking the event loop (one process only)")
+                                       "run on gRPC C++'s threads, not waking the event loop (one process only)")
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
                                       "when auth is on and --metrics-auth is not: unauthenticated metrics of an "
                                       "authenticated server stay local unless asked)", metavar="ADDRESS",

@@ -18,10 +18,10 @@
 // `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived after
 // the last batch was answered alone), their rows concatenated. Where Python gave a direct callable
 // (`set_direct`), a call that finds nothing queued or in flight skips the queue and the event loop:
-// it becomes a batch of its own at once, and its gRPC thread, the direct runner, calls `direct` with
-// the GIL held (the arguments `take` would return), which answers it; then, while nothing else is in
-// flight, the runner takes what queued meanwhile as its next batch, and queued calls do not signal
-// the eventfd while it runs (RunDirect). Python answers a batch with
+// it becomes a batch of its own at once, and its gRPC thread calls `direct` with the GIL held (the
+// arguments `take` would return), which answers it. The direct runner is then on: queued calls do
+// not signal the eventfd, and if any queued during that step, the front's runner thread takes them
+// as its next batch, and so on while nothing else is in flight (RunDirect). Python answers a batch with
 // `finish` (the output rows in the callers' dtype, split back per call) or `fail` (one status for
 // each of its calls). Calls cancelled or past their deadline while queued are answered CANCELLED
 // when a take meets them, not run.
@@ -65,6 +65,7 @@
 #include <atomic>
 #include <chrono>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -72,6 +73,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -495,49 +497,77 @@ class Front final
     direct_ = direct == Py_None ? nullptr : direct;
   }
 
-  // The direct runner, on the gRPC thread of the lone call that found the port idle (batch `id`,
-  // which Forward registered as in flight): each batch goes to the direct callable with take's tuple
-  // and the GIL held, which answers it with finish or fail, or hands it to the event loop (which
-  // answers it later). A batch whose callable raises gets INTERNAL. Then, while nothing else is in
-  // flight, the calls that queued meanwhile are the next batch (TryTake's rule), so a steady load
-  // is served step after step here without waking the event loop; otherwise the runner stops,
-  // waking Python for what is queued.
+  // A lone call that found the port idle (batch `id`, which Forward registered as in flight, this
+  // thread the direct runner), run on its gRPC thread. If calls queued meanwhile, the run goes on
+  // on the runner thread, not here: a gRPC callback that blocks holds back what it started, the
+  // lone call's answer included, until it returns.
   void RunDirect(int64_t id) {
-    while (id != 0) {
-      std::vector<Call> calls;
-      PyObject* direct;
+    RunOne(id);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (direct_ != nullptr && !stopping_ && in_flight_.empty() && !queue_.empty()) {
+      if (!runner_started_) {
+        runner_started_ = true;
+        std::thread([this] { RunnerThread(); }).detach();  // lives as the front does: for the process
+      }
+      runner_wanted_ = true;
+      runner_cv_.notify_one();
+      return;
+    }
+    StopRunner(lock);
+  }
+
+  // The runner thread: woken by RunDirect, it runs the direct runner's batches (NextDirect) until
+  // the runner stops, then waits for the next wake-up.
+  void RunnerThread() {
+    pthread_setname_np(pthread_self(), "expertd-direct");
+    for (;;) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = in_flight_.find(id);
-        if (it != in_flight_.end()) calls = it->second;  // always found: only this thread has seen `id`
-        direct = direct_;
+        std::unique_lock<std::mutex> lock(mu_);
+        runner_cv_.wait(lock, [this] { return runner_wanted_; });
+        runner_wanted_ = false;
       }
-      if (direct == nullptr) {  // stopped since the batch was registered
-        if (Release(id, &calls)) {
-          for (const Call& call : calls) {
-            Complete(call.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"),
-                     call.arrived);
-          }
-        }
-      } else if (!calls.empty()) {
-        bool failed = false;
-        {
-          const PyGILState_STATE gil = PyGILState_Ensure();
-          PyObject* args = BatchArgs(id, calls);
-          PyObject* result = args == nullptr ? nullptr : PyObject_CallObject(direct, args);
-          failed = result == nullptr;
-          if (failed) PyErr_WriteUnraisable(direct);
-          Py_XDECREF(args);
-          Py_XDECREF(result);
-          PyGILState_Release(gil);
-        }
-        if (failed && Release(id, &calls)) {
-          for (const Call& call : calls) {
-            Complete(call.reactor, grpc::Status(grpc::StatusCode::INTERNAL, "internal error"), call.arrived);
-          }
+      for (int64_t id = NextDirect(); id != 0; id = NextDirect()) RunOne(id);
+    }
+  }
+
+  // Batch `id` (in flight, taken by the direct runner) given to the direct callable with take's
+  // tuple and the GIL held, which answers it with finish or fail, or hands it to the event loop
+  // (which answers it later). A batch whose callable raises gets INTERNAL; once direct is off,
+  // UNAVAILABLE.
+  void RunOne(int64_t id) {
+    std::vector<Call> calls;
+    PyObject* direct;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = in_flight_.find(id);
+      if (it != in_flight_.end()) calls = it->second;  // always found: only the runner has seen `id`
+      direct = direct_;
+    }
+    if (direct == nullptr) {  // stopped since the batch was registered
+      if (Release(id, &calls)) {
+        for (const Call& call : calls) {
+          Complete(call.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"),
+                   call.arrived);
         }
       }
-      id = NextDirect();
+      return;
+    }
+    if (calls.empty()) return;
+    bool failed = false;
+    {
+      const PyGILState_STATE gil = PyGILState_Ensure();
+      PyObject* args = BatchArgs(id, calls);
+      PyObject* result = args == nullptr ? nullptr : PyObject_CallObject(direct, args);
+      failed = result == nullptr;
+      if (failed) PyErr_WriteUnraisable(direct);
+      Py_XDECREF(args);
+      Py_XDECREF(result);
+      PyGILState_Release(gil);
+    }
+    if (failed && Release(id, &calls)) {
+      for (const Call& call : calls) {
+        Complete(call.reactor, grpc::Status(grpc::StatusCode::INTERNAL, "internal error"), call.arrived);
+      }
     }
   }
 
@@ -557,11 +587,17 @@ class Front final
       in_flight_[id] = std::move(calls);
       return id;
     }
+    StopRunner(lock);
+    return 0;
+  }
+
+  // The direct runner stops (`lock` holds mu_, and is let go): queued calls wake Python again,
+  // and those already queued are Python's to take.
+  void StopRunner(std::unique_lock<std::mutex>& lock) {
     direct_running_ = false;
     const bool wake = !stopping_ && !queue_.empty();
     lock.unlock();
     if (wake) Wake();
-    return 0;
   }
 
   // take's answer for batch `id` (its `calls`, in flight): (batch, layer, dtype, rows: bytes,
@@ -751,7 +787,10 @@ class Front final
   std::map<int64_t, std::vector<Call>> in_flight_;
   Clock::time_point last_answered_{};  // when the latest batch left in_flight_ (answered or failed)
   PyObject* direct_ = nullptr;         // SetDirect's callable (a reference held forever), or none
-  bool direct_running_ = false;        // a gRPC thread is in RunDirect (queued calls wait for it)
+  bool direct_running_ = false;        // the direct runner is on (queued calls wait for it)
+  bool runner_started_ = false;        // the runner thread exists
+  bool runner_wanted_ = false;         // RunDirect woke the runner thread
+  std::condition_variable runner_cv_;
 
   std::mutex info_mu_;
   expertd::v1::GetModelInfoResponse model_info_;

@@ -21,17 +21,18 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   fails answers each of its calls with that status (details included).
   The direct path (``direct``, ``--native-direct``, on by default in one process): a call that
   finds nothing queued or in flight on the port does not wake the event loop. Its gRPC thread
-  becomes the direct runner: it takes the GIL and offers the call to ``Batcher.forward_now``,
-  which computes and answers it there when the whole server is idle (nothing admitted, queued or
-  running; one step, expected within the deadline) and records the step as the batcher records
-  every step; otherwise the batch is handed to the event loop as a taken batch. Calls arriving
-  meanwhile queue without waking the loop; when the step is done and nothing else is in flight,
-  the runner takes them as its next batch (all of them merge: they queued behind a batch) and
-  offers it the same way, until the queue is empty or a batch is handed over (then the loop is
-  woken for what is queued). So a steady load on this port alone runs step after step on one gRPC
-  thread, each step what queued during the last (no queue delay), with no thread hand-over and
-  no event-loop turn. Steps serialize on the engine's lock, so a direct step and the batcher's
-  never overlap.
+  takes the GIL and offers the call to ``Batcher.forward_now``, which computes and answers it
+  there when the whole server is idle (nothing admitted, queued or running; one step, expected
+  within the deadline) and records the step as the batcher records every step; otherwise the
+  batch is handed to the event loop as a taken batch. Calls arriving meanwhile queue without
+  waking the loop. When the step is done and nothing else is in flight, the port's runner thread
+  (C++, ``expertd-direct``) takes them as its next batch (all of them merge: they queued behind
+  a batch) and offers it the same way, until the queue is empty or a batch is handed over (then
+  the loop is woken for what is queued). The gRPC thread returns first: gRPC sends what a
+  callback started (the lone call's answer) only once the callback returns. So a steady load on
+  this port alone runs step after step without the event loop, each step what queued during the
+  last (no queue delay). Steps serialize on the engine's lock, so a direct step and the
+  batcher's never overlap.
 - ``ExpertService/GetModelInfo``: the main port's answer (``model_info()``), read at start and
   again by ``refresh_model_info`` (the server calls it whenever an expert placement is swapped in).
 - ``grpc.health.v1``: SERVING once warm-up is done, NOT_SERVING from the drain on.
@@ -253,8 +254,8 @@ class NativeFront:
         self._take()
 
     def _direct(self, batch_id: int, *batch) -> None:
-        """One of the direct runner's batches (a lone call on an idle port, or the calls queued behind
-        the runner's last batch), on its gRPC thread with the GIL held (C++'s ``set_direct``;
+        """One of the direct runner's batches (a lone call on an idle port, on its gRPC thread, or the
+        calls queued behind the last, on the runner thread) with the GIL held (C++'s ``set_direct``;
         ``batch`` as ``take`` gives it): computed and answered here where the batcher is idle too
         (``Batcher.forward_now``, which records the step after the answer), else handed to the
         event loop as a taken batch."""

@@ -1,5 +1,6 @@
 """The native port's direct path (``--native-direct``, on by default): a lone call that finds the
-server idle is computed on the gRPC thread it arrived on, without the event loop.
+server idle is computed on the gRPC thread it arrived on, without the event loop, and the calls
+that queue behind it on the port's runner thread.
 
 It must answer exactly what the main port answers and record its step as every step is recorded;
 fall back to the event loop whenever anything else is admitted or running (no deadlock, every call
@@ -7,7 +8,7 @@ its own rows, whatever the order); refuse an overflowing result naming the field
 lost, when the drain begins while it computes; and stay off with ``--no-native-direct``.
 Steps are seen through a pass-through around the real engine's ``forward`` that notes the thread
 each step runs on: the event loop is ``expertd-grpc``, the device thread ``expertd-device_0``,
-anything else is a thread gRPC C++ started.
+anything else a thread C++ started (gRPC's, or the runner thread).
 """
 from __future__ import annotations
 
@@ -37,11 +38,15 @@ class StepThreads:
     def __init__(self, engine):
         self.names: list[str] = []
         self.entered = threading.Event()
+        self.hold: threading.Event | None = None  # set: the next step to enter waits for it first
         forward = engine.forward
 
         def noting(*args, **options):
             self.names.append(threading.current_thread().name)
             self.entered.set()
+            hold, self.hold = self.hold, None
+            if hold is not None:
+                hold.wait(60)
             return forward(*args, **options)
 
         engine.forward = noting
@@ -173,8 +178,8 @@ def test_calls_meeting_a_busy_server_wait_their_turn_and_each_gets_its_rows(serv
 
 def test_calls_queued_behind_a_direct_step_are_the_next_direct_step(server):
     """While a direct step runs, native calls queue on the port without waking the event loop; when
-    it ends, the same gRPC thread takes them (they queued behind a batch, so they merge) as its next
-    step, and each call gets its own rows."""
+    it ends, the port's runner thread takes them (they queued behind a batch, so they merge) as the
+    next direct step, and each call gets its own rows."""
     inputs = [rows(tokens, 60 + tokens) for tokens in (2, 1, 2, 3)]  # the queued 6 fit one step (8)
     with client(server, "main") as main:
         expected = [main.forward(x, layer=0) for x in inputs]
@@ -193,6 +198,29 @@ def test_calls_queued_behind_a_direct_step_are_the_next_direct_step(server):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # merged: another bucket
     assert steps.since(first) == ["grpc", "grpc"]
     assert direct_calls(server, "computed") == computed + 2
+
+
+def test_a_direct_answer_is_sent_before_the_step_queued_behind_it_runs(server):
+    """The lone call's answer leaves when its step ends, not after the next one: the runner thread,
+    not the call's gRPC thread (whose answer gRPC sends only once it returns), runs what queued."""
+    inputs = [rows(2, 70), rows(3, 71)]
+    with client(server, "main") as main:
+        expected = [main.forward(x, layer=0) for x in inputs]
+    steps, release = server.steps, threading.Event()
+    with client(server, timeout=60) as native, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            with server.engine.lock:
+                steps.entered.clear()
+                first = pool.submit(native.forward, inputs[0], layer=0)
+                assert steps.entered.wait(30)
+                second = pool.submit(native.forward, inputs[1], layer=0)
+                poll(lambda: queued_calls(server) == 1, 30)
+                steps.hold = release  # the queued call's step will wait
+            np.testing.assert_array_equal(first.result(30), expected[0])
+            assert not second.done()
+        finally:
+            release.set()
+        np.testing.assert_allclose(second.result(60), expected[1], rtol=1e-6, atol=1e-6)
 
 
 def test_a_call_at_a_busy_server_goes_through_the_event_loop(server):
