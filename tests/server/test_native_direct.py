@@ -80,6 +80,14 @@ def direct_calls(server, outcome: str) -> float:
     return server.registry.get_sample_value("expertd_native_forward_direct_total", {"outcome": outcome})
 
 
+def counted(server, outcome: str, want: float) -> None:
+    """Wait until ``direct_calls(server, outcome)`` reaches ``want``: a batch is counted after its
+    answers are sent (the runner thread sends them before ``_direct`` returns), so a client can
+    see its answer first."""
+    poll(lambda: direct_calls(server, outcome) >= want, 30)
+    assert direct_calls(server, outcome) == want
+
+
 def pending(server) -> float:
     return server.registry.get_sample_value("expertd_pending_requests")
 
@@ -118,6 +126,7 @@ def test_a_lone_call_at_an_idle_server_is_computed_on_its_grpc_thread(server, dt
             assert got.dtype == np.dtype(dtype)
             np.testing.assert_array_equal(got, want)  # the same bucket, the same compiled step
     assert server.steps.since(first) == ["grpc"] * len(inputs)
+    counted(server, "computed", computed + len(inputs))  # then the scrape sees every step recorded
     text = scrape(server.metrics_port)
     assert sample(text, "expertd_executions_total", layer="0", kind="forward") == executions + len(inputs)
     routed_now = sum(sample(text, "expertd_routed_tokens_total", layer="0", expert=str(e)) for e in range(8))
@@ -133,7 +142,7 @@ def test_a_call_larger_than_one_step_goes_through_the_event_loop(server):
     with client(server) as native:
         np.testing.assert_array_equal(native.forward(x, layer=0), want)
     assert server.steps.since(first) == ["expertd-device"] * 2
-    assert direct_calls(server, "handed_over") == handed_over + 1
+    counted(server, "handed_over", handed_over + 1)
 
 
 def test_a_result_that_overflows_is_refused_naming_the_field_and_the_next_call_is_served(server):
@@ -143,7 +152,7 @@ def test_a_result_that_overflows_is_refused_naming_the_field_and_the_next_call_i
             native.forward(np.full((2, H), 3e38, np.float32), layer=0)
         assert np.isfinite(native.forward(rows(2, 1), layer=0)).all()
     assert server.steps.since(first) == ["grpc", "grpc"]
-    assert direct_calls(server, "computed") == computed + 2
+    counted(server, "computed", computed + 2)
 
 
 def test_calls_meeting_a_busy_server_wait_their_turn_and_each_gets_its_rows(server):
@@ -197,7 +206,7 @@ def test_calls_queued_behind_a_direct_step_are_the_next_direct_step(server):
     for got, want in zip(outputs, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # merged: another bucket
     assert steps.since(first) == ["grpc", "grpc"]
-    assert direct_calls(server, "computed") == computed + 2
+    counted(server, "computed", computed + 2)
 
 
 def test_a_direct_answer_is_sent_before_the_step_queued_behind_it_runs(server):
@@ -238,7 +247,7 @@ def test_a_call_at_a_busy_server_goes_through_the_event_loop(server):
             held = pool.submit(main.forward, x, layer=0)
             assert steps.entered.wait(30)
             waiting = pool.submit(native.forward, y, layer=0)
-            poll(lambda: direct_calls(server, "handed_over") == handed_over + 1, 30)
+            counted(server, "handed_over", handed_over + 1)
         np.testing.assert_array_equal(held.result(60), want_x)
         np.testing.assert_allclose(waiting.result(60), want_y, rtol=1e-6, atol=1e-6)
     assert "grpc" not in steps.since(first)
