@@ -61,7 +61,7 @@ class AsyncExpertClient(ClientBase):
         """``y [T, H]`` for ``x [T, H]``, or a ForwardResult (output + routing) with ``return_routing``."""
         request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
         method, metadata = self._forward_call(request)
-        response = await self._unary(method, request, timeout, metadata=metadata, throttled=True)
+        response = await self._unary(method, request, timeout, metadata=metadata, throttled=True, idempotent=True)
         result = messages.forward_result(response, out)
         return result if return_routing else result.output
 
@@ -77,7 +77,8 @@ class AsyncExpertClient(ClientBase):
     ) -> messages.RouteResult:
         """The router's decisions for ``hidden_states [T, H]`` or for router ``logits= [T, E]``."""
         request = messages.route_request(hidden_states, logits, layer, aux_loss_coeff, token_ids)
-        return messages.route_result(await self._unary(self._stub.Route, request, timeout, throttled=True))
+        response = await self._unary(self._stub.Route, request, timeout, throttled=True, idempotent=True)
+        return messages.route_result(response)
 
     async def forward_stream(
         self,
@@ -135,12 +136,12 @@ class AsyncExpertClient(ClientBase):
         return list((await self._unary(self._stub.GetSharedMemoryStatus, request, timeout)).regions)
 
     async def model_info(self, *, timeout: float | None = None) -> expert_pb2.GetModelInfoResponse:
-        return await self._unary(self._stub.GetModelInfo, expert_pb2.GetModelInfoRequest(), timeout)
+        return await self._unary(self._stub.GetModelInfo, expert_pb2.GetModelInfoRequest(), timeout, idempotent=True)
 
     async def expert_load(self, layers: Iterable[int] = (), *, timeout: float | None = None) -> dict[int,
                                                                                                      messages.ExpertLoad]:
         request = expert_pb2.GetExpertLoadRequest(layers=list(layers))
-        return messages.expert_loads(await self._unary(self._stub.GetExpertLoad, request, timeout))
+        return messages.expert_loads(await self._unary(self._stub.GetExpertLoad, request, timeout, idempotent=True))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> int:
         """The ``grpc.health.v1`` status of ``service``, over the probe channel (see ExpertClient.health)."""
@@ -175,9 +176,10 @@ class AsyncExpertClient(ClientBase):
         await self.close()
 
     async def _unary(self, method, request, timeout: float | None, *, retry: bool = True, metadata=(),
-                throttled: bool = False):
-        """One unary call, RESOURCE_EXHAUSTED retried; ``throttled``: a call the server admits by
-        cost, subject to client-side throttling (``ClientBase._refused_here``)."""
+                throttled: bool = False, idempotent: bool = False):
+        """One unary call, retried as ``ClientBase._retry_delay`` says; ``throttled``: a call the
+        server admits by cost, subject to client-side throttling (``ClientBase._refused_here``);
+        ``idempotent``: one that may run twice (``channel.IDEMPOTENT_METHODS``)."""
         timeout = self._timeout if timeout is None else timeout
         metadata = self._metadata + metadata if metadata else self._metadata
         retries = self._retries if retry else 0
@@ -193,5 +195,5 @@ class AsyncExpertClient(ClientBase):
                     self._answered(error)
                 if error is None:
                     return response
-            await asyncio.sleep(self._retry_delay(error, attempt, retries))
+            await asyncio.sleep(self._retry_delay(error, attempt, retries, idempotent))
             attempt += 1

@@ -14,8 +14,9 @@ The channel's service config (``service_config``): gRPC's ``round_robin`` over t
 whose ``grpc.health.v1`` status (service "", Watched by gRPC's client-side health checking) is
 SERVING, so warming-up and draining servers get no calls; and a ``retryPolicy`` that retries
 ``RETRIED_BY_GRPC`` with exponential backoff on the idempotent unary methods, each attempt picked
-anew (another replica). The clients' own retry loop retries only RESOURCE_EXHAUSTED (with the
-server's RetryInfo hint): no call is retried twice over.
+anew (another replica). The clients' own retry loop retries RESOURCE_EXHAUSTED (with the
+server's RetryInfo hint) and, once, an idempotent call gRPC could not retry because its replica
+was lost after it began answering (``LOST_IN_TRANSPORT``): no call is retried twice over.
 Health calls go through a second channel without health checking (``ClientBase.probe``): they
 must reach servers that are not SERVING.
 """
@@ -56,6 +57,11 @@ RETRY_BUFFER_BYTES = 64 * 1024 * 1024
 GRPC_MAX_ATTEMPTS = 5
 # Retried by the clients' own loop (the server's RetryInfo hint says when): any replica's queue may be full.
 CLIENT_RETRIED = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
+# gRPC's status details for a call whose transport was lost under it (the connection reset or closed),
+# not a status a server sent. gRPC's retry policy retries a call only until the server's response
+# headers arrive (the call commits, gRFC A6): an idempotent call lost after that (its replica killed
+# while answering) is sent once more by the clients' own loop.
+LOST_IN_TRANSPORT = "Stream removed"
 HEALTH_CHECK_SERVICE = ""  # the whole server: NOT_SERVING while warming up and draining
 GRPC_SCHEMES = ("dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds", "google-c2p")
 # A dead replica's replacement is found within seconds: reconnect attempts at most this far apart
@@ -333,11 +339,14 @@ class ClientBase:
             return None
         return None if self._throttle.allow() else self._throttle.refusal()
 
-    def _retry_delay(self, error: errors.ExpertError, attempt: int, retries: int) -> float:
+    def _retry_delay(self, error: errors.ExpertError, attempt: int, retries: int, idempotent: bool) -> float:
         """Seconds to wait before attempt ``attempt + 1`` of a unary call whose attempt failed with
-        ``error``; raises ``error`` when it is not retried here (only CLIENT_RETRIED codes, at most
-        ``retries`` times: gRPC's retry policy already retried UNAVAILABLE)."""
-        if error.code not in CLIENT_RETRIED or attempt >= retries:
+        ``error``; raises ``error`` when it is not retried here. Retried here, at most ``retries``
+        times: CLIENT_RETRIED codes, and an ``idempotent`` call's first attempt lost in transport
+        (LOST_IN_TRANSPORT); every other UNAVAILABLE gRPC's retry policy has already retried."""
+        lost = idempotent and attempt == 0 and error.code == grpc.StatusCode.UNAVAILABLE \
+            and error.message.startswith(LOST_IN_TRANSPORT)
+        if not (lost or error.code in CLIENT_RETRIED) or attempt >= retries:
             raise error
         return self._backoff.delay(attempt, error.retry_delay)
 

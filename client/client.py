@@ -45,8 +45,9 @@ class ExpertClient(ClientBase):
         one server; see :mod:`expertd.client.channel`).
       timeout: deadline in seconds of each unary call, its UNAVAILABLE retries included; each
         RESOURCE_EXHAUSTED retry gets a new one (None: no deadline).
-      retries: extra attempts after UNAVAILABLE (gRPC's retry policy, at most 4) or
-        RESOURCE_EXHAUSTED (the client's own loop); 0 disables both.
+      retries: extra attempts after UNAVAILABLE (gRPC's retry policy, at most 4; an idempotent
+        call lost in transport after its replica began answering, once more by the client's own
+        loop) or RESOURCE_EXHAUSTED (the client's own loop); 0 disables all.
       tls: False (plaintext), True (TLS with the system roots) or :class:`TlsOptions` (own CA,
         mutual TLS with a client certificate, server-name override).
       token: bearer token sent as ``authorization: Bearer <token>`` on every call.
@@ -93,7 +94,8 @@ class ExpertClient(ClientBase):
         """
         request = messages.forward_request(x, layer, return_routing, token_ids=token_ids, out=out)
         method, metadata = self._forward_call(request)
-        result = messages.forward_result(self._unary(method, request, timeout, metadata=metadata, throttled=True), out)
+        response = self._unary(method, request, timeout, metadata=metadata, throttled=True, idempotent=True)
+        result = messages.forward_result(response, out)
         return result if return_routing else result.output
 
     def route(
@@ -109,7 +111,7 @@ class ExpertClient(ClientBase):
         """The router's decisions for ``hidden_states [T, H]`` or for router ``logits= [T, E]``
         (``token_ids [T]`` as in ``forward``)."""
         request = messages.route_request(hidden_states, logits, layer, aux_loss_coeff, token_ids)
-        return messages.route_result(self._unary(self._stub.Route, request, timeout, throttled=True))
+        return messages.route_result(self._unary(self._stub.Route, request, timeout, throttled=True, idempotent=True))
 
     def forward_stream(
         self,
@@ -162,13 +164,13 @@ class ExpertClient(ClientBase):
 
     def model_info(self, *, timeout: float | None = None) -> expert_pb2.GetModelInfoResponse:
         """The layers served (shapes, router settings), dtype, token buckets and mesh."""
-        return self._unary(self._stub.GetModelInfo, expert_pb2.GetModelInfoRequest(), timeout)
+        return self._unary(self._stub.GetModelInfo, expert_pb2.GetModelInfoRequest(), timeout, idempotent=True)
 
     def expert_load(self, layers: Iterable[int] = (), *, timeout: float | None = None) -> dict[int,
                                                                                                messages.ExpertLoad]:
         """Tokens routed to each expert per layer (all layers when ``layers`` is empty)."""
         request = expert_pb2.GetExpertLoadRequest(layers=list(layers))
-        return messages.expert_loads(self._unary(self._stub.GetExpertLoad, request, timeout))
+        return messages.expert_loads(self._unary(self._stub.GetExpertLoad, request, timeout, idempotent=True))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> int:
         """The ``grpc.health.v1`` status of ``service`` ("" = the whole server): a HealthCheckResponse.ServingStatus.
@@ -207,9 +209,10 @@ class ExpertClient(ClientBase):
         self.close()
 
     def _unary(self, method, request, timeout: float | None, *, retry: bool = True, metadata=(),
-               throttled: bool = False):
-        """One unary call, RESOURCE_EXHAUSTED retried; ``throttled``: a call the server admits by
-        cost, subject to client-side throttling (``ClientBase._refused_here``)."""
+               throttled: bool = False, idempotent: bool = False):
+        """One unary call, retried as ``ClientBase._retry_delay`` says; ``throttled``: a call the
+        server admits by cost, subject to client-side throttling (``ClientBase._refused_here``);
+        ``idempotent``: one that may run twice (``channel.IDEMPOTENT_METHODS``)."""
         timeout = self._timeout if timeout is None else timeout
         metadata = self._metadata + metadata if metadata else self._metadata
         retries = self._retries if retry else 0
@@ -225,5 +228,5 @@ class ExpertClient(ClientBase):
                     self._answered(error)
                 if error is None:
                     return response
-            time.sleep(self._retry_delay(error, attempt, retries))
+            time.sleep(self._retry_delay(error, attempt, retries, idempotent))
             attempt += 1

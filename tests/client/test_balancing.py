@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
+import socket
+import struct
 import threading
 import time
 
@@ -40,6 +43,7 @@ class Replica:
     def __init__(self, name: str, code: grpc.StatusCode = grpc.StatusCode.OK, port: int = 0):
         self.name, self.code, self.calls = name, code, 0
         self.hold: threading.Event | None = None  # set: GetModelInfo waits for it before answering
+        self.answering = None  # set: GetModelInfo calls it with its context before answering
         self._lock = threading.Lock()
         self.health = health.HealthServicer()
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
@@ -59,6 +63,8 @@ class Replica:
                 self.replica.calls += 1
             if self.replica.hold is not None:
                 self.replica.hold.wait(10)
+            if self.replica.answering is not None:
+                self.replica.answering(context)
             if self.replica.code != grpc.StatusCode.OK:
                 context.abort(self.replica.code, f"{self.replica.name} says no")
             return expert_pb2.GetModelInfoResponse(model=self.replica.name)
@@ -239,3 +245,74 @@ def test_a_killed_replica_is_left_and_a_restarted_one_is_used_again(replicas):
             assert restarted.calls >= 1
         finally:
             restarted.stop()
+
+
+class ResettingProxy:
+    """A TCP proxy in front of ``replica`` that can reset every connection through it (RST, as the
+    kernel does for a killed process) and then refuse new ones: a replica lost mid-call."""
+
+    def __init__(self, replica: Replica):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream = replica.port
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return  # closed by reset()
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            self.sockets += [downstream, upstream]
+            for source, sink in ((downstream, upstream), (upstream, downstream)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+
+    def reset(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept(), which holds it: no new connection
+        self.listener.close()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):  # the peer may have closed it already
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends RST
+                sock.shutdown(socket.SHUT_RD)  # wakes its pump, which holds it in recv
+        for sock in self.sockets:
+            sock.close()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_a_call_lost_after_its_replica_began_answering_is_sent_again_to_another(replicas, flavour):
+    """gRPC's retry policy retries a call only until the server's response headers arrive (the call
+    commits, gRFC A6); a replica killed after that loses the call in transport ("Stream removed"),
+    which the client's own loop sends once more, to another replica."""
+    dying, healthy = replicas("dying", "healthy")
+    proxy = ResettingProxy(dying)
+
+    def headers_then_lost(context) -> None:
+        context.send_initial_metadata((("replica", "dying"),))
+        time.sleep(0.2)  # the headers reach the client: the call is committed
+        proxy.reset()  # before the answer leaves
+
+    dying.answering = headers_then_lost
+    options = {"target": f"127.0.0.1:{proxy.port},{target(healthy)}", "retries": 2, "timeout": 10, "backoff": FAST}
+    deadline = time.monotonic() + 30  # round robin uses a replica once its connection is ready
+    if flavour == "sync":
+        with ExpertClient(**options) as client:
+            while dying.calls == 0 and time.monotonic() < deadline:
+                assert client.model_info().model == "healthy"
+    else:
+        async def calls() -> None:
+            async with AsyncExpertClient(**options) as client:
+                while dying.calls == 0 and time.monotonic() < deadline:
+                    assert (await client.model_info()).model == "healthy"
+
+        asyncio.run(calls())
+    assert dying.calls == 1

@@ -57,7 +57,9 @@ def test_a_killed_replica_costs_no_retried_call_and_throughput_recovers(tmp_path
 @pytest.mark.exclusive
 def test_large_calls_on_a_killed_replica_are_retried_too(tmp_path_factory):
     """512 KiB Forwards (2,048 tokens x H 64 fp32): past gRPC's default per-call retry buffer (256
-    KiB) a call would commit as it is sent, and one in flight on the killed replica would fail."""
+    KiB) a call would commit as it is sent, and one in flight on the killed replica would fail; and
+    a 512 KiB answer takes long enough to send that the kill can land after its headers (the call
+    committed: the client's own loop sends it again)."""
     failover = failover_benchmark()
     config = failover.ChaosConfig(concurrency=4, tokens=2048, before_s=2.0, down_s=1.0, after_s=2.0,
                                   startup_timeout_s=240, cache_dir=str(cache_dir(tmp_path_factory)))
