@@ -136,6 +136,7 @@ def test_calls_arriving_together_at_an_idle_port_get_steps_of_their_own(tmp_path
         for pair in range(20):
             together = threading.Barrier(2)
             assert all(out.shape == (4, H) for out in pool.map(call, (2 * pair, 2 * pair + 1), (together, together)))
+        poll(lambda: steps() - before >= 40, 30)  # a step is recorded after its answers are sent
         assert steps() - before == 40
 
 
@@ -342,6 +343,8 @@ def test_metrics_count_the_ports_calls_and_its_batches_reach_the_batcher(server)
             client.forward(rows(2, seed), layer=0)
         with pytest.raises(InvalidArgumentError):
             client.forward(NAN, layer=0)
+    poll(lambda: sample(scrape(server.metrics_port), "expertd_executions_total", layer="0", kind="forward")
+         >= steps + 3, 30)  # a step is recorded after its answer is sent
     text = scrape(server.metrics_port)
     assert sample(text, "expertd_native_forward_handled_total", grpc_code="OK") == ok + 3
     assert sample(text, "expertd_native_forward_handled_total", grpc_code="INVALID_ARGUMENT") == invalid + 1
