@@ -13,11 +13,11 @@ with none (every failure counts). Timeline:
    calls), then serves, and the clients' reconnection finds it;
 4. load for ``--after`` s after it answered its first call again.
 
-Every call's start, end and status is recorded. Reported: per client, the calls started in the
-window (one second before the kill to the end) and how many failed; the pre-kill throughput; the
-recovery time (from the kill until a 0.5 s window reaches 80 % of the pre-kill throughput); the
-restarted replica's rejoin time (from its SERVING to its first answered call); throughput over the
-run in 100 ms bins as a PNG (matplotlib) and JSON.
+Every call's start, end, status and message is recorded. Reported: per client, the calls started in
+the window (one second before the kill to the end), how many failed and with what messages; the
+pre-kill throughput; the recovery time (from the kill until a 0.5 s window reaches 80 % of the
+pre-kill throughput); the restarted replica's rejoin time (from its SERVING to its first answered
+call); throughput over the run in 100 ms bins as a PNG (matplotlib) and JSON.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/failover.py [--quick]
 
@@ -158,10 +158,10 @@ async def _closed_loop(client, name: str, concurrency: int, x: np.ndarray, stop:
             started = time.monotonic()
             try:
                 await client.forward(x, layer=0)
-                code = "OK"
+                code, message = "OK", ""
             except ExpertError as error:
-                code = error.code.name
-            calls.append((name, started, time.monotonic(), code))
+                code, message = error.code.name, error.message
+            calls.append((name, started, time.monotonic(), code, message))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
@@ -252,8 +252,10 @@ def summarize(calls: list, events: dict[str, float], config: ChaosConfig) -> dic
         mine = [c for c in calls if c[0] == name and window[0] <= c[1] < window[1]]
         codes = collections.Counter(c[3] for c in mine)
         failed = len(mine) - codes["OK"]
+        messages = collections.Counter(f"{c[3]}: {c[4]}" for c in mine if c[3] != "OK")
         clients[name] = {"sent_in_window": len(mine), "failed": failed,
-                         "failed_ratio": failed / len(mine) if mine else 0.0, "codes": dict(sorted(codes.items()))}
+                         "failed_ratio": failed / len(mine) if mine else 0.0, "codes": dict(sorted(codes.items())),
+                         "failures": dict(messages.most_common())}
     edges = np.arange(int((events["end"] - t0) / config.bin_s) + 1) * config.bin_s  # whole bins only
     ok = {name: np.histogram([c[2] - t0 for c in calls if c[0] == name and c[3] == "OK"], edges)[0]
           for name in CLIENTS}
@@ -325,6 +327,7 @@ def report(result: dict) -> str:
     for name, stats in result["clients"].items():
         lines.append(f"client with {name}: {stats['failed']} of {stats['sent_in_window']} calls failed in the window "
                      f"({100 * stats['failed_ratio']:.2f} %) {stats['codes']}")
+        lines += [f"  {count} x {message}" for message, count in stats["failures"].items()]
     recovered = result["recovered_after_kill_s"]
     lines += [
         f"calls/s before the kill {result['calls_per_s_before_kill']:.0f}, first second after it "
