@@ -27,7 +27,10 @@ rounds alternate; the table gives each server's range over ``--rounds``. Each lo
 the server's CPU per call (``server_cpu_us_per_call``, and by thread name, from ``/proc`` where
 there is one): the whole load's, warm-up included, over all its calls; and the load's own
 (``load_cpu_us_per_call``, and ``load_busiest_thread``: its name and the share of the load's wall
-time it ran), which says whether the load itself is the ceiling.
+time it ran), which says whether the load itself is the ceiling. The in-process step is timed back
+to back (what the hop subtracts) and after IDLE_GAP_S of sleep, as a lone caller's step follows its
+last answer (``hop_over_check_idle_step`` subtracts that one instead): on the 2-vCPU VM the second
+was the slower, even with synchronous dispatch and one XLA thread.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/python_floor.py [--rounds 3] [--duration 4]
 
@@ -52,6 +55,7 @@ BUCKETS = (1, 16, 64, 256)
 SERVERS = ("expertd", "bare", "bare-batched", "expertd-native", "expertd-native-queued")
 NATIVE = ("expertd-native", "expertd-native-queued")
 LOAD_START_S = 3.0
+IDLE_GAP_S = 0.0005  # about a lone caller's round trip: the gap before each of its steps
 """Several load processes start their callers together this long after being launched (more than
 their imports take)."""
 
@@ -265,8 +269,9 @@ def measure(port: int, method: str, concurrency: int, duration: float, server_pi
     return result
 
 
-def in_process_step_ms(duration: float = 2.0) -> float:
-    """The single-token step's p50 back to back in-process (what the hop subtracts)."""
+def in_process_step_ms(duration: float = 2.0, idle_s: float = 0.0) -> float:
+    """The single-token step's p50 in-process: back to back (what the hop subtracts), or each after
+    ``idle_s`` of sleep (IDLE_GAP_S: as a lone caller's step follows its last answer)."""
     import numpy as np
 
     from expertd.server.steps import pad_rows
@@ -275,6 +280,8 @@ def in_process_step_ms(duration: float = 2.0) -> float:
     x = np.ones((1, hidden), np.float32)
     times, start = [], time.perf_counter()
     while time.perf_counter() - start < duration:
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         engine.forward(0, pad_rows([x], 1), 1)
         times.append(time.perf_counter() - t0)
@@ -339,15 +346,18 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[kind] = str(exc)
                 servers.remove(kind)
             print(f"{', '.join(native)}: left out: {exc}", flush=True)
-    step_ms = in_process_step_ms()
-    print(f"in-process single-token step p50 {step_ms:.3f} ms", flush=True)
+    step_ms, idle_step_ms = in_process_step_ms(), in_process_step_ms(idle_s=IDLE_GAP_S)
+    print(f"in-process single-token step p50 {step_ms:.3f} ms back to back, {idle_step_ms:.3f} ms after "
+          f"{IDLE_GAP_S * 1e3:g} ms idle", flush=True)
     rows = []
     for round_index in range(args.rounds):
         for kind in servers:
             row = run_server(kind, args.duration, step_ms, args.load_processes) | {"round": round_index}
+            row["hop_over_check_idle_step"] = (row["Forward_1"]["p50_ms"] - idle_step_ms) / row["Check_1"]["p50_ms"]
             rows.append(row)
             print(f"round {round_index} {kind:>12}: Check p50 {row['Check_1']['p50_ms']:.3f} ms, Forward p50 "
-                  f"{row['Forward_1']['p50_ms']:.3f} ms: hop / Check {row['hop_over_check']:.2f}; 64 callers "
+                  f"{row['Forward_1']['p50_ms']:.3f} ms: hop / Check {row['hop_over_check']:.2f} "
+                  f"({row['hop_over_check_idle_step']:.2f} less the step after idle); 64 callers "
                   f"{row['Forward_64']['requests_per_s']:.0f} / {row['Check_64']['requests_per_s']:.0f} req/s: "
                   f"{row['throughput_over_check']:.2f}", flush=True)
             for load in ("Check_1", "Forward_1", "Check_64", "Forward_64"):
@@ -374,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "python_floor", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
         "duration_s": args.duration, "load_processes": args.load_processes, "in_process_step_p50_ms": step_ms,
+        "in_process_step_after_idle_p50_ms": idle_step_ms, "idle_gap_s": IDLE_GAP_S,
         "left_out": skipped, "rows": rows},
         indent=1) + "\n")
     print(f"wrote {args.out}")

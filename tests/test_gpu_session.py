@@ -71,6 +71,9 @@ def test_gpu_session_floor_step_splits_the_callers_over_load_processes(tmp_path)
             assert row[load]["server_cpu_us_per_call"] > 0 and row[load]["load_busiest_thread"]["busy"] > 0
     assert row["hop_over_check"] == pytest.approx(
         (row["Forward_1"]["p50_ms"] - result["in_process_step_p50_ms"]) / row["Check_1"]["p50_ms"])
+    assert result["in_process_step_after_idle_p50_ms"] > 0 and result["idle_gap_s"] > 0
+    assert row["hop_over_check_idle_step"] == pytest.approx(
+        (row["Forward_1"]["p50_ms"] - result["in_process_step_after_idle_p50_ms"]) / row["Check_1"]["p50_ms"])
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
