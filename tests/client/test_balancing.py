@@ -42,7 +42,6 @@ class Replica:
 
     def __init__(self, name: str, code: grpc.StatusCode = grpc.StatusCode.OK, port: int = 0):
         self.name, self.code, self.calls = name, code, 0
-        self.hold: threading.Event | None = None  # set: GetModelInfo waits for it before answering
         self.answering = None  # set: GetModelInfo calls it with its context before answering
         self._lock = threading.Lock()
         self.health = health.HealthServicer()
@@ -61,8 +60,6 @@ class Replica:
         def GetModelInfo(self, request, context):
             with self.replica._lock:
                 self.replica.calls += 1
-            if self.replica.hold is not None:
-                self.replica.hold.wait(10)
             if self.replica.answering is not None:
                 self.replica.answering(context)
             if self.replica.code != grpc.StatusCode.OK:
@@ -198,7 +195,8 @@ def test_unavailable_and_cancelled_are_retried_by_grpc_on_another_replica_not_tw
 
 def test_a_call_the_client_cancels_is_not_retried(replicas):
     (slow,) = replicas("slow")
-    slow.hold = threading.Event()
+    released = threading.Event()
+    slow.answering = lambda _context: released.wait(10)
 
     async def scenario():
         async with AsyncExpertClient(target(slow), retries=3, timeout=10, backoff=FAST) as client:
@@ -215,7 +213,7 @@ def test_a_call_the_client_cancels_is_not_retried(replicas):
     try:
         asyncio.run(scenario())
     finally:
-        slow.hold.set()
+        released.set()
     assert slow.calls == 1
 
 
