@@ -19,6 +19,10 @@ against three servers, each in its own process, all on grpc.aio with uvloop and 
   server idle is computed on its gRPC thread (``--native-direct``).
 - ``expertd-native-queued``: the same with ``--no-native-direct``: every call goes through the
   event loop.
+- ``native-echo``: the native port's C++ (the same checks, queue and direct runner) whose direct
+  callable answers each batch with its own rows: the GIL and one Python call a batch, no step, no
+  batcher. Not a server: the 64-caller rate the native port would reach if its step and
+  bookkeeping cost nothing on this host, so the ceiling of any step-side change.
 
 Load: one process per measurement, C callers on one channel sending a prepared request (a raw stub
 for Forward, so no client library's cost is in it), warm-up then ``--duration`` s; with
@@ -48,12 +52,13 @@ import platform
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "python_floor.json"
 BUCKETS = (1, 16, 64, 256)
-SERVERS = ("expertd", "bare", "bare-batched", "expertd-native", "expertd-native-queued")
-NATIVE = ("expertd-native", "expertd-native-queued")
+SERVERS = ("expertd", "bare", "bare-batched", "expertd-native", "expertd-native-queued", "native-echo")
+NATIVE = ("expertd-native", "expertd-native-queued", "native-echo")
 LOAD_START_S = 3.0
 IDLE_GAP_S = 0.0005  # about a lone caller's round trip: the gap before each of its steps
 """Several load processes start their callers together this long after being launched (more than
@@ -166,8 +171,34 @@ def _serve_expertd(port: int, native: bool = False, direct: bool = True) -> None
     server.wait()
 
 
+def _serve_native_echo(port: int) -> None:
+    """``native-echo`` (module docstring): the native port's module with a direct callable that answers
+    each batch with its own rows, on the calling gRPC or runner thread."""
+    import numpy as np
+
+    from expertd.client import codec
+    from expertd.client.pb.v1.expert_pb2 import GetModelInfoResponse
+    from expertd.server.metrics import LATENCY_BUCKETS
+    from expertd.server.native_front import load
+
+    module = load()
+    handle, _, _ = module.start(f"127.0.0.1:{port}", {0: 64}, 256, 256, 1 << 20, 1 << 16, 64 << 20,
+                                GetModelInfoResponse().SerializeToString(), None, None, LATENCY_BUCKETS, "starting")
+
+    def echo(batch: int, layer: int, dtype: int, rows: bytes, token_ids, remaining_s) -> None:
+        module.finish(handle, batch, np.frombuffer(rows, codec.numpy_dtype(dtype)))
+
+    module.set_direct(handle, echo)
+    module.set_accepting(handle, True, "")
+    print("ready", flush=True)
+    threading.Event().wait()
+
+
 def serve(kind: str, port: int) -> None:
     """Run server ``kind`` on ``port`` until killed (the ``--serve`` entry point)."""
+    if kind == "native-echo":
+        _serve_native_echo(port)
+        return
     if kind in ("expertd", *NATIVE):
         _serve_expertd(port, native=kind in NATIVE, direct=kind != "expertd-native-queued")
         return

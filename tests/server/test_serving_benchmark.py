@@ -59,3 +59,40 @@ def test_in_server_means_count_the_calls_between_two_readings(tmp_path_factory):
     assert check["server_handling_ms_mean"] > 0 and "server_step_ms_mean" not in check
     assert serving.server_means(after, after, "Forward") == {"server_handling_ms_mean": None,
                                                              "server_step_ms_mean": None}
+
+
+def test_python_floor_native_echo_answers_each_call_with_its_own_rows():
+    """``python_floor.py``'s ``native-echo`` (the native port's transport ceiling) answers each Forward
+    with its own rows, calls queued behind a direct batch included, and its Check says SERVING."""
+    import concurrent.futures
+    import socket
+    import subprocess
+
+    from native_front_fixtures import require_native_front
+
+    from expertd.client import codec
+    from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+
+    require_native_front()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "python_floor.py"), "--serve", "native-echo",
+                               str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            forward = expert_pb2_grpc.ExpertServiceStub(channel).Forward
+
+            def call(seed: int) -> bool:
+                rows = np.random.default_rng(seed).standard_normal((1 + seed % 3, 64)).astype(np.float32)
+                answer = forward(expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(rows)), timeout=30)
+                return np.array_equal(codec.decode(answer.output), rows)
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                assert all(pool.map(call, range(200)))
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.kill()
+        server.wait(30)
