@@ -34,7 +34,8 @@ there is one): the whole load's, warm-up included, over all its calls; and the l
 time it ran), which says whether the load itself is the ceiling. The in-process step is timed back
 to back (what the hop subtracts) and after IDLE_GAP_S of sleep, as a lone caller's step follows its
 last answer (``hop_over_check_idle_step`` subtracts that one instead): on the 2-vCPU VM the second
-was the slower, even with synchronous dispatch and one XLA thread.
+is the slower. ``--cpu-sync-dispatch``: the servers and the in-process step run their CPU steps on
+the calling thread, as ``expertd serve --cpu-sync-dispatch``.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/python_floor.py [--rounds 3] [--duration 4]
 
@@ -194,8 +195,12 @@ def _serve_native_echo(port: int) -> None:
     threading.Event().wait()
 
 
-def serve(kind: str, port: int) -> None:
-    """Run server ``kind`` on ``port`` until killed (the ``--serve`` entry point)."""
+def serve(kind: str, port: int, cpu_sync_dispatch: bool = False) -> None:
+    """Run server ``kind`` on ``port`` until killed (the ``--serve`` entry point), its engine's CPU steps
+    on the calling thread where ``cpu_sync_dispatch`` (``expertd serve --cpu-sync-dispatch``)."""
+    from expertd.server.process import configure_cpu_dispatch
+
+    configure_cpu_dispatch(asynchronous=not cpu_sync_dispatch)
     if kind == "native-echo":
         _serve_native_echo(port)
         return
@@ -327,11 +332,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_server(kind: str, duration: float, step_ms: float, idle_step_ms: float, load_processes: int = 1) -> dict:
+def run_server(kind: str, duration: float, step_ms: float, idle_step_ms: float, load_processes: int = 1,
+               cpu_sync_dispatch: bool = False) -> dict:
     """One round against a fresh server of ``kind``: Check and Forward at 1 and 64 callers (these
     over ``load_processes``); the hop less ``step_ms`` (the goal's) and less ``idle_step_ms``."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port),
+                                *(["sync"] if cpu_sync_dispatch else [])], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
         if process.stdout.readline().strip() != "ready":
@@ -362,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
     parser.add_argument("--load-processes", type=int, default=1,
                         help="processes the 64 callers are split over (default 1), so the load is not the ceiling")
+    parser.add_argument("--cpu-sync-dispatch", action="store_true",
+                        help="the servers' and the in-process steps on the calling thread, as expertd serve "
+                        "--cpu-sync-dispatch (default: JAX's asynchronous dispatch, as expertd serve)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     servers = args.servers.split(",")
@@ -378,13 +388,17 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[kind] = str(exc)
                 servers.remove(kind)
             print(f"{', '.join(native)}: left out: {exc}", flush=True)
+    from expertd.server.process import configure_cpu_dispatch
+
+    configure_cpu_dispatch(asynchronous=not args.cpu_sync_dispatch)  # the in-process step's, as the servers'
     step_ms, idle_step_ms = in_process_step_ms(), in_process_step_ms(idle_s=IDLE_GAP_S)
     print(f"in-process single-token step p50 {step_ms:.3f} ms back to back, {idle_step_ms:.3f} ms after "
           f"{IDLE_GAP_S * 1e3:g} ms idle", flush=True)
     rows = []
     for round_index in range(args.rounds):
         for kind in servers:
-            row = run_server(kind, args.duration, step_ms, idle_step_ms, args.load_processes) | {"round": round_index}
+            row = run_server(kind, args.duration, step_ms, idle_step_ms, args.load_processes,
+                             args.cpu_sync_dispatch) | {"round": round_index}
             rows.append(row)
             print(f"round {round_index} {kind:>12}: Check p50 {row['Check_1']['p50_ms']:.3f} ms, Forward p50 "
                   f"{row['Forward_1']['p50_ms']:.3f} ms: hop / Check {row['hop_over_check']:.2f} "
@@ -414,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "benchmark": "python_floor", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
-        "duration_s": args.duration, "load_processes": args.load_processes, "in_process_step_p50_ms": step_ms,
+        "duration_s": args.duration, "load_processes": args.load_processes,
+        "cpu_dispatch": "synchronous" if args.cpu_sync_dispatch else "asynchronous", "in_process_step_p50_ms": step_ms,
         "in_process_step_after_idle_p50_ms": idle_step_ms, "idle_gap_s": IDLE_GAP_S,
         "left_out": skipped, "rows": rows},
         indent=1) + "\n")
@@ -424,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], int(sys.argv[3]))
+        serve(sys.argv[2], int(sys.argv[3]), cpu_sync_dispatch=sys.argv[4:] == ["sync"])
     elif len(sys.argv) > 1 and sys.argv[1] == "--load":
         target, method, concurrency, duration = sys.argv[2:6]
         start_at = float(sys.argv[6]) if len(sys.argv) > 6 else None
