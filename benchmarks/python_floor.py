@@ -35,7 +35,11 @@ time it ran), which says whether the load itself is the ceiling. The in-process 
 to back (what the hop subtracts) and after IDLE_GAP_S of sleep, as a lone caller's step follows its
 last answer (``hop_over_check_idle_step`` subtracts that one instead): on the 2-vCPU VM the second
 is the slower. ``--cpu-sync-dispatch``: the servers and the in-process step run their CPU steps on
-the calling thread, as ``expertd serve --cpu-sync-dispatch``.
+the calling thread, as ``expertd serve --cpu-sync-dispatch``. ``--cpu-latency-qos on`` holds a
+PM QoS request of 0 us on ``/dev/cpu_dma_latency`` (root) while it measures, so the kernel keeps
+idle CPUs polling instead of halting them (what tuned's ``latency-performance`` profile does);
+``ab`` measures each round both ways, idle states allowed first; rows say which
+(``cpu_latency_qos``). It covers the whole machine: servers, load and the in-process step alike.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/python_floor.py [--rounds 3] [--duration 4]
 
@@ -45,12 +49,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
 import pathlib
 import platform
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -62,6 +68,7 @@ SERVERS = ("expertd", "bare", "bare-batched", "expertd-native", "expertd-native-
 NATIVE = ("expertd-native", "expertd-native-queued", "native-echo")
 LOAD_START_S = 3.0
 IDLE_GAP_S = 0.0005  # about a lone caller's round trip: the gap before each of its steps
+CPU_LATENCY_QOS = pathlib.Path("/dev/cpu_dma_latency")
 """Several load processes start their callers together this long after being launched (more than
 their imports take)."""
 
@@ -326,6 +333,25 @@ def in_process_step_ms(duration: float = 2.0, idle_s: float = 0.0) -> float:
 
 # ---------------------------------------------------------------------- the run
 
+@contextlib.contextmanager
+def cpu_latency_qos(held: bool):
+    """Where ``held``, a PM QoS request of 0 us on CPU_LATENCY_QOS for the block: while its file is
+    open the kernel picks no idle state with any exit latency, so idle CPUs poll (a VM's vCPUs stay
+    running) instead of halting. OSError naming the file where it cannot be opened (root only)."""
+    if not held:
+        yield
+        return
+    try:
+        request = os.open(CPU_LATENCY_QOS, os.O_WRONLY)
+    except OSError as exc:
+        raise OSError(f"cannot open {CPU_LATENCY_QOS} ({exc.strerror}): it needs Linux and root") from exc
+    try:
+        os.write(request, struct.pack("i", 0))
+        yield
+    finally:
+        os.close(request)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -357,6 +383,11 @@ def run_server(kind: str, duration: float, step_ms: float, idle_step_ms: float, 
     return row
 
 
+def _qos_label(held: bool, settings: tuple) -> str:
+    """The row label's suffix for a ``--cpu-latency-qos ab`` run (nothing when every row is alike)."""
+    return "" if len(settings) == 1 else " +qos" if held else " -qos"
+
+
 def _range(values, digits: int = 2) -> str:
     low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
     return low if low == high else f"{low}-{high}"
@@ -372,11 +403,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-sync-dispatch", action="store_true",
                         help="the servers' and the in-process steps on the calling thread, as expertd serve "
                         "--cpu-sync-dispatch (default: JAX's asynchronous dispatch, as expertd serve)")
+    parser.add_argument("--cpu-latency-qos", choices=("off", "on", "ab"), default="off",
+                        help="on: idle CPUs poll instead of halting while measuring (a PM QoS request of 0 us on "
+                        f"{CPU_LATENCY_QOS}, root); ab: each round both ways (default off)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     servers = args.servers.split(",")
     if unknown := set(servers) - set(SERVERS):
         parser.error(f"--servers: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(SERVERS)}")
+    settings = {"off": (False,), "on": (True,), "ab": (False, True)}[args.cpu_latency_qos]
+    try:
+        with cpu_latency_qos(True in settings):
+            pass
+    except OSError as exc:
+        parser.error(f"--cpu-latency-qos: {exc}")
     skipped = {}
     if native := [kind for kind in servers if kind in NATIVE]:
         from expertd.server.native_front import NativeUnavailable, load
@@ -391,34 +431,37 @@ def main(argv: list[str] | None = None) -> int:
     from expertd.server.process import configure_cpu_dispatch
 
     configure_cpu_dispatch(asynchronous=not args.cpu_sync_dispatch)  # the in-process step's, as the servers'
-    step_ms, idle_step_ms = in_process_step_ms(), in_process_step_ms(idle_s=IDLE_GAP_S)
-    print(f"in-process single-token step p50 {step_ms:.3f} ms back to back, {idle_step_ms:.3f} ms after "
-          f"{IDLE_GAP_S * 1e3:g} ms idle", flush=True)
+    steps_ms = {}  # cpu_latency_qos -> (the in-process step back to back, after IDLE_GAP_S idle)
+    for held in settings:
+        with cpu_latency_qos(held):
+            steps_ms[held] = in_process_step_ms(), in_process_step_ms(idle_s=IDLE_GAP_S)
+        print(f"in-process single-token step p50 {steps_ms[held][0]:.3f} ms back to back, {steps_ms[held][1]:.3f} ms "
+              f"after {IDLE_GAP_S * 1e3:g} ms idle" + _qos_label(held, settings), flush=True)
     rows = []
-    for round_index in range(args.rounds):
-        for kind in servers:
-            row = run_server(kind, args.duration, step_ms, idle_step_ms, args.load_processes,
-                             args.cpu_sync_dispatch) | {"round": round_index}
-            rows.append(row)
-            print(f"round {round_index} {kind:>12}: Check p50 {row['Check_1']['p50_ms']:.3f} ms, Forward p50 "
-                  f"{row['Forward_1']['p50_ms']:.3f} ms: hop / Check {row['hop_over_check']:.2f} "
-                  f"({row['hop_over_check_idle_step']:.2f} less the step after idle); 64 callers "
-                  f"{row['Forward_64']['requests_per_s']:.0f} / {row['Check_64']['requests_per_s']:.0f} req/s: "
-                  f"{row['throughput_over_check']:.2f}", flush=True)
-            for load in ("Check_1", "Forward_1", "Check_64", "Forward_64"):
-                if "server_cpu_by_thread" in row[load]:
-                    threads = ", ".join(f"{name} {us:.0f}" for name, us in sorted(
-                        row[load]["server_cpu_by_thread"].items(), key=lambda item: -item[1]))
-                    busiest = row[load].get("load_busiest_thread")
-                    print(f"    {load}: server CPU {row[load]['server_cpu_us_per_call']:.0f} us a call ({threads})"
-                          + (f"; the load's {busiest['name']} thread {busiest['busy']:.0%} busy, "
-                             f"{row[load]['load_cpu_us_per_call']:.0f} us a call in all" if busiest else ""),
-                          flush=True)
+    for round_index, held, kind in ((r, h, k) for r in range(args.rounds) for h in settings for k in servers):
+        with cpu_latency_qos(held):
+            row = run_server(kind, args.duration, *steps_ms[held], args.load_processes,
+                             args.cpu_sync_dispatch) | {"round": round_index, "cpu_latency_qos": held}
+        rows.append(row)
+        print(f"round {round_index} {kind + _qos_label(held, settings):>12}: Check p50 "
+              f"{row['Check_1']['p50_ms']:.3f} ms, Forward p50 {row['Forward_1']['p50_ms']:.3f} ms: hop / Check "
+              f"{row['hop_over_check']:.2f} ({row['hop_over_check_idle_step']:.2f} less the step after idle); 64 "
+              f"callers {row['Forward_64']['requests_per_s']:.0f} / {row['Check_64']['requests_per_s']:.0f} req/s: "
+              f"{row['throughput_over_check']:.2f}", flush=True)
+        for load in ("Check_1", "Forward_1", "Check_64", "Forward_64"):
+            if "server_cpu_by_thread" in row[load]:
+                threads = ", ".join(f"{name} {us:.0f}" for name, us in sorted(
+                    row[load]["server_cpu_by_thread"].items(), key=lambda item: -item[1]))
+                busiest = row[load].get("load_busiest_thread")
+                print(f"    {load}: server CPU {row[load]['server_cpu_us_per_call']:.0f} us a call ({threads})"
+                      + (f"; the load's {busiest['name']} thread {busiest['busy']:.0%} busy, "
+                         f"{row[load]['load_cpu_us_per_call']:.0f} us a call in all" if busiest else ""),
+                      flush=True)
     print(f"\n{'server':>12} | Forward p50 ms | Check p50 ms | hop / Check (goal <= 1.3) | 64 callers: Forward / "
           "Check req/s (goal >= 0.85)")
-    for kind in servers:
-        mine = [r for r in rows if r["server"] == kind]
-        print(f"{kind:>12} | {_range([r['Forward_1']['p50_ms'] for r in mine]):>14} | "
+    for held, kind in ((h, k) for h in settings for k in servers):
+        mine = [r for r in rows if r["server"] == kind and r["cpu_latency_qos"] == held]
+        print(f"{kind + _qos_label(held, settings):>12} | {_range([r['Forward_1']['p50_ms'] for r in mine]):>14} | "
               f"{_range([r['Check_1']['p50_ms'] for r in mine]):>12} | "
               f"{_range([r['hop_over_check'] for r in mine]):>25} | "
               f"{_range([r['Forward_64']['requests_per_s'] for r in mine], 0)} / "
@@ -429,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "python_floor", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
         "duration_s": args.duration, "load_processes": args.load_processes,
-        "cpu_dispatch": "synchronous" if args.cpu_sync_dispatch else "asynchronous", "in_process_step_p50_ms": step_ms,
-        "in_process_step_after_idle_p50_ms": idle_step_ms, "idle_gap_s": IDLE_GAP_S,
+        "cpu_dispatch": "synchronous" if args.cpu_sync_dispatch else "asynchronous",
+        "cpu_latency_qos": args.cpu_latency_qos, "in_process_step_p50_ms": steps_ms[settings[0]][0],
+        "in_process_step_after_idle_p50_ms": steps_ms[settings[0]][1], "idle_gap_s": IDLE_GAP_S,
+        **({"in_process_step_with_cpu_latency_qos_ms": steps_ms[True]} if len(settings) > 1 else {}),
         "left_out": skipped, "rows": rows},
         indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -96,3 +96,48 @@ def test_python_floor_native_echo_answers_each_call_with_its_own_rows():
     finally:
         server.kill()
         server.wait(30)
+
+
+def python_floor():
+    spec = importlib.util.spec_from_file_location("python_floor", ROOT / "benchmarks" / "python_floor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_python_floor_cpu_latency_qos_holds_its_request_only_inside_the_block():
+    """``--cpu-latency-qos``: reading ``/dev/cpu_dma_latency`` gives the kernel's current target, 0 us
+    while the benchmark holds its request and back to what it was after (root and Linux only)."""
+    import os
+    import struct
+
+    import pytest
+
+    floor = python_floor()
+    try:
+        os.close(os.open(floor.CPU_LATENCY_QOS, os.O_WRONLY))
+    except OSError as exc:
+        pytest.skip(f"{floor.CPU_LATENCY_QOS} cannot be written here: {exc.strerror}")
+
+    def target_us() -> int:
+        with open(floor.CPU_LATENCY_QOS, "rb") as current:
+            return struct.unpack("i", current.read(4))[0]
+
+    before = target_us()
+    with floor.cpu_latency_qos(True):
+        assert target_us() == 0
+    assert target_us() == before
+    with floor.cpu_latency_qos(False):
+        assert target_us() == before
+
+
+def test_python_floor_cpu_latency_qos_names_the_file_it_cannot_open(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    floor = python_floor()
+    monkeypatch.setattr(floor, "CPU_LATENCY_QOS", tmp_path / "no-such-device")
+    with pytest.raises(OSError, match="no-such-device.*needs Linux and root"), floor.cpu_latency_qos(True):
+        pass
+    with pytest.raises(SystemExit):
+        floor.main(["--servers", "expertd", "--cpu-latency-qos", "ab", "--rounds", "0"])
+    assert f"--cpu-latency-qos: cannot open {tmp_path / 'no-such-device'}" in capsys.readouterr().err
