@@ -24,10 +24,12 @@
 #                                           # point); one summary line
 #   bash benchmarks/gpu_session.sh floor    # benchmarks/python_floor.py (expertd, bare, bare-batched;
 #                                           # the engine on the host's CPU): the thin hop on its cores;
-#                                           # expertd-native(-queued) too where .native-front is
-#                                           # carried (made by benchmarks/native_front_carry.sh);
+#                                           # expertd-native(-queued) and native-echo too where
+#                                           # .native-front is carried (made by
+#                                           # benchmarks/native_front_carry.sh);
 #                                           # FLOOR_ARGS="--load-processes 4": the 64 callers
-#                                           # over four load processes
+#                                           # over four load processes; "--cpu-latency-qos ab"
+#                                           # (root): idle CPUs halting and polling
 #   bash benchmarks/gpu_session.sh shapes   # benchmarks/batch_shapes.py: how 64 callers are cut into
 #                                           # steps on each port, the engine on the GPU
 #                                           # (SHAPES_PLATFORMS=cpu: the host's cores), with and
@@ -89,7 +91,7 @@ step() {
               ${SHAPES_ARGS:---ports main,native --max-queue-delay-ms 2,0 --rounds 2 --duration 2} \
               --out "$OUT/batch_shapes_gpu.json" 2>&1 | tee "$OUT/batch_shapes.log" ;;
     floor) local servers=expertd,bare,bare-batched
-           [ -d .native-front ] && servers+=,expertd-native,expertd-native-queued
+           [ -d .native-front ] && servers+=,expertd-native,expertd-native-queued,native-echo
            timeout "${FLOOR_TIMEOUT:-420}" $PY benchmarks/python_floor.py --servers "$servers" \
              ${FLOOR_ARGS:-} --out "$OUT/python_floor_gpu_host.json" 2>&1 | tee "$OUT/python_floor.log" ;;
     *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | semantics | floor | shapes | all | brief)"
