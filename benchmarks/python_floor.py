@@ -67,10 +67,10 @@ BUCKETS = (1, 16, 64, 256)
 SERVERS = ("expertd", "bare", "bare-batched", "expertd-native", "expertd-native-queued", "native-echo")
 NATIVE = ("expertd-native", "expertd-native-queued", "native-echo")
 LOAD_START_S = 3.0
-IDLE_GAP_S = 0.0005  # about a lone caller's round trip: the gap before each of its steps
-CPU_LATENCY_QOS = pathlib.Path("/dev/cpu_dma_latency")
 """Several load processes start their callers together this long after being launched (more than
 their imports take)."""
+IDLE_GAP_S = 0.0005  # about a lone caller's round trip: the gap before each of its steps
+CPU_LATENCY_QOS = pathlib.Path("/dev/cpu_dma_latency")  # PM QoS: what the CPUs' idle states may cost
 
 
 # ---------------------------------------------------------------------- the servers

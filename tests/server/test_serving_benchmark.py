@@ -7,11 +7,14 @@ answers a known number of Forward and health Check calls and the means must coun
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
+import struct
 import sys
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from service_support import server_config
@@ -22,8 +25,9 @@ from expertd.server.app import create_server
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def serving_benchmark():
-    spec = importlib.util.spec_from_file_location("serving_benchmark", ROOT / "benchmarks" / "serving.py")
+def benchmark_module(script: str):
+    """``benchmarks/<script>.py`` imported as a module."""
+    spec = importlib.util.spec_from_file_location(f"{script}_benchmark", ROOT / "benchmarks" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -31,7 +35,7 @@ def serving_benchmark():
 
 
 def test_in_server_means_count_the_calls_between_two_readings(tmp_path_factory):
-    serving = serving_benchmark()
+    serving = benchmark_module("serving")
     registry = CollectorRegistry()
     handle = create_server(server_config(tmp_path_factory), registry=registry)
     try:
@@ -98,22 +102,10 @@ def test_python_floor_native_echo_answers_each_call_with_its_own_rows():
         server.wait(30)
 
 
-def python_floor():
-    spec = importlib.util.spec_from_file_location("python_floor", ROOT / "benchmarks" / "python_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_python_floor_cpu_latency_qos_holds_its_request_only_inside_the_block():
     """``--cpu-latency-qos``: reading ``/dev/cpu_dma_latency`` gives the kernel's current target, 0 us
     while the benchmark holds its request and back to what it was after (root and Linux only)."""
-    import os
-    import struct
-
-    import pytest
-
-    floor = python_floor()
+    floor = benchmark_module("python_floor")
     try:
         os.close(os.open(floor.CPU_LATENCY_QOS, os.O_WRONLY))
     except OSError as exc:
@@ -132,9 +124,7 @@ def test_python_floor_cpu_latency_qos_holds_its_request_only_inside_the_block():
 
 
 def test_python_floor_cpu_latency_qos_names_the_file_it_cannot_open(tmp_path, monkeypatch, capsys):
-    import pytest
-
-    floor = python_floor()
+    floor = benchmark_module("python_floor")
     monkeypatch.setattr(floor, "CPU_LATENCY_QOS", tmp_path / "no-such-device")
     with pytest.raises(OSError, match="no-such-device.*needs Linux and root"), floor.cpu_latency_qos(True):
         pass
