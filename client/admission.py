@@ -2,7 +2,7 @@
 
 A Forward whose tensor body is large (ADMISSION_MIN_BYTES and up) carries ADMISSION_METADATA,
 ``"<layer>,<tokens>"``: the server admits or refuses the call from it before reading the message
-(``expertd.server.servicer.ExpertServicer.ForwardAdmittedEarly``), so a refused call's body is
+(``expertd.server.frontends.expert_v1.ExpertServicer.ForwardAdmittedEarly``), so a refused call's body is
 never parsed. Sent at once, that body still crosses the network and the server's transport for
 nothing. So while the server pushes back (it refused a call of this client with RESOURCE_EXHAUSTED
 within the last PUSHBACK_HOLD_S: ``Pushback``), the clients also send EXPECT_METADATA and hold the

@@ -1,26 +1,26 @@
 """Server assembly and lifecycle: ``create_server(config)`` -> a running server handle.
 
 Start-up, in order:
-1. ``expertd.server.startup.build``: load the model (preset or checkpoint; ValueError on bad
+1. ``expertd.server.engine.build.build``: load the model (preset or checkpoint; ValueError on bad
    input), place and prepare the weights once, build the Engine; its ModelDescription is what the
    front ends see.
 2. Start a grpc.aio server on its own thread and event loop: ``expertd.v1.ExpertService`` and the
    KServe v2 service (both over the Batcher and the ModelDescription, never the engine),
    ``grpc.health.v1`` (services "", each served service, "liveness", "readiness";
-   ``expertd.server.drain.HealthServicer``), reflection (optional), the metrics and bearer-token
-   wrappers (applied once per method: ``expertd.server.interceptors``) and the drain's
-   stream-input wrapper (``expertd.server.drain.StreamInputs``), TLS / mutual TLS from the
+   ``expertd.server.transport.drain.HealthServicer``), reflection (optional), the metrics and bearer-token
+   wrappers (applied once per method: ``expertd.server.transport.interceptors``) and the drain's
+   stream-input wrapper (``expertd.server.transport.drain.StreamInputs``), TLS / mutual TLS from the
    credentials read and checked at start (``SecurityConfig.credentials``: fail closed), message
    limits sized from the request limit. ``GET /metrics`` is served on the same event loop
-   (``expertd.server.metrics_http``) at ``config.metrics_bind_host`` (loopback by default when auth
+   (``expertd.server.metrics.http``) at ``config.metrics_bind_host`` (loopback by default when auth
    is on), optionally behind TLS and the token. With ``--native-port``, the native Forward port
    (``expertd.server.native_front``: gRPC C++, the same token and TLS, the same batcher; built in
    ``create_server`` before the model loads), not accepting until SERVING. The start-up log states
    TLS, mTLS, auth and the metrics endpoint (``security_summary``). Port 0 binds a free port.
-3. Warm up (``expertd.server.warmup``: compile every bucket) on the device-worker thread while
+3. Warm up (``expertd.server.engine.warmup``: compile every bucket) on the device-worker thread while
    health says NOT_SERVING ("liveness" is SERVING from the start); then SERVING and
    ``expertd_model_ready`` 1, and (expert-parallel mesh) the expert load balancer starts
-   (``expertd.server.eplb``; it stops first when draining).
+   (``expertd.server.engine.rebalancer``; it stops first when draining).
 
 Drain (``handle.stop()``, SIGTERM in ``expertd serve``), all within the grace:
 1. ``expertd_model_ready`` 0; the native Forward port refuses new calls and the calls queued on it
@@ -51,19 +51,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import eplb, event_loop, kserve, listen, metrics_http, startup, warmup
-from expertd.server.batcher import DRAINING, Batcher
+from expertd.server.batching.batcher import DRAINING, Batcher
 from expertd.server.config import ServerConfig
 from expertd.server.config.credentials import Credentials, TlsMaterial
-from expertd.server.drain import HealthServicer, StreamInputs
-from expertd.server.interceptors import WrappingServer, wrapping
-from expertd.server.metrics import Metrics
-from expertd.server.metrics_http import MetricsEndpoint
+from expertd.server.engine import build, rebalancer, warmup
+from expertd.server.frontends import kserve
+from expertd.server.frontends.expert_v1 import ExpertServicer
+from expertd.server.frontends.shared_memory import SharedMemoryRegistry
+from expertd.server.metrics import http
+from expertd.server.metrics.families import Metrics
+from expertd.server.metrics.http import MetricsEndpoint
 from expertd.server.native_front import NativeFront, NativeUnavailable
 from expertd.server.native_front import build_module as build_native_front
-from expertd.server.reflection import enable_reflection
-from expertd.server.servicer import ExpertServicer
-from expertd.server.shared_memory import SharedMemoryRegistry
+from expertd.server.transport import event_loop, listen
+from expertd.server.transport.drain import HealthServicer, StreamInputs
+from expertd.server.transport.interceptors import WrappingServer, wrapping
+from expertd.server.transport.reflection import enable_reflection
 from expertd.server.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -98,10 +101,10 @@ class ServerHandle:
     ``credentials`` (what start-up read: token, TLS material), ``served`` (what start-up built:
     ``served.info()``, ``served.notes()``), ``engine`` (its Engine), ``model`` (the
     ModelDescription the front ends see), ``metrics`` (the Metrics on ``registry``), ``registry``,
-    ``event_loop`` (which loop serves: "uvloop 0.23.0", "asyncio"; ``expertd.server.event_loop``).
+    ``event_loop`` (which loop serves: "uvloop 0.23.0", "asyncio"; ``expertd.server.transport.event_loop``).
     """
 
-    def __init__(self, config: ServerConfig, served: startup.Served, registry: CollectorRegistry,
+    def __init__(self, config: ServerConfig, served: build.Served, registry: CollectorRegistry,
                  progress: Callable | None, step_runner, on_warm: Callable[[], None] | None,
                  loop: tuple[Callable, str]):
         self.config = config
@@ -114,7 +117,7 @@ class ServerHandle:
                                     platform=self.model.mesh.platform)
         self.metrics.set_ready(False)
         self.engine.add_compile_listener(lambda event: self.metrics.observe_compile(event.seconds))
-        self.rebalancer = eplb.Rebalancer(self.engine, self.metrics, interval_s=config.model.eplb_interval_s)
+        self.rebalancer = rebalancer.Rebalancer(self.engine, self.metrics, interval_s=config.model.eplb_interval_s)
         self.port = self.metrics_port = self.native_port = 0
         self.metrics_url = ""
         self.credentials = Credentials()
@@ -247,7 +250,7 @@ class ServerHandle:
         except RuntimeError:  # gRPC's "Failed to bind", without the reason
             raise listen.bind_error(address, "--host, --port", "the address is in use or not on this host") from None
         await server.start()
-        endpoint = metrics_http.metrics_endpoint(config, credentials, self.registry)
+        endpoint = http.metrics_endpoint(config, credentials, self.registry)
         try:
             self.metrics_port = await endpoint.start(config.metrics_bind_host, config.metrics_port)
         except OSError as exc:
@@ -255,7 +258,7 @@ class ServerHandle:
             await endpoint.close()
             raise listen.bind_error(f"{config.metrics_bind_host}:{config.metrics_port}", "--metrics-host, "
                                     "--metrics-port", exc.strerror or str(exc)) from exc
-        self.metrics_url = metrics_http.metrics_url(config, endpoint)
+        self.metrics_url = http.metrics_url(config, endpoint)
         native = await self._start_native(servicer, credentials, limit, server, endpoint) \
             if config.native_port is not None else None
         return _Parts(asyncio.get_running_loop(), server, health, streams, batcher, tuple(services), endpoint, native)
@@ -350,7 +353,7 @@ class ServerHandle:
 def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = None,
                   progress: Callable | None = None, layers=None, step_runner: Callable | None = None,
                   on_warm: Callable[[], None] | None = None) -> ServerHandle:
-    """Build the model (``startup.build``), start serving (health NOT_SERVING) and begin warm-up;
+    """Build the model (``build.build``), start serving (health NOT_SERVING) and begin warm-up;
     returns at once.
 
     Raises OSError naming the flag when a port is taken (before the model is built, where it can
@@ -359,10 +362,10 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     Args:
       config: the parsed configuration (ports may be 0: the handle has the bound ones).
       registry: Prometheus registry for the metrics (default: a fresh one).
-      progress: called with each ``expertd.server.engine.CompileEvent`` during warm-up.
+      progress: called with each ``expertd.server.engine.engine.CompileEvent`` during warm-up.
       layers: LoadedLayers to serve instead of loading ``config.model`` (tests, benchmarks).
       step_runner: ``engine -> what runs the batcher's steps`` (default: the Engine itself;
-        multi-host: ``expertd.server.multihost.LeaderEngine``, which first sends each step to the
+        multi-host: ``expertd.server.multihost.serve.LeaderEngine``, which first sends each step to the
         other processes).
       on_warm: called on the device-worker thread after warm-up, before the server says SERVING
         (multi-host: waits for the group); a failure there is a warm-up failure.
@@ -377,7 +380,7 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
         except NativeUnavailable as exc:
             raise ValueError(f"--native-port: the native Forward port cannot be built here: {exc}") from exc
     loop = event_loop.loop_factory(config.event_loop)  # ValueError for a loop that is not installed
-    served = startup.build(config, layers)
+    served = build.build(config, layers)
     runner = None if step_runner is None else step_runner(served.engine)
     handle = ServerHandle(config, served, registry or CollectorRegistry(), progress, runner, on_warm, loop)
     handle._start()

@@ -9,7 +9,7 @@ expertd does not serve (an unknown model, missing semantics, an unsupported quan
 refused before loading), 1 when loading or warm-up fails.
 
 ``expertd inspect DIR [--layers LIST] [--dtype D] [--json]`` reads config.json and the safetensors
-headers only (``expertd.server.inspect``): exit 0 when ``serve`` would serve it, 2 when it refuses.
+headers only (``expertd.server.models.inspect``): exit 0 when ``serve`` would serve it, 2 when it refuses.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def inspect(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     # Imported here, as serve's modules are: client commands must not pay for loading JAX.
-    from expertd.server.inspect import format_report, inspect_checkpoint
+    from expertd.server.models.inspect import format_report, inspect_checkpoint
 
     report = inspect_checkpoint(args.checkpoint, layers=args.layers, dtype=args.dtype)
     print(json.dumps(report, indent=2) if args.json else format_report(report), end="\n" if args.json else "")
@@ -78,13 +78,13 @@ def serve(argv: list[str]) -> int:
         serve_parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Imported here: it loads JAX (the native kernel's build), which client commands must not pay for.
-    from expertd.server.process import prepare_process
+    from expertd.server.host.process import prepare_process
 
     prepare_process(config)  # before any JAX work
     # Imported here, after prepare_process: the server's modules load JAX, which client commands
     # (and the host allocator's settings) must not pay for or run after.
     from expertd.server import app, multihost, startup
-    from expertd.server.checkpoint import CheckpointRefused  # as above: it loads JAX
+    from expertd.server.models.checkpoint import CheckpointRefused  # as above: it loads JAX
 
     try:  # config.json and headers only: a checkpoint expertd does not serve is refused before loading
         dtype, why = startup.serving_dtype(config.model)

@@ -7,7 +7,7 @@ def say(message: str) -> None:
 
 
 def print_progress(event) -> None:
-    """One warm-up line per compiled step (``expertd.server.engine.CompileEvent``)."""
+    """One warm-up line per compiled step (``expertd.server.engine.engine.CompileEvent``)."""
     options = ", ".join(f"{name}={value!r}" for name, value in sorted(event.compiler_options.items()))
     say(f"compiled {event.done}/{event.total}: {event.kind} bucket {event.bucket} for layers "
         f"{','.join(map(str, event.layers))} in {event.seconds:.2f}s"

@@ -82,7 +82,7 @@ class UnknownLayerError(LookupError):
 
 
 class Overloaded(Exception):
-    """Admission refused the request (see ``expertd.server.admission``); the caller should retry
+    """Admission refused the request (see ``expertd.server.batching.admission``); the caller should retry
     after ``retry_after`` seconds. ``reason`` names the bound that refused it (a metric label)."""
 
     def __init__(self, message: str, retry_after: float, reason: str = "queue_size"):
@@ -147,7 +147,7 @@ async def run_unary(context: grpc.aio.ServicerContext, work):
     response (the status set, not raised: an abort unwinds through every wrapper for the same answer).
 
     Counting, timing and logging the call is the ``grpc_server_*`` wrapper's job
-    (``expertd.server.interceptors``), not this one's.
+    (``expertd.server.transport.interceptors``), not this one's.
     """
     try:
         return await work

@@ -8,7 +8,7 @@ format (`tests/hf_quantizers.py`). `write_checkpoint` returns what the loader mu
 restated here independently of expertd:
 
     expected = write_checkpoint(tmp_path, "deepseek_v3", sharded=True, dtype="bfloat16")
-    layers = load_checkpoint(tmp_path)                          # expertd.server.checkpoint
+    layers = load_checkpoint(tmp_path)                          # expertd.server.models.checkpoint
     out = hf_reference(tmp_path, layer.index, x, expected[layer.index])
 
 Expected params use expertd's layouts (`router_weight [H, E]`, `expert_bias [E]`, `w_gate / w_up

@@ -18,10 +18,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = {"kernels": "expertd.kernels", "server": "expertd.server", "client": "expertd.client"}
-FRONT_ENDS = ("expertd.server.servicer", "expertd.server.kserve")
+FRONT_ENDS = ("expertd.server.frontends.expert_v1", "expertd.server.frontends.kserve")
 ENVIRONMENT_READER = "expertd.server.config.sources"
 # Until expertd.kernels.cpu.configure lands, the native CPU kernel takes its options from variables.
-ENVIRONMENT_WRITERS = {"expertd.server.process"}
+ENVIRONMENT_WRITERS = {"expertd.server.host.process"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -85,7 +85,7 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_source_was_found():
-    assert {"expertd.kernels.moe", "expertd.server.engine", "expertd.client.codec", *FRONT_ENDS} <= MODULES.keys()
+    assert {"expertd.kernels.moe", "expertd.server.engine.engine", "expertd.client.codec", *FRONT_ENDS} <= MODULES.keys()
     assert ENVIRONMENT_READER in MODULES and ENVIRONMENT_WRITERS <= MODULES.keys()
 
 
@@ -102,8 +102,8 @@ def test_kernels_and_client_import_nothing_of_the_others(package, forbidden):
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_front_ends_never_reach_the_engine(front_end):
     reached = _reachable(_graph(top_level_only=False), front_end)
-    assert "expertd.server.engine" not in reached, f"{front_end} reaches the engine through {sorted(reached)}"
-    assert "expertd.server.batcher" in reached and "expertd.server.requests" in reached
+    assert "expertd.server.engine.engine" not in reached, f"{front_end} reaches the engine through {sorted(reached)}"
+    assert "expertd.server.batching.batcher" in reached and "expertd.server.frontends.decode" in reached
 
 
 def test_no_import_cycles_through_server_or_client():

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from expertd.server.config.credentials import Credentials, check_token, load_tls, read_token_file
-from expertd.server.event_loop import EVENT_LOOPS
+from expertd.server.transport.event_loop import EVENT_LOOPS
 
 AUTH_TOKEN_ENV = "EXPERTD_AUTH_TOKEN"
 DTYPES = ("auto", "float32", "bfloat16")
@@ -229,7 +229,7 @@ class SecurityConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MultihostConfig:
-    """This process's place in a multi-host group (expertd.server.multihost); one process unless
+    """This process's place in a multi-host group (expertd.server.multihost.serve); one process unless
     ``num_processes`` > 1. The LeaderWorkerSet variables fill what no flag or TOML key sets."""
 
     coordinator_address: str | None = option(None, "jax.distributed coordinator HOST:PORT, on process 0 (default: "

@@ -11,7 +11,7 @@ The door (every caller uses these names; `config` is a config.json dict or an `H
       Layer `index`'s description (shapes, router, shared experts, activation).
   layer_tensors(config, index) -> (LayerTensors, ...)
       Its tensor names relative to a layer prefix, one entry per layout the family comes in; the
-      loader (`expertd.server.checkpoint`) picks the prefix (`family.prefixes`) and layout the
+      loader (`expertd.server.models.checkpoint`) picks the prefix (`family.prefixes`) and layout the
       checkpoint holds.
   refusal(config) -> str | None
       Why expertd cannot serve this config yet (the family lacks semantics in expertd's kernels),

@@ -70,12 +70,14 @@ from prometheus_client.registry import Collector
 
 from expertd.client import codec
 from expertd.client.pb.v1.expert_pb2 import GetModelInfoResponse
-from expertd.server import errors, requests, steps
-from expertd.server.admission import MIN_RETRY_S
-from expertd.server.batcher import WARMING_UP, Batcher
+from expertd.server import errors
+from expertd.server.batching import requests
+from expertd.server.batching.admission import MIN_RETRY_S
+from expertd.server.batching.batcher import WARMING_UP, Batcher
 from expertd.server.config.credentials import TlsMaterial
-from expertd.server.description import ModelDescription
-from expertd.server.metrics import LATENCY_BUCKETS
+from expertd.server.engine import api
+from expertd.server.engine.description import ModelDescription
+from expertd.server.metrics.families import LATENCY_BUCKETS
 from expertd.server.native_front.build import load
 
 log = logging.getLogger(__name__)
@@ -158,7 +160,7 @@ class NativeFront:
         """Each layer's expected seconds per token of queued Forward work (``Admission.seconds_per_token``):
         what the port's RESOURCE_EXHAUSTED refusals compute their RetryInfo delays from."""
         batcher = self._batcher
-        return {layer: batcher.admission.seconds_per_token(batcher.step_key(cfg, steps.FORWARD))
+        return {layer: batcher.admission.seconds_per_token(batcher.step_key(cfg, api.FORWARD))
                 for layer, cfg in self._model.layers.items()}
 
     def _refresh_retry_hint(self) -> None:
@@ -295,7 +297,7 @@ class NativeFront:
         wire = codec.numpy_dtype(dtype)
         tokens = np.frombuffer(rows, wire).reshape(-1, self._model.layers[layer].hidden_size)
         return requests.ForwardRequest(
-            layer, requests.cast(tokens, self._model.dtype), wire,
+            layer, api.cast(tokens, self._model.dtype), wire,
             deadline=None if remaining_s is None else time.monotonic() + remaining_s,
             token_ids=None if token_ids is None else np.frombuffer(token_ids, np.int32))
 

@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from expertd.server.admission import Admission, Limits, StepTimes
+from expertd.server.batching.admission import Admission, Limits, StepTimes
 from expertd.server.errors import Overloaded
 
 BUCKETS = (1, 4, 16, 64)

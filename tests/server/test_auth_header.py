@@ -6,8 +6,8 @@ from service_support import server_config
 
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server.app import create_server
-from expertd.server.auth import authorized, parse_token
 from expertd.server.config import ModelConfig, SecurityConfig
+from expertd.server.transport.auth import authorized, parse_token
 
 TOKEN = "s3cret-token"
 ONE_LAYER = ModelConfig(preset="tiny", num_layers=1, dtype="float32", num_devices=1)

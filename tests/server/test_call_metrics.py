@@ -3,8 +3,8 @@ export for the same observations (the reference), bucket boundaries included."""
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from expertd.server.call_metrics import GRPC_LABELS, LoopHistogram
-from expertd.server.metrics import LATENCY_BUCKETS, Metrics
+from expertd.server.metrics.calls import GRPC_LABELS, LoopHistogram
+from expertd.server.metrics.families import LATENCY_BUCKETS, Metrics
 
 LABELS = ("unary", "expertd.v1.ExpertService", "Forward")
 

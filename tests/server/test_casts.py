@@ -2,7 +2,7 @@
 (wire -> engine dtype, none when they are equal) and once out (engine -> the caller's dtype).
 
 Observed on the real path: a real server on loopback and the real clients (expertd.v1 and
-tritonclient), with every dtype change counted at ``expertd.server.requests.cast`` (the one seam
+tritonclient), with every dtype change counted at ``expertd.server.engine.api.cast`` (the one seam
 the serving path changes a token array's dtype through), the arrays the engine is handed recorded
 (``create_server``'s step runner), and the serving modules' source checked for any other
 ``.astype``. Adding a third cast, or one outside the seam, fails a test here.
@@ -20,15 +20,17 @@ from service_support import server_with_runner
 
 from expertd.client import ExpertClient, codec
 from expertd.client.pb.v1 import expert_pb2
-from expertd.server import requests
-from expertd.server.description import MeshDescription, ModelDescription
+from expertd.server.engine import api
+from expertd.server.engine.description import MeshDescription, ModelDescription
 from expertd.server.errors import InvalidRequest, UnknownLayerError
-from expertd.server.model import load_preset
+from expertd.server.frontends import decode
+from expertd.server.models.presets import load_preset
 
 H, E = 64, 8
 BF16, FP16, FP32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
-SERVING_MODULES = ("requests", "kserve_requests", "shared_memory", "batcher", "device_steps", "servicer", "kserve",
-                   "engine", "description", "errors")
+SERVING_MODULES = ("frontends/decode", "frontends/kserve_decode", "frontends/shared_memory", "frontends/expert_v1",
+                   "frontends/kserve", "batching/batcher", "batching/device_steps", "batching/results",
+                   "engine/api", "engine/engine", "engine/description", "errors")
 
 
 class Recording:
@@ -57,13 +59,13 @@ def server(tmp_path_factory):
 def casts(monkeypatch):
     """Every call of the seam: (dtype in, dtype asked for)."""
     calls = []
-    real = requests.cast
+    real = api.cast
 
     def counting(array, dtype):
         calls.append((array.dtype, np.dtype(dtype)))
         return real(array, dtype)
 
-    monkeypatch.setattr(requests, "cast", counting)
+    monkeypatch.setattr(api, "cast", counting)
     return calls
 
 
@@ -120,7 +122,7 @@ def test_route_casts_its_input_once(server, casts):
 
 
 def test_serving_modules_change_dtypes_only_through_the_seam():
-    root = pathlib.Path(requests.__file__).parent
+    root = pathlib.Path(decode.__file__).parents[1]
     found = []
     for name in SERVING_MODULES:
         tree = ast.parse((root / f"{name}.py").read_text())
@@ -129,9 +131,9 @@ def test_serving_modules_change_dtypes_only_through_the_seam():
                 continue
             for node in ast.walk(function):
                 if isinstance(node, ast.Attribute) and node.attr == "astype" and (name, function.name) != (
-                        "requests", "cast"):
+                        "engine/api", "cast"):
                     found.append(f"{name}.py:{node.lineno} in {function.name}")
-    assert not found, "a token array's dtype changes only in requests.cast"
+    assert not found, "a token array's dtype changes only in api.cast"
 
 
 # ---------------------------------------------------------------------- decoding, without a server
@@ -147,10 +149,10 @@ def _message(x, layer=0):
 
 def test_decoded_requests_are_in_the_engine_dtype_and_remember_the_callers():
     x = np.random.default_rng(5).standard_normal((3, H)).astype(np.float32)
-    request = requests.decode_forward(_message(x), MODEL, deadline=12.5)
+    request = decode.decode_forward(_message(x), MODEL, deadline=12.5)
     assert (request.layer, request.tokens.dtype, request.out_dtype, request.deadline) == (0, BF16, FP32, 12.5)
     np.testing.assert_array_equal(request.tokens, x.astype(BF16))
-    same = requests.decode_forward(_message(x.astype(BF16)), MODEL, deadline=None)
+    same = decode.decode_forward(_message(x.astype(BF16)), MODEL, deadline=None)
     assert not same.tokens.flags.owndata  # the message's bytes, not a copy
 
 
@@ -164,22 +166,22 @@ def test_decoded_requests_are_in_the_engine_dtype_and_remember_the_callers():
 ])
 def test_bad_forward_requests_name_the_field(x, layer, error, match):
     with pytest.raises(error, match=match):
-        requests.decode_forward(_message(x, layer), MODEL, deadline=None)
+        decode.decode_forward(_message(x, layer), MODEL, deadline=None)
 
 
 def test_bad_route_requests_name_the_field():
     message = expert_pb2.RouteRequest(layer=0)
     with pytest.raises(InvalidRequest, match="input: set hidden_states"):
-        requests.decode_route(message, MODEL, 0.01, None)
+        decode.decode_route(message, MODEL, 0.01, None)
     message.logits.CopyFrom(codec.encode(np.zeros((2, E - 1), np.float32)))
     with pytest.raises(InvalidRequest, match=r"logits.shape: expected \[T, E=8\]"):
-        requests.decode_route(message, MODEL, 0.01, None)
+        decode.decode_route(message, MODEL, 0.01, None)
     message.logits.CopyFrom(codec.encode(np.zeros((2, E), np.float16)))
     message.aux_loss_coeff = float("inf")
     with pytest.raises(InvalidRequest, match="aux_loss_coeff: must be finite"):
-        requests.decode_route(message, MODEL, 0.01, None)
+        decode.decode_route(message, MODEL, 0.01, None)
     message.ClearField("aux_loss_coeff")
-    decoded = requests.decode_route(message, MODEL, 0.01, None)
+    decoded = decode.decode_route(message, MODEL, 0.01, None)
     assert decoded.from_logits and decoded.tokens.dtype == FP32 and decoded.aux_loss_coeff == 0.01
 
 

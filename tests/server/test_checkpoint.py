@@ -13,8 +13,14 @@ from hf_fixtures import FAMILIES, hf_reference, write_checkpoint
 
 from expertd.kernels.moe import MoEParams, moe_layer, param_shapes
 from expertd.kernels.params import param_dtype
-from expertd.server.checkpoint import CheckpointError, CheckpointRefused, load_checkpoint, plan_checkpoint, read_config
-from expertd.server.checkpoint_layer import copy_into, host_empty
+from expertd.server.models.checkpoint import (
+    CheckpointError,
+    CheckpointRefused,
+    load_checkpoint,
+    plan_checkpoint,
+    read_config,
+)
+from expertd.server.models.checkpoint_layer import copy_into, host_empty
 from expertd.server.models.stored import StoredTensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

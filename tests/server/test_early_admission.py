@@ -16,7 +16,7 @@ from expertd.client import AsyncExpertClient, ExpertClient, admission, errors, m
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server.app import create_server
 from expertd.server.config import SecurityConfig
-from expertd.server.servicer import ADMITTED_MESSAGE_WAIT_S
+from expertd.server.frontends.expert_v1 import ADMITTED_MESSAGE_WAIT_S
 
 KEY = admission.ADMISSION_METADATA
 TOKEN = "early-admission-token"
@@ -65,7 +65,7 @@ def test_a_refused_call_with_the_metadata_is_never_read(busy_server):
 
 def test_an_admitted_call_with_the_metadata_answers_as_without_it(busy_server):
     handle, _ = busy_server
-    from expertd.server.model import load_preset
+    from expertd.server.models.presets import load_preset
 
     (layer,) = load_preset("tiny", layers="1", dtype="float32")
     params = {name: np.asarray(layer.params[name]) for name in layer.params}

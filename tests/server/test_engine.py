@@ -13,12 +13,14 @@ import pytest
 from expertd.kernels import cpu, moe, router
 from expertd.kernels.cpu import build as cpu_build
 from expertd.kernels.cpu.policy import SMALL_ROWS_CPU_OPTIONS
-from expertd.server import console, host_allocator, host_memory, steps, weights
-from expertd.server.engine import CompileEvent
+from expertd.server import console
+from expertd.server.engine import api, weights
+from expertd.server.engine.build import build_engine
+from expertd.server.engine.engine import CompileEvent
+from expertd.server.engine.warmup import enable_compile_cache, warm_up
 from expertd.server.errors import InvalidRequest
-from expertd.server.model import LoadedLayer, load_preset
-from expertd.server.startup import build_engine
-from expertd.server.warmup import enable_compile_cache, warm_up
+from expertd.server.host import allocator, memory
+from expertd.server.models.presets import LoadedLayer, load_preset
 
 BUCKETS = (8, 32)
 # The kernels the engine must agree with, jitted once (cheaper than op-by-op on a loaded CPU).
@@ -36,13 +38,13 @@ def _bucket(engine, n):
 def forward(engine, layer, x, num_valid=None):
     """The engine's forward of x [n, H] as the batcher calls it: cast to the engine dtype, padded to
     the smallest bucket, the first num_valid (default n) rows valid."""
-    padded = steps.pad_rows([x.astype(engine.dtype)], _bucket(engine, len(x)))
+    padded = api.pad_rows([x.astype(engine.dtype)], _bucket(engine, len(x)))
     return engine.forward(layer, padded, len(x) if num_valid is None else num_valid)
 
 
 def route(engine, layer, hidden=None, logits=None, num_valid=None, aux_loss_coeff=1.0):
     tokens = hidden.astype(engine.dtype) if logits is None else logits.astype(np.float32)
-    padded = steps.pad_rows([tokens], _bucket(engine, len(tokens)))
+    padded = api.pad_rows([tokens], _bucket(engine, len(tokens)))
     return engine.route(layer, padded, len(tokens) if num_valid is None else num_valid,
                         from_logits=logits is not None, aux_loss_coeff=aux_loss_coeff)
 
@@ -173,7 +175,7 @@ def test_route_equals_the_router(warm_engine, tiny, layer_index):
         assert result.aux_loss == pytest.approx(0.01 * aux, rel=1e-5)
         # the per-token aux scores [n, E] give the same loss on the host, for this or any subset of rows
         assert result.aux_scores.shape == (20, cfg.num_experts)
-        host = steps.aux_loss_of(result.aux_scores.sum(axis=0), counts, 20, cfg.topk, 0.01)
+        host = api.aux_loss_of(result.aux_scores.sum(axis=0), counts, 20, cfg.topk, 0.01)
         assert host == pytest.approx(0.01 * aux, rel=1e-5)
     # Route agrees with Forward's routing, and the default coefficient is 1 (1.0 = balanced).
     np.testing.assert_array_equal(forward(engine, layer_index, x).topk_ids, ids)
@@ -277,25 +279,25 @@ def test_serve_notes_the_native_kernel_level_or_why_it_is_missing(served):
     assert "unavailable (no C++ compiler found (set CXX))" in note
     # start-up's summary: the native kernel's line and host malloc's (tiny's weights fit no huge page)
     assert served.notes() == [weights.native_cpu_note(served.info()["native_cpu_kernel"], cpu.panel_columns()),
-                              host_allocator.note(host_allocator.state().as_dict())]
+                              allocator.note(allocator.state().as_dict())]
 
 
 def test_serve_notes_the_weights_pages():
-    assert host_memory.note(None) is None  # not a CPU engine, or --no-huge-pages
-    assert host_memory.note({"eligible_bytes": 0, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
+    assert memory.note(None) is None  # not a CPU engine, or --no-huge-pages
+    assert memory.note({"eligible_bytes": 0, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
                              "reason": "no CPU buffer spans a whole 2 MiB page"}) is None
-    assert host_memory.note({"eligible_bytes": 2 << 30, "huge_bytes": 1 << 30, "seconds": 1.25,
+    assert memory.note({"eligible_bytes": 2 << 30, "huge_bytes": 1 << 30, "seconds": 1.25,
                              "collapse_errors": 3, "reason": None}) == "weights: 1024 of 2048 MiB on huge pages (1.25s)"
-    assert host_memory.note({"eligible_bytes": 1 << 30, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
+    assert memory.note({"eligible_bytes": 1 << 30, "huge_bytes": 0, "seconds": 0.0, "collapse_errors": 0,
                              "reason": "transparent huge pages are never on this system"}).endswith(
         "0 of 1024 MiB on huge pages (0.00s); transparent huge pages are never on this system")
 
 
 def test_serve_notes_the_host_allocator():
-    assert host_allocator.note(None) is None  # not a CPU engine
-    assert host_allocator.note({"applied": True, "reason": None}).startswith(
+    assert allocator.note(None) is None  # not a CPU engine
+    assert allocator.note({"applied": True, "reason": None}).startswith(
         "host memory: freed buffers kept for reuse")
-    assert host_allocator.note({"applied": False, "reason": "not glibc on Linux"}) == (
+    assert allocator.note({"applied": False, "reason": "not glibc on Linux"}) == (
         "host memory: large freed buffers go back to the system (not glibc on Linux)")
 
 
@@ -397,7 +399,7 @@ def test_hash_routed_layer_takes_token_ids_as_a_step_input(hashed):
     assert len(events) == 2 * 3
     x = _tokens(5, seed=11)
     ids = np.array([3, 99, 0, 42, 42], np.int32)
-    padded = steps.pad_rows([x], 8)
+    padded = api.pad_rows([x], 8)
     result = engine.forward(7, padded, 5, token_ids=ids)
     expected, routing = moe_layer(_device_params(layer, jnp.float32), jnp.asarray(x), cfg=layer.cfg,
                                   return_routing=True, token_ids=jnp.asarray(ids))
@@ -410,7 +412,7 @@ def test_hash_routed_layer_takes_token_ids_as_a_step_input(hashed):
     np.testing.assert_array_equal(routed.topk_ids, result.topk_ids)
     np.testing.assert_allclose(routed.topk_weights, result.topk_weights, rtol=1e-6)
     logits = np.asarray(moe.router_logits(_device_params(layer, jnp.float32), jnp.asarray(x), layer.cfg))
-    from_logits = engine.route(7, steps.pad_rows([logits], 8), 5, from_logits=True, token_ids=ids)
+    from_logits = engine.route(7, api.pad_rows([logits], 8), 5, from_logits=True, token_ids=ids)
     np.testing.assert_array_equal(from_logits.topk_ids, result.topk_ids)
     assert engine.compilations == 6  # all compiled at warm-up
 
@@ -419,7 +421,7 @@ def test_hash_routed_layer_without_or_with_bad_token_ids_is_invalid_argument(has
     from expertd.server.errors import status_of
 
     _, engine = hashed
-    padded = steps.pad_rows([_tokens(3)], 8)
+    padded = api.pad_rows([_tokens(3)], 8)
     with pytest.raises(InvalidRequest, match="token_ids: required: layer 7 is hash-routed") as missing:
         engine.forward(7, padded, 3)
     assert missing.value.field == "token_ids"
@@ -441,7 +443,7 @@ def test_hash_routed_layer_over_the_expert_parallel_mesh(hashed):
     layer, single = hashed
     engine = build_engine([layer], buckets=(8,), dtype="float32", devices=4).engine
     assert engine.layers[7].params.b_gate is None and engine.layers[7].params.tid2eid.dtype == np.int32
-    padded = steps.pad_rows([_tokens(5, seed=12)], 8)
+    padded = api.pad_rows([_tokens(5, seed=12)], 8)
     ids = np.array([7, 7, 0, 99, 13], np.int32)
     sharded = engine.forward(7, padded, 5, token_ids=ids)
     alone = single.forward(7, padded, 5, token_ids=ids)

@@ -1,4 +1,4 @@
-"""Online expert load balancing (expertd.server.eplb): a rebalance swaps a better placement in
+"""Online expert load balancing (expertd.server.engine.rebalancer): a rebalance swaps a better placement in
 between steps without recompiling, and through the real server (a subprocess on 4 simulated CPU
 devices) every answer before, during and after rebalances equals the single-device reference."""
 import asyncio
@@ -19,13 +19,13 @@ from service_support import cache_dir, reference_forward, sample, scrape
 from expertd.client import ExpertClient
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.kernels import eplb as eplb_kernels
-from expertd.server import eplb
 from expertd.server.config import parse_args
-from expertd.server.expert_load import ExpertLoadTracker
-from expertd.server.metrics import Metrics
-from expertd.server.model import load_preset
-from expertd.server.startup import build_engine
-from expertd.server.warmup import warm_up
+from expertd.server.engine import rebalancer
+from expertd.server.engine.build import build_engine
+from expertd.server.engine.warmup import warm_up
+from expertd.server.metrics.expert_load import ExpertLoadTracker
+from expertd.server.metrics.families import Metrics
+from expertd.server.models.presets import load_preset
 
 HOT = 5  # tiny layer 1 (DeepSeek-V3 style): the expert the skewed tokens pick first
 OTHER = 4  # HOT's group-mate: its load gains from a move both from the start-up placement and HOT's
@@ -60,14 +60,14 @@ def test_tick_swaps_a_better_placement_between_steps_without_recompiling(layer1)
     assert start.num_physical == 12 and start.slots_per_rank == 3
     assert served.info()["layers"][0]["expert_placement"]["num_redundant"] == 4
     metrics = Metrics(CollectorRegistry())
-    rebalancer = eplb.Rebalancer(engine, metrics, interval_s=1.0)
+    balancer = rebalancer.Rebalancer(engine, metrics, interval_s=1.0)
     loads = ExpertLoadTracker({1: 8}, window_s=60.0)
     x = skewed_tokens(params, 8, seed=0)
     before = engine.forward(1, x, 8)
     loads.add(1, before.tokens_per_expert)
-    assert asyncio.run(rebalancer.tick(loads, _run_now)) == [1]
+    assert asyncio.run(balancer.tick(loads, _run_now)) == [1]
     moved = engine.expert_placement(1)
-    assert moved != start and rebalancer.version(1) == 1
+    assert moved != start and balancer.version(1) == 1
     assert moved.replica_counts[HOT] > 1  # the hot expert got replicas
     assert moved.balancedness(loads.recent(1)) > start.balancedness(loads.recent(1))
     after = engine.forward(1, x, 8)
@@ -77,7 +77,7 @@ def test_tick_swaps_a_better_placement_between_steps_without_recompiling(layer1)
     np.testing.assert_array_equal(after.topk_ids, routing["topk_ids"])
     assert engine.compilations == compiled  # same shapes: the compiled steps serve the new placement
     # The same load again: nothing better to plan, nothing moves.
-    assert asyncio.run(rebalancer.tick(loads, _run_now)) == []
+    assert asyncio.run(balancer.tick(loads, _run_now)) == []
     registry = metrics.registry
     assert registry.get_sample_value("expertd_eplb_rebalances_total", {"layer": "1"}) == 1
     assert registry.get_sample_value("expertd_eplb_rebalance_duration_seconds_count") == 1
@@ -89,10 +89,10 @@ def test_tick_swaps_a_better_placement_between_steps_without_recompiling(layer1)
 
 def test_plan_keeps_the_current_placement_unless_it_gains():
     current = eplb_kernels.plan_placement(np.ones(8), 4, 4)
-    assert eplb.plan(np.ones(8), current) is None
+    assert rebalancer.plan(np.ones(8), current) is None
     skew = np.array([1, 1, 1, 1, 1, 40, 1, 1], float)
-    better = eplb.plan(skew, current)
-    assert better is not None and better.balancedness(skew) >= current.balancedness(skew) * (1 + eplb.MIN_GAIN)
+    better = rebalancer.plan(skew, current)
+    assert better is not None and better.balancedness(skew) >= current.balancedness(skew) * (1 + rebalancer.MIN_GAIN)
 
 
 def test_options_are_checked():
@@ -110,8 +110,8 @@ def test_options_are_checked():
         build_engine(tiny, buckets=(8,), dtype="float32", devices=4, num_redundant_experts=2)
     single = build_engine(tiny, buckets=(8,), dtype="float32", devices=1).engine
     with pytest.raises(ValueError, match="--eplb-interval-s needs an expert-parallel mesh"):
-        eplb.Rebalancer(single, Metrics(CollectorRegistry()), interval_s=1.0)
-    assert eplb.Rebalancer(single, Metrics(CollectorRegistry()), interval_s=0).layers == []
+        rebalancer.Rebalancer(single, Metrics(CollectorRegistry()), interval_s=1.0)
+    assert rebalancer.Rebalancer(single, Metrics(CollectorRegistry()), interval_s=0).layers == []
 
 
 def _placement(client, layer):

@@ -1,4 +1,4 @@
-"""The gRPC server's event loop (``--event-loop``, ``expertd.server.event_loop``): uvloop by default
+"""The gRPC server's event loop (``--event-loop``, ``expertd.server.transport.event_loop``): uvloop by default
 where it is installed (as in this project's environment), the standard library's loop on request,
 a clear error when uvloop is asked for and missing; a server serves and drains on either."""
 import dataclasses
@@ -11,7 +11,7 @@ from service_support import host_params, reference_forward, server_config
 from expertd.client import ExpertClient
 from expertd.server.app import create_server
 from expertd.server.config import ServerConfig
-from expertd.server.event_loop import loop_factory
+from expertd.server.transport.event_loop import loop_factory
 
 
 def test_auto_picks_uvloop_where_installed_and_asyncio_on_request():

@@ -13,20 +13,20 @@ import sys
 
 import pytest
 
-from expertd.server import host_allocator
+from expertd.server.host import allocator
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings (Linux)")
 
 PROBE = """
 import json, resource, sys
-from expertd.server import host_allocator
+from expertd.server.host import allocator
 when, calls, settled = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if when == "first":
-    host_allocator.retain_freed_memory()
+    allocator.retain_freed_memory()
 import jax, jax.numpy as jnp
 y = jnp.ones((16 << 20,), jnp.float32)  # 64 MiB: above glibc's largest mmap threshold (32 MiB)
 if when == "late":
-    host_allocator.retain_freed_memory()
+    allocator.retain_freed_memory()
 bump = jax.jit(lambda v: v + 1.0)
 faults, rss = [], []
 for _ in range(calls):  # or until `settled` calls in a row took fewer faults than a 2 MiB-paged output
@@ -38,7 +38,7 @@ for _ in range(calls):  # or until `settled` calls in a row took fewer faults th
     rss.append(int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize())
     if settled and len(faults) >= settled and max(faults[-settled:]) < (64 << 20) // (2 << 20):
         break
-print(json.dumps({"state": host_allocator.state().as_dict(), "faults": faults, "rss": rss}))
+print(json.dumps({"state": allocator.state().as_dict(), "faults": faults, "rss": rss}))
 """
 # One device, as `expertd serve` on one CPU. Retained, the heap takes some calls to settle: frees
 # are asynchronous and small blocks split freed big ones, so the first outputs land on new pages
@@ -83,31 +83,31 @@ def test_after_jax_started_it_changes_nothing_and_says_why():
 
 
 def test_malloc_arenas_counts_this_process_threads_arenas():
-    libc = host_allocator._glibc()
+    libc = allocator._glibc()
     if libc is None:
         pytest.skip("not glibc")
-    assert host_allocator.malloc_arenas(libc) >= 1
+    assert allocator.malloc_arenas(libc) >= 1
     # this pytest process has run JAX: its threads have arenas, so the settings are refused here
     import jax.numpy as jnp
 
     jnp.ones(3).block_until_ready()
-    assert host_allocator.malloc_arenas(libc) > 1
-    assert host_allocator.state().applied is False
+    assert allocator.malloc_arenas(libc) > 1
+    assert allocator.state().applied is False
 
 
 def test_other_mallocs_and_other_libcs_are_left_alone(monkeypatch):
     """Refused before any mallopt call, so safe to run in this process (its state is restored)."""
-    monkeypatch.setattr(host_allocator, "_state", host_allocator.AllocatorState())
-    state = host_allocator.retain_freed_memory(ld_preload="/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    monkeypatch.setattr(allocator, "_state", allocator.AllocatorState())
+    state = allocator.retain_freed_memory(ld_preload="/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
     assert not state.applied and state.reason.startswith("another malloc is preloaded (LD_PRELOAD=")
-    monkeypatch.setattr(host_allocator, "_glibc", lambda: None)
-    assert host_allocator.retain_freed_memory().reason == "not glibc on Linux"
-    assert host_allocator.state().reason == "not glibc on Linux"
+    monkeypatch.setattr(allocator, "_glibc", lambda: None)
+    assert allocator.retain_freed_memory().reason == "not glibc on Linux"
+    assert allocator.state().reason == "not glibc on Linux"
 
 
 def test_summary_lines():
-    assert host_allocator.summary({"applied": True, "reason": None}).startswith("freed buffers kept for reuse")
-    assert host_allocator.summary({"applied": False, "reason": "not glibc on Linux"}) == (
+    assert allocator.summary({"applied": True, "reason": None}).startswith("freed buffers kept for reuse")
+    assert allocator.summary({"applied": False, "reason": "not glibc on Linux"}) == (
         "large freed buffers go back to the system (not glibc on Linux)")
 
 
@@ -117,14 +117,14 @@ def test_start_up_info_reports_the_process_state():
     import numpy as np
 
     from expertd.kernels import moe
-    from expertd.server.model import LoadedLayer
-    from expertd.server.startup import build_engine
+    from expertd.server.engine.build import build_engine
+    from expertd.server.models.presets import LoadedLayer
 
     cfg = moe.MoEConfig(num_experts=4, topk=2, hidden_size=32, intermediate_size=64)
     params = {name: np.asarray(v) for name, v in moe.init_params(cfg, jax.random.key(0), jnp.float32).items()}
     served = build_engine([LoadedLayer(index=0, cfg=cfg, params=params, source="test")], buckets=(8,),
                           dtype="float32", devices=1)
-    assert served.info()["host_allocator"] == host_allocator.state().as_dict()
+    assert served.info()["host_allocator"] == allocator.state().as_dict()
     assert served.info()["host_allocator"]["applied"] is False  # this test process never asked
 
 

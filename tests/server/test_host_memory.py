@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 from expertd.kernels import moe
-from expertd.server import host_memory
-from expertd.server.model import LoadedLayer
-from expertd.server.startup import build_engine
+from expertd.server.engine.build import build_engine
+from expertd.server.host import memory
+from expertd.server.models.presets import LoadedLayer
 
 MIB = 1 << 20
 # What the dev VM and CI run: Linux 6.x with THP in "madvise" (or "always") mode.
-CAN_COLLAPSE = host_memory.thp_setting() in ("always", "madvise") and host_memory.kernel_version() >= (6, 1)
+CAN_COLLAPSE = memory.thp_setting() in ("always", "madvise") and memory.kernel_version() >= (6, 1)
 
 
 @pytest.mark.parametrize("address, nbytes, expected", [
@@ -22,17 +22,17 @@ CAN_COLLAPSE = host_memory.thp_setting() in ("always", "madvise") and host_memor
     (3 * MIB, MIB, None),
 ])
 def test_aligned_interior(address, nbytes, expected):
-    assert host_memory.aligned_interior(address, nbytes) == expected
+    assert memory.aligned_interior(address, nbytes) == expected
 
 
 def test_cpu_buffer_ranges_cover_every_shard():
     a = jnp.zeros((256, 1024), jnp.float32)
-    assert host_memory.cpu_buffer_ranges([a]) == [(a.unsafe_buffer_pointer(), a.nbytes)]
-    assert host_memory.cpu_buffer_ranges([]) == []
+    assert memory.cpu_buffer_ranges([a]) == [(a.unsafe_buffer_pointer(), a.nbytes)]
+    assert memory.cpu_buffer_ranges([]) == []
     mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4])  # conftest: 8 simulated CPU devices
     split = jax.device_put(jnp.zeros((8, 1024), jnp.float32),
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep")))
-    ranges = host_memory.cpu_buffer_ranges([split])
+    ranges = memory.cpu_buffer_ranges([split])
     assert sorted(ranges) == sorted((s.data.unsafe_buffer_pointer(), 2 * 1024 * 4) for s in split.addressable_shards)
     assert len(set(ranges)) == 4
 
@@ -41,13 +41,13 @@ def test_cpu_buffer_ranges_cover_every_shard():
 def test_weights_move_onto_huge_pages_with_their_values():
     w = jax.random.normal(jax.random.key(0), (4, 1024, 2048), jnp.float32)  # 32 MiB, one XLA buffer
     before = np.asarray(w).copy()
-    report = host_memory.advise_huge_pages([w])
+    report = memory.advise_huge_pages([w])
     assert report.reason is None
-    start, end = host_memory.aligned_interior(w.unsafe_buffer_pointer(), w.nbytes)
+    start, end = memory.aligned_interior(w.unsafe_buffer_pointer(), w.nbytes)
     assert report.eligible_bytes == end - start >= 30 * MIB
     # all of it, unless the kernel found no free huge page for some (counted); smaps agrees there are some
-    assert report.huge_bytes == report.eligible_bytes - report.collapse_errors * host_memory.HUGE_PAGE > 0
-    assert host_memory.huge_page_bytes([(start, end)]) >= host_memory.HUGE_PAGE
+    assert report.huge_bytes == report.eligible_bytes - report.collapse_errors * memory.HUGE_PAGE > 0
+    assert memory.huge_page_bytes([(start, end)]) >= memory.HUGE_PAGE
     np.testing.assert_array_equal(np.asarray(w), before)
     np.testing.assert_array_equal(np.asarray(w * 2), before * 2)  # and XLA still computes on it
 
@@ -58,17 +58,17 @@ def test_collapse_counts_each_page_and_retries_a_failed_one_once():
     calls = []
 
     def madvise(address, length, advice):
-        assert length == host_memory.HUGE_PAGE and advice == host_memory.MADV_COLLAPSE
-        calls.append(page := address // host_memory.HUGE_PAGE)
+        assert length == memory.HUGE_PAGE and advice == memory.MADV_COLLAPSE
+        calls.append(page := address // memory.HUGE_PAGE)
         return -1 if page == 3 or (page == 1 and calls.count(1) == 1) else 0
 
-    ranges = [(0, 2 * host_memory.HUGE_PAGE), (3 * host_memory.HUGE_PAGE, 5 * host_memory.HUGE_PAGE)]
-    assert host_memory.collapse_pages(madvise, ranges) == 1
+    ranges = [(0, 2 * memory.HUGE_PAGE), (3 * memory.HUGE_PAGE, 5 * memory.HUGE_PAGE)]
+    assert memory.collapse_pages(madvise, ranges) == 1
     assert calls == [0, 1, 3, 4, 1, 3]
 
 
 def test_small_buffers_are_left_alone_with_a_reason():
-    report = host_memory.advise_huge_pages([jnp.ones((16, 16))])
+    report = memory.advise_huge_pages([jnp.ones((16, 16))])
     assert report.eligible_bytes == report.huge_bytes == 0 and report.reason
 
 
@@ -80,14 +80,14 @@ def test_engine_reports_its_weights_on_huge_pages():
     assert info["eligible_bytes"] >= 3 * 6 * MIB  # w_gate, w_up, w_down: 8 MiB each, 6+ in whole pages
     if CAN_COLLAPSE:
         assert info["reason"] is None
-        assert info["huge_bytes"] == info["eligible_bytes"] - info["collapse_errors"] * host_memory.HUGE_PAGE > 0
+        assert info["huge_bytes"] == info["eligible_bytes"] - info["collapse_errors"] * memory.HUGE_PAGE > 0
     assert build_engine([layer], buckets=(8,), dtype="float32", devices=1,
                         huge_pages=False).info()["huge_pages"] is None
 
 
 def test_without_thp_nothing_is_advised_and_the_report_says_why(monkeypatch):
-    monkeypatch.setattr(host_memory, "thp_setting", lambda: "never")
+    monkeypatch.setattr(memory, "thp_setting", lambda: "never")
     w = jnp.ones((2, 1024, 1024), jnp.float32)  # 8 MiB: 3-4 whole huge pages
-    report = host_memory.advise_huge_pages([w])
+    report = memory.advise_huge_pages([w])
     assert report.eligible_bytes >= 6 * MIB and report.huge_bytes == 0
     assert report.reason == "transparent huge pages are never on this system"

@@ -120,7 +120,7 @@ def test_refusals_name_the_reason(tmp_path, capsys):
 
 def test_serve_states_the_dtype_and_refuses_unserved_checkpoints_before_loading(tmp_path, capsys):
     from expertd.server.config import ModelConfig
-    from expertd.server.startup import serving_dtype
+    from expertd.server.engine.build import serving_dtype
 
     write_checkpoint(tmp_path / "fp32", "dbrx", num_layers=1)
     assert serving_dtype(ModelConfig(checkpoint=str(tmp_path / "fp32"))) == \

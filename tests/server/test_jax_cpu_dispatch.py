@@ -16,7 +16,7 @@ from expertd.server.config import ServerConfig, parse_args
 
 PROBE = """
 import json, sys
-from expertd.server.process import configure_cpu_dispatch
+from expertd.server.host.process import configure_cpu_dispatch
 when, asynchronous = sys.argv[1], sys.argv[2] == "async"
 import jax, jax.numpy as jnp
 if when == "late":

@@ -1,5 +1,5 @@
 """A port another process listens on: refused at start, before the model loads, with the address
-and the flag named (``expertd.server.listen``), through ``create_server`` and ``expertd serve``."""
+and the flag named (``expertd.server.transport.listen``), through ``create_server`` and ``expertd serve``."""
 import dataclasses
 import os
 import socket
@@ -9,9 +9,9 @@ import sys
 import pytest
 from service_support import held_port, server_config
 
-from expertd.server import listen
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
+from expertd.server.transport import listen
 
 
 def _has_ipv6() -> bool:

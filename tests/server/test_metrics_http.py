@@ -1,4 +1,4 @@
-"""The metrics endpoint on its own (expertd.server.metrics_http): HTTP/1.1 rules, bounds, the token,
+"""The metrics endpoint on its own (expertd.server.metrics.http): HTTP/1.1 rules, bounds, the token,
 and no thread per connection (against prometheus_client's threaded server, which the same test
 shows growing). TLS on a real server: test_service_security.py."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from expertd.server.metrics_http import MetricsEndpoint
+from expertd.server.metrics.http import MetricsEndpoint
 
 TOKEN = "metrics-token"
 

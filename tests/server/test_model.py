@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from expertd.kernels.moe import MoEConfig, param_shapes
-from expertd.server.model import (
+from expertd.server.models import UnsupportedModel, moe_layer_indices
+from expertd.server.models.presets import (
     PRESETS,
     LoadedLayer,
     SeededParams,
@@ -16,7 +17,6 @@ from expertd.server.model import (
     parse_layers,
     preset_hf_config,
 )
-from expertd.server.models import UnsupportedModel, moe_layer_indices
 
 
 @pytest.mark.parametrize("spec, expected", [

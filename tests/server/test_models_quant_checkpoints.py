@@ -18,8 +18,8 @@ from hf_quantizers import save_safetensors
 
 from expertd.kernels.moe import MoEParams, moe_layer
 from expertd.kernels.params import param_dtype
-from expertd.server.checkpoint import CheckpointError, CheckpointRefused, load_checkpoint, plan_checkpoint
 from expertd.server.cli import main
+from expertd.server.models.checkpoint import CheckpointError, CheckpointRefused, load_checkpoint, plan_checkpoint
 from expertd.server.models.quant import fp8_tables
 from expertd.server.models.stored import StoredTensors
 

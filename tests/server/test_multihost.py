@@ -10,12 +10,13 @@ import threading
 import numpy as np
 import pytest
 
-from expertd.server import multihost, steps
 from expertd.server.config import multihost_from
-from expertd.server.model import load_preset
-from expertd.server.multihost_channel import FollowerChannel, LeaderChannel
-from expertd.server.startup import build_engine
-from expertd.server.warmup import warm_up
+from expertd.server.engine import api
+from expertd.server.engine.build import build_engine
+from expertd.server.engine.warmup import warm_up
+from expertd.server.models.presets import load_preset
+from expertd.server.multihost import serve
+from expertd.server.multihost.channel import FollowerChannel, LeaderChannel
 
 BUCKETS = (8,)
 
@@ -64,7 +65,7 @@ def test_leader_engine_sends_every_step_and_the_follower_runs_it():
     follower_channel = FollowerChannel("127.0.0.1", leader_channel.port, 1, peer_timeout_s=5, on_lost=lost.append)
     connect = threading.Thread(target=follower_channel.connect, args=(30,))
     connect.start()
-    leader = multihost.LeaderEngine(engine, leader_channel)
+    leader = serve.LeaderEngine(engine, leader_channel)
     warm_up(engine)
     leader_channel.accept(30)  # what the leader's server does after warm-up
     connect.join()
@@ -83,11 +84,11 @@ def test_leader_engine_sends_every_step_and_the_follower_runs_it():
             return engine.route(layer, tokens, num_valid, from_logits=from_logits, aux_loss_coeff=aux_loss_coeff)
 
     follower = Recording()
-    follow = threading.Thread(target=multihost.follow, args=(follower, follower_channel))
+    follow = threading.Thread(target=serve.follow, args=(follower, follower_channel))
     follow.start()
     rng = np.random.default_rng(1)
-    x = steps.pad_rows([rng.standard_normal((5, 64), dtype=np.float32)], 8)
-    logits = steps.pad_rows([rng.standard_normal((3, engine.layers[0].cfg.num_experts), dtype=np.float32)], 8)
+    x = api.pad_rows([rng.standard_normal((5, 64), dtype=np.float32)], 8)
+    logits = api.pad_rows([rng.standard_normal((3, engine.layers[0].cfg.num_experts), dtype=np.float32)], 8)
     out = leader.forward(np.int64(0), x, num_valid=np.int64(4))
     routed = leader.route(0, logits, 3, from_logits=True, aux_loss_coeff=np.float32(0.5))
     with pytest.raises(LookupError):

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from expertd.server.multihost_channel import FollowerChannel, LeaderChannel, PeerLost, recv_frame, send_frame
+from expertd.server.multihost.channel import FollowerChannel, LeaderChannel, PeerLost, recv_frame, send_frame
 
 TIMEOUT = 0.6  # peer timeout of these tests: detection must come within it (+ scheduling slack)
 

@@ -20,10 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertd.client import ExpertClient
-from expertd.server import multihost
-from expertd.server.model import load_preset
-from expertd.server.startup import build_engine
-from expertd.server.steps import pad_rows
+from expertd.server.engine.api import pad_rows
+from expertd.server.engine.build import build_engine
+from expertd.server.models.presets import load_preset
+from expertd.server.multihost import serve
 
 BUCKETS = (8,)
 
@@ -155,7 +155,7 @@ def test_two_processes_serve_like_one_and_the_leader_exits_when_the_follower_die
 
         follower.popen.kill()
         exited_after = _seconds_until_exit(leader, time.monotonic())
-        assert leader.popen.wait(5) == multihost.EXIT_PEER_LOST, leader.output
+        assert leader.popen.wait(5) == serve.EXIT_PEER_LOST, leader.output
         # Bound: a dead peer's socket closes at once; then NOT_SERVING for at most the exit grace.
         assert exited_after <= PEER_TIMEOUT_S + EXIT_GRACE_S + 5, f"leader exited after {exited_after:.1f} s"
         assert "process 1" in leader.output and "NOT_SERVING" in leader.output
@@ -178,7 +178,7 @@ def test_the_leader_exits_when_the_follower_freezes(tmp_path_factory):
             assert client.forward(x, layer=0).shape == (3, 64)  # the group works before the freeze
         follower.popen.send_signal(signal.SIGSTOP)
         exited_after = _seconds_until_exit(leader, time.monotonic())
-        assert leader.popen.wait(5) == multihost.EXIT_PEER_LOST, leader.output
+        assert leader.popen.wait(5) == serve.EXIT_PEER_LOST, leader.output
         # Silence is noticed after peer_timeout_s (heartbeats every peer_timeout_s / 4), then the exit grace.
         assert PEER_TIMEOUT_S * 0.5 <= exited_after <= PEER_TIMEOUT_S + EXIT_GRACE_S + 5, \
             f"leader exited after {exited_after:.1f} s"

@@ -22,7 +22,7 @@ from service_support import held_port, server_config
 from tls_fixtures import make_pki
 
 from expertd.server.config import ModelConfig, SecurityConfig
-from expertd.server.multihost_follower import FollowerServer
+from expertd.server.multihost.follower import FollowerServer
 
 TOKEN = "s3cret-token"
 ONE_LAYER = ModelConfig(preset="tiny", num_layers=1, dtype="float32", num_devices=1)

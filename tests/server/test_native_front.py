@@ -38,12 +38,13 @@ from expertd.client.errors import (
 )
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server import errors as errors_log
-from expertd.server import native_front, steps
-from expertd.server.admission import MIN_RETRY_S
+from expertd.server import native_front
 from expertd.server.app import create_server
+from expertd.server.batching.admission import MIN_RETRY_S
 from expertd.server.config import ModelConfig, SecurityConfig
-from expertd.server.metrics import LATENCY_BUCKETS
-from expertd.server.model import load_preset
+from expertd.server.engine import api
+from expertd.server.metrics.families import LATENCY_BUCKETS
+from expertd.server.models.presets import load_preset
 from expertd.server.native_front import front
 
 H = 64  # the tiny preset's hidden size
@@ -444,7 +445,7 @@ def test_the_calls_queued_on_the_port_are_bounded_too(tmp_path_factory):
             # RetryInfo: a queued call's tokens (1) at the batcher's seconds per token, at least the
             # main port's minimum (no step has ended since the port took the rates at warm-up's end).
             batcher = handle.batcher
-            rate = batcher.admission.seconds_per_token(batcher.step_key(handle.model.layers[0], steps.FORWARD))
+            rate = batcher.admission.seconds_per_token(batcher.step_key(handle.model.layers[0], api.FORWARD))
             assert refused.value.retry_delay == pytest.approx(max(rate, MIN_RETRY_S), abs=1e-6)
         finally:
             release.set()

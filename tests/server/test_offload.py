@@ -1,11 +1,11 @@
-"""``expertd.server.offload.run``: a request's host work on the loop when small, on a worker
+"""``expertd.server.batching.offload.run``: a request's host work on the loop when small, on a worker
 thread when it touches OFFLOAD_ELEMENTS elements or more; results and errors come back alike."""
 import asyncio
 import threading
 
 import pytest
 
-from expertd.server import offload
+from expertd.server.batching import offload
 
 
 def where(value):

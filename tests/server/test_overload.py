@@ -21,14 +21,15 @@ from prometheus_client import CollectorRegistry
 from service_support import cache_dir
 
 from expertd.kernels.moe import MoEConfig
-from expertd.server import admission, steps
-from expertd.server.batcher import Batcher
+from expertd.server.batching import admission
+from expertd.server.batching.batcher import Batcher
+from expertd.server.batching.requests import ForwardRequest, Header
 from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
-from expertd.server.description import MeshDescription, ModelDescription
-from expertd.server.engine import ForwardOutput, RouteOutput
+from expertd.server.engine import api
+from expertd.server.engine.api import ForwardOutput, RouteOutput
+from expertd.server.engine.description import MeshDescription, ModelDescription
 from expertd.server.errors import DeadlineExpired, InvalidRequest, Overloaded, status_of
-from expertd.server.metrics import Metrics
-from expertd.server.requests import ForwardRequest, Header
+from expertd.server.metrics.families import Metrics
 
 STEP_S = 0.03  # the stand-in engine's step time, any bucket
 MODEL = ModelDescription(name="fixed-time", layers={0: MoEConfig(num_experts=4, topk=1, hidden_size=3,
@@ -89,7 +90,7 @@ def forward(batcher, x, deadline=None):
 
 
 def header(tokens):
-    return Header(0, steps.FORWARD, tokens)
+    return Header(0, api.FORWARD, tokens)
 
 
 def rejected(batcher, reason):
@@ -263,8 +264,8 @@ TOKENS = 512
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from expertd.server.app import create_server
-    from expertd.server.model import LoadedLayer, SeededParams
     from expertd.server.models.hf_config import moe_config_from_hf
+    from expertd.server.models.presets import LoadedLayer, SeededParams
 
     cfg = moe_config_from_hf(HEAVY)
     layers = [LoadedLayer(0, cfg, SeededParams(cfg, layer_index=0, seed=0, dtype="float32"), source="test heavy")]
@@ -296,7 +297,7 @@ def test_a_1_token_client_is_not_held_up_by_an_8192_token_client(server):
     beside = load(server, 4.0, small, {"name": "big", "tokens": 8192, "concurrency": 2, "deadline": 60.0})["calls"]
     near = latencies(beside["small"])
     big = latencies(beside["big"])
-    step = server.batcher.times.estimate(server.batcher.step_key(server.model.layers[0], steps.FORWARD), 256)
+    step = server.batcher.times.estimate(server.batcher.step_key(server.model.layers[0], api.FORWARD), 256)
     assert len(alone) >= 20 and len(near) >= 20 and big
     p50_alone, p50_near = np.percentile(alone, 50), np.percentile(near, 50)
     print(dict(p50_alone=p50_alone, p50_near=p50_near, step=step, big_p50=np.percentile(big, 50)))

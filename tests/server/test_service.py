@@ -19,8 +19,9 @@ from service_support import host_params, reference_aux_loss, reference_forward, 
 
 from expertd.client import AsyncExpertClient, ExpertClient, InvalidArgumentError, NotFoundError, codec
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-from expertd.server import offload, requests
 from expertd.server.app import create_server
+from expertd.server.batching import offload
+from expertd.server.frontends import decode
 from expertd.server.version import VERSION
 
 H, E, K = 64, 8, 2
@@ -191,7 +192,7 @@ def test_async_client_forward_route_and_stream(server, params):
 
 def test_large_requests_decoded_and_answered_off_the_event_loop(server, client, params):
     """Requests of OFFLOAD_ELEMENTS or more have their body decoded and their answer built on a
-    worker thread (``expertd.server.offload``): the same results, and their errors still name the
+    worker thread (``expertd.server.batching.offload``): the same results, and their errors still name the
     field."""
     big = offload.OFFLOAD_ELEMENTS // H + 3  # rows: over the threshold, several steps
     x = tokens(big, seed=11, dtype=ml_dtypes.bfloat16)
@@ -219,10 +220,10 @@ def test_only_bodies_in_the_message_count_as_work_to_decode(server):
     region = expert_pb2.SharedMemoryRef(region="r", byte_size=5 * H * 4)
     shared = expert_pb2.ForwardRequest(layer=0, hidden_states=expert_pb2.Tensor(
         dtype=expert_pb2.DTYPE_FLOAT32, shape=[5, H], shared_memory=region))
-    assert requests.forward_header(inline, server.model).body_elements == 5 * H
-    assert requests.forward_header(shared, server.model).body_elements == 0
+    assert decode.forward_header(inline, server.model).body_elements == 5 * H
+    assert decode.forward_header(shared, server.model).body_elements == 0
     route = expert_pb2.RouteRequest(layer=0, logits=tensor(expert_pb2.DTYPE_FLOAT32, [3, E]))
-    assert requests.route_header(route, server.model).body_elements == 3 * E
+    assert decode.route_header(route, server.model).body_elements == 3 * E
 
 
 # -- INVALID_ARGUMENT and NOT_FOUND, through the raw stub (the client would refuse some inputs) --

@@ -11,16 +11,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from expertd.kernels.moe import MoEConfig
-from expertd.server.batcher import Batcher
+from expertd.server.batching.batcher import Batcher
+from expertd.server.batching.queues import LayerQueue, QueuedRequest, Queues
+from expertd.server.batching.requests import ForwardRequest, RouteRequest
 from expertd.server.config import BatchingConfig
-from expertd.server.description import MeshDescription, ModelDescription
-from expertd.server.engine import ForwardOutput, RouteOutput
+from expertd.server.engine.api import ForwardOutput, RouteOutput
+from expertd.server.engine.description import MeshDescription, ModelDescription
 from expertd.server.errors import Overloaded, status_of
-from expertd.server.event_loop import loop_factory
-from expertd.server.expert_load import ExpertLoadTracker
-from expertd.server.metrics import Metrics
-from expertd.server.queues import LayerQueue, QueuedRequest, Queues
-from expertd.server.requests import ForwardRequest, RouteRequest
+from expertd.server.metrics.expert_load import ExpertLoadTracker
+from expertd.server.metrics.families import Metrics
+from expertd.server.transport.event_loop import loop_factory
 
 
 def test_recent_window_forgets_old_steps_and_total_keeps_everything():

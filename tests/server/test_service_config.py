@@ -125,7 +125,7 @@ def test_serve_reports_a_missing_checkpoint_and_exits_1(tmp_path, capsys):
 def test_num_layers_takes_the_first_moe_layers_of_a_checkpoint(tmp_path):
     import hf_fixtures
 
-    from expertd.server.startup import load_layers
+    from expertd.server.engine.build import load_layers
 
     hf_fixtures.write_checkpoint(tmp_path, "deepseek_v3", num_layers=5)  # MoE layers 2, 3, 4
     config = cfg.parse_args(["--checkpoint", str(tmp_path), "--num-layers", "2", "--dtype", "float32"], environ={})
@@ -168,7 +168,7 @@ def test_the_configs_lists_match_the_kernels():
 
 def test_native_options_are_applied_to_the_process(monkeypatch):
     from expertd.kernels import cpu
-    from expertd.server.process import configure_native_cpu
+    from expertd.server.host.process import configure_native_cpu
 
     applied = []
     monkeypatch.setattr(cpu, "configure", applied.append)

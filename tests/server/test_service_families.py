@@ -15,9 +15,9 @@ from service_support import server_config
 
 from expertd.client import ExpertClient
 from expertd.client.errors import InvalidArgumentError
-from expertd.server import steps
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
+from expertd.server.engine import api
 from expertd.server.errors import InvalidRequest
 
 # (family, quantize, storage dtype, sharded): what each case adds
@@ -69,12 +69,12 @@ def test_forward_equals_the_transformers_block_on_every_layer(served):
                     assert [field for field, _ in error.value.field_violations] == ["token_ids"]
                     ids = rng.integers(0, cfg.hash_vocab_size, tokens)
                     want = hf_fixtures.hf_reference(path, index, x, params, token_ids=ids)
-                    got = np.concatenate([handle.engine.forward(index, steps.pad_rows([part], 8), len(part),
+                    got = np.concatenate([handle.engine.forward(index, api.pad_rows([part], 8), len(part),
                                                                 token_ids=part_ids).output
                                           for part, part_ids in ((x[:8], ids[:8]), (x[8:], ids[8:])) if len(part)])
                     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"layer {index} (hash)")
                     with pytest.raises(InvalidRequest, match=r"token_ids\[1\] = 32 is out of the vocabulary \[0, 32\)"):
-                        handle.engine.forward(index, steps.pad_rows([x[:3]], 8), 3, token_ids=np.array([0, 32, 1]))
+                        handle.engine.forward(index, api.pad_rows([x[:3]], 8), 3, token_ids=np.array([0, 32, 1]))
                     continue
                 result = client.forward(x, layer=index, return_routing=True)
                 want = hf_fixtures.hf_reference(path, index, x, params)
@@ -105,7 +105,7 @@ def test_expert_parallel_server_computes_the_same_block(tmp_path_factory, family
                 ids = rng.integers(0, cfg.hash_vocab_size, 7) if cfg.hash_routed else None
                 want = hf_fixtures.hf_reference(path, index, x, params, token_ids=ids)
                 if cfg.hash_routed:
-                    got = handle.engine.forward(index, steps.pad_rows([x], 8), 7, token_ids=ids).output
+                    got = handle.engine.forward(index, api.pad_rows([x], 8), 7, token_ids=ids).output
                 else:
                     got = client.forward(x, layer=index)
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{family} layer {index}")

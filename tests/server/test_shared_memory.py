@@ -28,7 +28,7 @@ from expertd.client.kserve_protos import service_grpc, service_pb2
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.client.shared_memory import SharedMemoryRegion
 from expertd.server.errors import InvalidRequest
-from expertd.server.shared_memory import SharedMemoryRegistry
+from expertd.server.frontends.shared_memory import SharedMemoryRegistry
 
 H = 64
 PID = os.getpid()

@@ -2,8 +2,8 @@
 same numbers, each step observed once."""
 from prometheus_client import CollectorRegistry, generate_latest
 
-from expertd.server.metrics import Metrics
-from expertd.server.statistics import InferenceTimes
+from expertd.server.metrics.families import Metrics
+from expertd.server.metrics.statistics import InferenceTimes
 
 
 def test_executions_are_observed_once_and_read_by_both_views():

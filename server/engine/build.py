@@ -1,0 +1,148 @@
+"""Start-up: from a configuration to an engine ready to warm up, each step applied once.
+
+1. Layers: the preset or checkpoint the config names (``load_layers``), in the serving dtype
+   ``serving_dtype`` picks (``--dtype auto``: the checkpoint's; logged with its reason).
+2. JAX's persistent compilation cache (``warmup.enable_compile_cache``).
+3. Mesh (``placement``): the devices given (default: all; an int n takes the first n) form a 1-D
+   mesh with axis "ep"; more than one device runs the expert-parallel layer, each layer's experts
+   on E + N physical slots (N = --num-redundant-experts).
+4. Weights (``weights.prepare``): placed once, laid out for the kernel that reads them.
+5. Host memory (``host_memory``): on CPU, the placed weights onto transparent huge pages.
+6. The Engine over them; ``Served.describe`` gives the front ends' read-only ModelDescription.
+
+``Served.info()`` assembles what every part reports (the old ``Engine.info()``); ``Served.notes()``
+are the lines ``expertd serve`` prints about the native kernel, huge pages and host malloc.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from expertd.kernels import moe
+from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
+from expertd.server.engine import weights
+from expertd.server.engine.description import MeshDescription, ModelDescription
+from expertd.server.engine.engine import Engine
+from expertd.server.engine.placement import AXIS, MeshPlacement, pick_devices, split_over_ep
+from expertd.server.engine.warmup import enable_compile_cache
+from expertd.server.host import allocator, memory
+from expertd.server.models import dtypes
+from expertd.server.models.checkpoint import load_checkpoint, plan_checkpoint
+from expertd.server.models.presets import LoadedLayer, load_preset
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What start-up built: the engine, the prepared weights' report, the huge pages' report (None
+    off CPU or when skipped) and the compilation cache directory (None: off)."""
+
+    engine: Engine
+    weights: weights.PreparedWeights
+    huge_pages: memory.HugePageReport | None
+    compile_cache_dir: str | None
+
+    def describe(self, name: str, batching: BatchingConfig) -> ModelDescription:
+        """The read-only description the front ends validate requests against."""
+        engine = self.engine
+        return ModelDescription(
+            name=name, layers={index: layer.cfg for index, layer in engine.layers.items()}, dtype=engine.dtype,
+            buckets=engine.buckets, max_request_tokens=batching.max_request_tokens,
+            max_batch_tokens=min(batching.batch_tokens, engine.buckets[-1]),
+            mesh=MeshDescription(AXIS, len(engine.devices), engine.platform))
+
+    def info(self) -> dict:
+        """Layers (index, source, full config, params), dtype, buckets, mesh, backend, the weights'
+        layout, compile counters and options, the native CPU kernel's status, the weights' huge pages
+        and the process's host_allocator state (CPU only)."""
+        engine, on_cpu = self.engine, self.engine.platform == "cpu"
+        return {
+            "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
+                        "params": {name: {"shape": list(moe.logical_shape(p)), "dtype": str(p.dtype),
+                                          "split_over_ep": split_over_ep(p)} for name, p in layer.params.items()},
+                        "expert_placement": _placement_info(engine.expert_placement(index))}
+                       for index, layer in sorted(engine.layers.items())],
+            "dtype": engine.dtype.name,
+            "buckets": list(engine.buckets),
+            "mesh": {"axis": AXIS, "size": len(engine.devices), "platform": engine.platform,
+                     "devices": [str(d) for d in engine.devices], "expert_parallel": engine.placement.ep is not None},
+            "backend": engine.backend,
+            "weight_layout": self.weights.layout,
+            "panel_columns": self.weights.panel_columns,
+            "compile_cache_dir": self.compile_cache_dir,
+            "native_cpu_kernel": self.weights.native_cpu,
+            "huge_pages": None if self.huge_pages is None else self.huge_pages.as_dict(),
+            "host_allocator": allocator.state().as_dict() if on_cpu else None,
+            **engine.compile_info(),
+        }
+
+    def notes(self) -> list[str]:
+        """The start-up summary lines about the native CPU kernel, the weights' pages and host malloc (CPU only)."""
+        info = self.info()
+        lines = (weights.native_cpu_note(info["native_cpu_kernel"], info["panel_columns"]),
+                 memory.note(info["huge_pages"]), allocator.note(info["host_allocator"]))
+        return [line for line in lines if line]
+
+
+def _placement_info(placement) -> dict | None:
+    """A layer's physical expert placement for ``info()`` (None without expert parallelism)."""
+    if placement is None:
+        return None
+    return {"physical_to_logical": placement.physical_to_logical.tolist(),
+            "replica_counts": placement.replica_counts.tolist(), "num_redundant": placement.num_redundant}
+
+
+def serving_dtype(model: ModelConfig) -> tuple[str, str]:
+    """(dtype, why) the model is served in: ``--dtype`` as given, or ``auto``'s choice
+    (``expertd.server.models.dtypes``; a checkpoint's is planned from config.json and the headers).
+    CheckpointRefused (a ValueError) for a checkpoint expertd does not serve."""
+    if model.checkpoint is None:
+        return dtypes.choose(model.dtype, preset=True)
+    plan = plan_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers, dtype=model.dtype)
+    return plan.dtype, plan.dtype_reason
+
+
+def load_layers(config: ServerConfig, dtype: str | None = None) -> list[LoadedLayer]:
+    """The LoadedLayers the config asks for, in ``dtype`` (default: ``serving_dtype``'s choice);
+    ValueError naming the option on bad input."""
+    model = config.model
+    dtype = dtype or serving_dtype(model)[0]
+    if model.checkpoint is not None:
+        return load_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers, dtype=dtype)
+    return load_preset(model.preset or "tiny", num_layers=model.num_layers, layers=model.layers,
+                       dtype=dtype, seed=model.seed)
+
+
+def build(config: ServerConfig, layers: Sequence[LoadedLayer] | None = None) -> Served:
+    """Start-up steps 1-6 for ``config`` (``layers`` instead of loading ``config.model``)."""
+    model = config.model
+    cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
+    dtype, why = serving_dtype(model)
+    log.info("serving dtype %s (%s)", dtype, why)
+    return build_engine(load_layers(config, dtype) if layers is None else layers, buckets=config.batching.bucket_sizes,
+                        dtype=dtype, devices=model.num_devices, backend=model.backend, compile_cache_dir=cache,
+                        huge_pages=model.huge_pages, panel_weights=model.panel_weights,
+                        num_redundant_experts=model.num_redundant_experts)
+
+
+def build_engine(layers: Sequence[LoadedLayer], *, buckets: Sequence[int], dtype="bfloat16", devices=None,
+                 backend: str = "auto", compile_cache_dir=None, huge_pages: bool = True,
+                 panel_weights: bool = True, num_redundant_experts: int = 0) -> Served:
+    """Start-up steps 2-6 for ``layers`` (values as the config has checked them: buckets ascending
+    and unique, dtype float32 / bfloat16, backend "auto" or a kernel backend)."""
+    if compile_cache_dir is not None:
+        enable_compile_cache(compile_cache_dir)
+    placement = MeshPlacement(pick_devices(devices), num_redundant_experts=num_redundant_experts)
+    prepared = weights.prepare(layers, placement, np.dtype(dtype), backend=backend, panel_weights=panel_weights)
+    pages = None
+    if huge_pages and placement.devices[0].platform == "cpu":
+        pages = memory.advise_huge_pages(jax.tree.leaves([layer.params for layer in prepared.layers]))
+        log.info("weights: %s", memory.summary(pages.as_dict()))
+    engine = Engine(prepared.layers, placement, dtype=dtype, buckets=buckets, backend=backend)
+    return Served(engine, prepared, pages, None if compile_cache_dir is None else str(compile_cache_dir))

@@ -1,0 +1,86 @@
+"""The served weights, prepared once at start-up: placed on the mesh, then laid out for the kernel
+that reads them.
+
+1. Placement (``expertd.server.engine.placement``): each layer's params on the mesh once, as
+   ``MoEParams``; expert weights in the engine dtype, router weight and expert bias in fp32; seeded
+   preset weights generated straight into their device layout.
+2. Layout: ``moe.prepare_params`` once per layer (on CPU, where the native kernel runs every
+   forward: its own layout, same outputs, read faster; elsewhere the params unchanged).
+   ``panel_weights=False`` keeps the layout as loaded.
+
+This module is the server's one caller of the kernels' weight-preparation and native-kernel
+status APIs (``moe.prepare_params``, ``cpu.describe``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+
+from expertd.kernels import cpu, moe
+from expertd.server.engine.placement import MeshPlacement
+from expertd.server.models.presets import LoadedLayer
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedWeights:
+    """What ``prepare`` made.
+
+    layers: the layers, their params now the placed, prepared ``MoEParams`` (the host copies are
+      released once the caller drops its own).
+    layout: the routed expert weights' layout: "panels" (the native CPU kernel's) or "row_major".
+    panel_columns: the panels' width (None: row-major).
+    native_cpu: on CPU, whether the C++ expert kernel (auto's choice there) is usable, why not, and
+      the instruction-set level it runs at ({"available", "reason", "isa"}); None elsewhere.
+    """
+
+    layers: list[LoadedLayer]
+    layout: str
+    panel_columns: int | None
+    native_cpu: dict | None
+
+
+def prepare(layers: Sequence[LoadedLayer], placement: MeshPlacement, dtype, *, backend: str = "auto",
+            panel_weights: bool = True) -> PreparedWeights:
+    """Place ``layers`` on ``placement``'s mesh in ``dtype`` and lay them out (see module docstring).
+
+    ValueError for no layers, a layer given twice, or experts that do not split evenly over the mesh.
+    """
+    if not layers:
+        raise ValueError("layers: the engine needs at least one layer")
+    seen: set[int] = set()
+    for layer in layers:
+        if layer.index in seen:
+            raise ValueError(f"layers: layer {layer.index} is given twice")
+        seen.add(layer.index)
+        placement.check_layer(layer)
+    placed = [dataclasses.replace(layer, params=placement.place_layer(layer, dtype)) for layer in layers]
+    if panel_weights and native_cpu_runs_every_forward(placement):
+        platform = placement.devices[0].platform
+        placed = [dataclasses.replace(layer, params=moe.prepare_params(layer.params, layer.cfg, platform,
+                                                                       backend=backend))
+                  for layer in placed]
+    if placement.devices[0].platform != "cpu":  # the native kernel never runs there: not built
+        return PreparedWeights(placed, "row_major", None, None)
+    status = cpu.describe(placed[0].params)
+    return PreparedWeights(placed, status["weight_layout"], status["panel_columns"],
+                           {name: status[name] for name in ("available", "reason", "isa")})
+
+
+def native_cpu_runs_every_forward(placement: MeshPlacement) -> bool:
+    """Whether every forward step may run its experts through the native CPU kernel: one CPU
+    process, no expert parallelism (``moe.prepare_params`` decides by backend and availability)."""
+    return placement.devices[0].platform == "cpu" and placement.ep is None and jax.process_count() == 1
+
+
+def native_cpu_note(status: dict | None, panel_columns: int | None = None) -> str | None:
+    """The start-up line about the native CPU expert kernel (``PreparedWeights.native_cpu``): the
+    instruction set it runs at and the weights' panel width, or why it could not be built; None off CPU."""
+    if status is None:
+        return None
+    if status["available"]:
+        layout = f", expert weights in {panel_columns}-column panels" if panel_columns else ""
+        return f"native CPU expert kernel: {status['isa']} instructions{layout}"
+    return (f"note: the native CPU expert kernel is unavailable ({status['reason']}); the experts run "
+            "XLA's slower paths")

@@ -1,0 +1,225 @@
+"""Load one planned MoE layer of a checkpoint into expertd's layouts (the second step of
+`expertd.server.models.checkpoint`, which plans it and is the door; this module only reads).
+
+`load_layer(stored, plan, scheme, out_dtype, where, workers) -> {param name: numpy array}`: every
+MoEParams field the layer's config needs (`expertd.kernels.params.param_shapes`), read through the
+family's tensor names (`models.family.LayerTensors`):
+  router_weight [H, E] fp32            the router Linear `[E, H]`, transposed
+  expert_bias [E] fp32                 the selection bias (stored `[E]` or `[1, E]`)
+  router_bias [E] fp32                 the router Linear's bias (gpt-oss)
+  tid2eid [V, k] int32                 a hash-routed layer's table (stored any int dtype; every
+                                       entry checked to be an expert id in [0, E))
+  w_gate, w_up [E, H, I], w_down [E, I, H]   out_dtype, one expert at a time on `workers` threads
+  b_gate, b_up [E, I], b_down [E, H]   out_dtype; gate / up split from `gate_up [E, 2I]` (halves
+                                       or interleaved columns, as the weight's)
+  router_input_scale [H] fp32          Gemma 4's router.scale * H**-0.5
+  per_expert_scale [E] fp32, expert_input_norm_weight, expert_output_norm_weight [H] fp32
+  shared_w_gate, shared_w_up [H, Is], shared_w_down [Is, H], shared_gate [H, 1]   out_dtype
+Host memory peaks at the outputs plus, per worker thread, one expert's tensors and the
+dequantiser's chunk temporaries; the pages read are dropped from the process (`stored.release`).
+Problems raise `CheckpointError` naming the tensor.
+"""
+from __future__ import annotations
+
+import mmap
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from expertd.kernels import cpu
+from expertd.kernels.config import MoEConfig
+from expertd.server.models import quant
+from expertd.server.models.family import LayerTensors
+from expertd.server.models.stored import StoredError, StoredTensors
+
+HUGE_ALLOCATION = 16 << 20  # outputs at least this large get their own huge-page mapping
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be served as asked; the message names the file, tensor or layer."""
+
+
+class _Reader:
+    """Dense weights of one layer for the layouts of `models.family` (see its `reader` contract).
+    One reader per thread: it remembers the stored tensors (or expert slices) it read, and
+    `release` drops their pages from the process."""
+
+    def __init__(self, stored: StoredTensors, scheme, out_dtype, where: str):
+        self.stored, self.scheme, self.out_dtype, self.where = stored, scheme, out_dtype, where
+        self.touched: list[tuple[str, int | None, int]] = []
+
+    def dense(self, name: str, shape, expert: int | None = None, num_experts: int | None = None,
+              dtype=None, in_out: bool = False) -> np.ndarray:
+        try:
+            found = quant.locate(name, self.stored, self.scheme)
+            parts = num_experts or shape[0]
+            self.touched += [(n, expert, parts) for n in found.names]
+            view = self.stored if expert is None else _ExpertSlice(self.stored, found, expert, parts)
+            data = view[found.data]
+            dense_stored = found.layout == "plain" and data.dtype in quant.names.DENSE_DTYPES
+            if num_experts and not dense_stored:
+                raise CheckpointError(f"{self.where}: tensor {name!r}: quantised flat [E * rows, columns] expert "
+                                      "tensors are not supported (their scale blocks may straddle experts)")
+            if dense_stored and dtype is None:
+                array = data  # cast by the copy into the served array
+            else:
+                array = quant.dequantize(name, view, self.scheme, dtype or self.out_dtype)
+                if found.layout == "mxfp4" and in_out:  # MXFP4 rows are outputs; the parameter is [.., in, out]
+                    array = np.swapaxes(array, -1, -2)
+        except (quant.QuantError, StoredError) as exc:
+            raise CheckpointError(f"{self.where}: {exc}") from exc
+        expected = tuple(shape) if expert is None else \
+            ((shape[0] // num_experts, *shape[1:]) if num_experts else tuple(shape[1:]))
+        if array.shape != expected and not (len(expected) == 1 and array.shape == (1, *expected)):
+            what = f"tensor {name!r}" + ("" if expert is None else f" (expert {expert})")
+            raise CheckpointError(f"{self.where}: {what} has shape {list(array.shape)} once read, expected "
+                                  f"{list(expected)} from config.json")
+        return array
+
+    def release(self) -> None:
+        for name, part, parts in self.touched:
+            whole = part is None or len(self.stored.header(name)[1]) < 2
+            self.stored.release(name, None if whole else part, parts)
+        self.touched.clear()
+
+
+class _ExpertSlice(Mapping):
+    """The stored tensors of one weight, sliced to expert `j` on their leading expert axis."""
+
+    def __init__(self, stored: StoredTensors, found: quant.StoredWeight, j: int, num_experts: int):
+        self.stored, self.names, self.j, self.e = stored, set(found.names), j, num_experts
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        array = self.stored[name]
+        if name.endswith("_shape") and array.ndim == 1:  # compressed-tensors' dense shape: drop the E
+            return array[1:]
+        if array.ndim >= 2 and array.shape[0] == self.e:
+            return array[self.j]
+        if array.ndim >= 2 and array.shape[0] % self.e == 0:  # flat [E*R, C]
+            return array.reshape(self.e, -1, *array.shape[1:])[self.j]
+        return array  # one scale for the whole tensor
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def load_layer(stored: StoredTensors, cfg: MoEConfig, names: LayerTensors, scheme, out_dtype, where: str,
+               workers: int) -> dict:
+    """The params of one layer (see the module docstring)."""
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    reader = _Reader(stored, scheme, out_dtype, where)
+    params = {"router_weight": _copy(reader.dense(names.router, (e, h), dtype=np.float32).T, np.float32)}
+    if cfg.use_expert_bias:
+        params["expert_bias"] = np.array(reader.dense(names.bias, (e,), dtype=np.float32), np.float32).reshape(e)
+    w_gate, w_up, w_down = (host_empty(shape, out_dtype) for shape in ((e, h, i), (e, h, i), (e, i, h)))
+
+    def load_expert(j: int) -> None:  # the host holds the outputs plus one expert's tensors per worker
+        expert_reader = _Reader(stored, scheme, out_dtype, where)
+        gate, up, down = names.experts.expert(expert_reader, j, e, h, i)
+        copy_into(w_gate[j], gate)
+        copy_into(w_up[j], up)
+        copy_into(w_down[j], down)
+        expert_reader.release()
+
+    if workers > 1 and e > 1:
+        with ThreadPoolExecutor(min(workers, e)) as pool:
+            list(pool.map(load_expert, range(e)))  # numpy releases the GIL in the decoders and copies
+    else:
+        for j in range(e):
+            load_expert(j)
+    params.update(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    if cfg.has_shared:
+        s, shared = cfg.shared_intermediate_size, names.shared
+        params["shared_w_gate"] = _copy(reader.dense(shared.gate, (s, h)).T, out_dtype)
+        params["shared_w_up"] = _copy(reader.dense(shared.up, (s, h)).T, out_dtype)
+        params["shared_w_down"] = _copy(reader.dense(shared.down, (h, s)).T, out_dtype)
+        if cfg.shared_expert_gate:
+            params["shared_gate"] = _copy(reader.dense(shared.gate_weight, (1, h)).T, out_dtype)
+    params.update(_semantic_params(reader, cfg, names, out_dtype))
+    reader.release()
+    return params
+
+
+def _semantic_params(reader: _Reader, cfg: MoEConfig, names: LayerTensors, out_dtype) -> dict:
+    """The family-semantics fields of the module docstring that `cfg` switches on."""
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    out = {}
+
+    def vector(name, size):
+        return np.array(reader.dense(name, (size,), dtype=np.float32), np.float32).reshape(size)
+
+    if cfg.router_bias:
+        out["router_bias"] = vector(names.router_bias, e)
+    if cfg.hash_routed:
+        out["tid2eid"] = _hash_table(reader, names.tid2eid, (cfg.hash_vocab_size, cfg.topk), e)
+    if cfg.expert_proj_bias:
+        gate_up = reader.dense(names.proj_bias.gate_up, (e, 2 * i))
+        gate, up = (gate_up[:, 0::2], gate_up[:, 1::2]) if names.proj_bias.interleaved else \
+            (gate_up[:, :i], gate_up[:, i:])
+        out.update(b_gate=_copy(gate, out_dtype), b_up=_copy(up, out_dtype),
+                   b_down=_copy(reader.dense(names.proj_bias.down, (e, h)), out_dtype))
+    if cfg.router_input_norm:
+        scale = vector(names.norms.router_scale, h)
+        out["router_input_scale"] = (scale * np.float32(h ** -0.5)).astype(np.float32)
+    if cfg.per_expert_scale:
+        out["per_expert_scale"] = vector(names.norms.per_expert_scale, e)
+    if cfg.expert_input_norm:
+        out["expert_input_norm_weight"] = vector(names.norms.input_norm, h)
+    if cfg.expert_output_norm:
+        out["expert_output_norm_weight"] = vector(names.norms.output_norm, h)
+    return out
+
+
+def _hash_table(reader: _Reader, name: str, shape: tuple[int, int], num_experts: int) -> np.ndarray:
+    """tid2eid `[V, k]` as int32, every entry an expert id in [0, E) (CheckpointError naming the first bad one)."""
+    try:
+        table = reader.stored[name]
+    except StoredError as exc:
+        raise CheckpointError(f"{reader.where}: {exc}") from exc
+    if not np.issubdtype(table.dtype, np.integer) or table.shape != shape:
+        raise CheckpointError(f"{reader.where}: tensor {name!r} must be an integer table {list(shape)} (token id -> "
+                              f"k expert ids), got {table.dtype} {list(table.shape)}")
+    bad = np.argwhere((table < 0) | (table >= num_experts))
+    if len(bad):
+        r, col = (int(v) for v in bad[0])
+        raise CheckpointError(f"{reader.where}: tensor {name!r}: entry [{r}, {col}] = {int(table[r, col])} is not an "
+                              f"expert id in [0, {num_experts})")
+    reader.touched.append((name, None, 1))
+    return table.astype(np.int32)
+
+
+def host_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised array; a large one in its own anonymous mapping marked MADV_HUGEPAGE, so
+    writing it faults in 2 MiB pages rather than 4 KiB ones (where THP is in "madvise" mode)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    if count * dtype.itemsize < HUGE_ALLOCATION or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    buffer = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buffer, dtype, count).reshape(shape)
+
+
+def _copy(array, dtype) -> np.ndarray:
+    out = np.empty(array.shape, dtype)
+    copy_into(out, array)
+    return out
+
+
+def copy_into(out: np.ndarray, src: np.ndarray) -> None:
+    """`out[...] = src` for 2-D arrays of any strides (a transposed view), cast to out's dtype:
+    equal dtypes by `expertd.kernels.cpu.copy_2d` (cache-blocked register transposes where the
+    native CPU library is built), a cast by its numpy path (cache blocks)."""
+    if src.ndim != 2 or src.flags.c_contiguous:
+        out[...] = src
+    elif src.dtype == out.dtype:
+        cpu.copy_2d(out, src)
+    else:
+        cpu.copy_2d_numpy(out, src)
