@@ -83,11 +83,13 @@ def serve(argv: list[str]) -> int:
     prepare_process(config)  # before any JAX work
     # Imported here, after prepare_process: the server's modules load JAX, which client commands
     # (and the host allocator's settings) must not pay for or run after.
-    from expertd.server import app, multihost, startup
+    from expertd.server import app
+    from expertd.server.engine.build import serving_dtype
+    from expertd.server.multihost.serve import serve as serve_group
     from expertd.server.models.checkpoint import CheckpointRefused  # as above: it loads JAX
 
     try:  # config.json and headers only: a checkpoint expertd does not serve is refused before loading
-        dtype, why = startup.serving_dtype(config.model)
+        dtype, why = serving_dtype(config.model)
     except CheckpointRefused as exc:
         say(f"error: {exc}")
         return 2
@@ -96,7 +98,7 @@ def serve(argv: list[str]) -> int:
         return 1
     say(f"loading {config.model.name} in {dtype} ({why})")
     if config.multihost.enabled:  # one process of a multi-host group (docs/deploy.md)
-        return multihost.serve(config)
+        return serve_group(config)
     started = time.perf_counter()
     try:
         handle = app.create_server(config, progress=print_progress)

@@ -1,23 +1,25 @@
-"""expertd serve's configuration: frozen dataclasses (``sections``), parsed once at the entry
-point from flags, an optional TOML file and the environment (``sources``, the only module of the
-server that reads any of them); the security files they name read and checked once
-(``credentials``: fail closed)."""
-from expertd.server.config.sections import (
+"""expertd serve's configuration (the door: every name below).
+
+Frozen dataclasses, one module per section (``model``, ``batching``, ``security``, ``multihost``,
+``native_cpu``; ``server`` holds the top level and the section table), declared with ``fields``;
+parsed once at the entry point from flags, an optional TOML file and the environment
+(``sources``, the only module of the server that reads any of them); the security files they name
+read and checked once (``credentials``: fail closed). Imports: the kernels' names, transport's
+event-loop names; nothing else of the server.
+"""
+from expertd.server.config.batching import BatchingConfig
+from expertd.server.config.fields import (
     AUTH_TOKEN_ENV,
     DEFAULT_COORDINATOR_PORT,
     DTYPES,
     EXPERT_BACKENDS,
     NATIVE_CPU_ISA_LEVELS,
-    SECTIONS,
-    BatchingConfig,
-    ModelConfig,
-    MultihostConfig,
-    NativeCpuConfig,
-    SecurityConfig,
-    ServerConfig,
-    flag,
-    options,
 )
+from expertd.server.config.model import ModelConfig
+from expertd.server.config.multihost import MultihostConfig
+from expertd.server.config.native_cpu import NativeCpuConfig
+from expertd.server.config.security import SecurityConfig
+from expertd.server.config.server import SECTIONS, ServerConfig, flag, options
 from expertd.server.config.sources import add_arguments, build, command_line, from_args, multihost_from, parse_args
 
 __all__ = [

@@ -36,7 +36,8 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from expertd.server.config.sections import SECTIONS, MultihostConfig, ServerConfig, flag, options
+from expertd.server.config.multihost import MultihostConfig
+from expertd.server.config.server import SECTIONS, ServerConfig, flag, options
 
 Values = dict[str | None, dict[str, Any]]
 

@@ -129,6 +129,6 @@ def test_start_up_info_reports_the_process_state():
 
 
 def host_thp_mode() -> str | None:
-    from expertd.server import host_memory
+    from expertd.server.host import memory  # where the THP setting is read
 
-    return host_memory.thp_setting()
+    return memory.thp_setting()
