@@ -1,23 +1,11 @@
-"""expertd.server: the gRPC expert service.
+"""expertd.server: the gRPC expert service. One room per subpackage, each with one door:
 
-One job per module:
-- config (package): the only reader of flags, the TOML file and the environment.
-- process: process-wide settings applied once before JAX (host allocator, native kernel options).
-- models (package): the model registry (one module per family: config.json -> MoE layers, tensor
-  names), checkpoint formats and dequantisers; model, checkpoint (plan), checkpoint_layer (one
-  layer's tensors read): the layers served (presets, Hugging Face checkpoints); inspect:
-  ``expertd inspect DIR`` (what serve would do, or why not).
-- startup: layers -> placement -> weights -> host_memory -> Engine, and the ModelDescription.
-- placement, weights, host_memory, host_allocator, warmup: the start-up steps, each applied once.
-- engine, steps: compile and run the steps (trusted inputs); eplb: online expert rebalancing.
-- description, requests, kserve_requests: what the front ends see; requests (expertd.v1; KServe v2)
-  decoded, validated and cast once. shared_memory: the registered shared-memory regions both use.
-- batcher, queues, admission, device_steps, expert_load: requests admitted by cost and deadline,
-  queued fairly and merged into engine steps (run on the device-worker thread); per-expert load.
-- servicer (expertd.v1), kserve (KServe v2): the front ends, over the batcher and the description.
-- errors: every failure and its gRPC status. metrics, statistics, interceptors (auth, limits, metrics
-  per method), reflection: one observation per event.
-- app: assembly and lifecycle; metrics_http: the /metrics endpoint; drain: what a drain ends (health
-  Watches, request streams); cli, console: ``expertd serve``; multihost*: groups of processes.
-- version: the one version string.
+- config: the only reader of flags, TOML and environment -> ServerConfig (one module per section)
+- frontends: add_services -- expertd.v1 and KServe v2; requests decoded, validated, cast once
+- transport: what every call passes -- auth, limits, metrics per method, health, drain, listen
+- native_front: NativeFront -- the native Forward port, gRPC C++ over the same batcher
+- batching: Batcher -- admission, queues, steps, results; one owner (the event loop)
+- engine: api (StepRunner, step kinds, outputs, ModelDescription) -- build, compile, run, EPLB
+- models, metrics, host, multihost: the model registry and checkpoints; every Prometheus family;
+  huge pages, allocator, process settings; groups of processes. app, cli: assembly and the CLI.
 """

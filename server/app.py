@@ -50,14 +50,12 @@ import jax
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
-from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
+from expertd.server import frontends
 from expertd.server.batching.batcher import DRAINING, Batcher
 from expertd.server.config import ServerConfig
-from expertd.server.config.credentials import Credentials, TlsMaterial
+from expertd.server.config.credentials import Credentials
 from expertd.server.engine import build, rebalancer, warmup
-from expertd.server.frontends import kserve
-from expertd.server.frontends.expert_v1 import ExpertServicer
-from expertd.server.frontends.shared_memory import SharedMemoryRegistry
+from expertd.server.frontends import ExpertServicer, SharedMemoryRegistry
 from expertd.server.metrics import http
 from expertd.server.metrics.families import Metrics
 from expertd.server.metrics.http import MetricsEndpoint
@@ -65,13 +63,12 @@ from expertd.server.native_front import NativeFront, NativeUnavailable
 from expertd.server.native_front import build_module as build_native_front
 from expertd.server.transport import event_loop, listen
 from expertd.server.transport.drain import HealthServicer, StreamInputs
-from expertd.server.transport.interceptors import WrappingServer, wrapping
 from expertd.server.transport.reflection import enable_reflection
+from expertd.server.transport.registration import WrappingServer, wrapping
 from expertd.server.version import VERSION
 
 log = logging.getLogger(__name__)
 
-EXPERT_SERVICE = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
 PROBE_SERVICES = ("liveness", "readiness")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -171,8 +168,8 @@ class ServerHandle:
         return self._parts.batcher
 
     def security_summary(self) -> str:
-        """What the start-up log states of security (``app.security_summary``)."""
-        return security_summary(self.config, self.credentials, self.metrics_url)
+        """What the start-up log states of security (``transport.listen.security_summary``)."""
+        return listen.security_summary(self.config, self.credentials, self.metrics_url)
 
     def listening_summary(self) -> str:
         """``gRPC listening on 127.0.0.1:8001 (TLS), event loop uvloop 0.23.0``: what ``expertd serve`` says."""
@@ -227,15 +224,9 @@ class ServerHandle:
         executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-device")
         batcher = Batcher(self._step_runner, model, config.batching, self.metrics, executor)
         shm = SharedMemoryRegistry(max_regions=config.shared_memory_regions) if config.shared_memory_regions else None
-        servicer = ExpertServicer(model, batcher, self.metrics, aux_loss_coeff=config.aux_loss_coeff, version=VERSION,
-                                  placements=self.rebalancer, shared_memory=shm)
-        expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, registrar)
-        for method, (key, handler) in servicer.early_handlers().items():
-            registrar.add_early_handler(method, key, handler)
-        services = [EXPERT_SERVICE, *kserve.add_to_server(registrar, model=model, batcher=batcher,
-                                                          statistics=self.metrics.statistics,
-                                                          batching=config.batching, version=VERSION,
-                                                          shared_memory=shm)]
+        servicer, services = frontends.add_services(
+            registrar, model=model, batcher=batcher, metrics=self.metrics, batching=config.batching, version=VERSION,
+            aux_loss_coeff=config.aux_loss_coeff, placements=self.rebalancer, shared_memory=shm)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, registrar)
         for name in ("", *services, "readiness"):
@@ -245,8 +236,10 @@ class ServerHandle:
             enable_reflection(registrar, (*services, HEALTH_SERVICE))
         address = f"{config.host}:{config.port}"
         try:
-            self.port = server.add_secure_port(address, grpc_server_credentials(credentials.tls)) if credentials.tls \
-                else server.add_insecure_port(address)
+            if credentials.tls:
+                self.port = server.add_secure_port(address, listen.grpc_server_credentials(credentials.tls))
+            else:
+                self.port = server.add_insecure_port(address)
         except RuntimeError:  # gRPC's "Failed to bind", without the reason
             raise listen.bind_error(address, "--host, --port", "the address is in use or not on this host") from None
         await server.start()
@@ -280,7 +273,7 @@ class ServerHandle:
             await endpoint.close()
             raise listen.bind_error(address, "--host, --native-port", "in use or not on this host") from exc
         self.native_port = native.port
-        self.registry.register(native.collector())
+        native.register_metrics(self.registry, self.metrics.grpc_calls)
         self.rebalancer.add_swap_listener(native.refresh_model_info)  # its GetModelInfo shows placements
         return native
 
@@ -385,19 +378,3 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     handle = ServerHandle(config, served, registry or CollectorRegistry(), progress, runner, on_warm, loop)
     handle._start()
     return handle
-
-
-def security_summary(config: ServerConfig, credentials: Credentials, metrics_url: str) -> str:
-    """``security: TLS on, mTLS off, auth on (...); metrics: https://...:8002/metrics (TLS on,
-    auth off)``: what the start-up log of a server (or a multi-host follower) states."""
-    metrics = (f"metrics: {metrics_url} (TLS {'on' if config.metrics_tls else 'off'}, "
-               f"auth {'on' if config.metrics_auth else 'off'}")
-    if config.metrics_host is None and config.security.auth_enabled and not config.metrics_auth:
-        metrics += "; loopback only: auth is on and --metrics-auth is not, give --metrics-host to change"
-    return f"security: {credentials.describe()}; {metrics})"
-
-
-def grpc_server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
-    """The gRPC port's TLS (mutual when a client CA was given) from the material read at start."""
-    return grpc.ssl_server_credentials([(tls.private_key, tls.certificate_chain)], root_certificates=tls.client_ca,
-                                       require_client_auth=tls.mutual)

@@ -84,9 +84,9 @@ def serve(argv: list[str]) -> int:
     # Imported here, after prepare_process: the server's modules load JAX, which client commands
     # (and the host allocator's settings) must not pay for or run after.
     from expertd.server import app
-    from expertd.server.engine.build import serving_dtype
-    from expertd.server.multihost.serve import serve as serve_group
+    from expertd.server.engine.build import serving_dtype  # as above
     from expertd.server.models.checkpoint import CheckpointRefused  # as above: it loads JAX
+    from expertd.server.multihost.serve import serve as serve_group  # as above
 
     try:  # config.json and headers only: a checkpoint expertd does not serve is refused before loading
         dtype, why = serving_dtype(config.model)

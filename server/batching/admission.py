@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
 
@@ -62,6 +63,9 @@ class StepTimes:
     can only lengthen, so one slow small step does not change the policy for good. Either, for a
     bucket never measured, falls back to the nearest smaller measured bucket of the same key (a
     step is no faster with more rows), else 0 (optimistic: admit and measure).
+
+    Threads: the event loop and the direct path (``batching.direct``) both observe and read it; every
+    method holds ``_lock``.
     """
 
     def __init__(self, weight: float = EWMA_WEIGHT):
@@ -70,8 +74,13 @@ class StepTimes:
         self._fastest: dict[tuple[Hashable, int], float] = {}
         self._slowest: dict[Hashable, float] = {}
         self._buckets: dict[Hashable, list[int]] = {}
+        self._lock = threading.Lock()
 
     def observe(self, key: Hashable, bucket: int, seconds: float) -> None:
+        with self._lock:
+            self._observe(key, bucket, seconds)
+
+    def _observe(self, key: Hashable, bucket: int, seconds: float) -> None:
         old = self._seconds.get((key, bucket))
         if old is None:
             self._seconds[(key, bucket)] = self._fastest[(key, bucket)] = seconds
@@ -84,26 +93,30 @@ class StepTimes:
 
     def seed(self, key: Hashable, bucket: int, seconds: float) -> None:
         """Replace the estimate (calibration)."""
-        self._seconds.pop((key, bucket), None)
-        if bucket in self._buckets.get(key, ()):
-            self._buckets[key].remove(bucket)
-        self.observe(key, bucket, seconds)
+        with self._lock:
+            self._seconds.pop((key, bucket), None)
+            if bucket in self._buckets.get(key, ()):
+                self._buckets[key].remove(bucket)
+            self._observe(key, bucket, seconds)
 
     def estimate(self, key: Hashable, bucket: int) -> float:
-        return self._lookup(self._seconds, key, bucket)
+        with self._lock:
+            return self._lookup(self._seconds, key, bucket)
 
     def slowest(self, key: Hashable) -> float:
         """The largest estimate of any bucket of ``key`` (0 before any): no step of it is expected longer."""
-        return self._slowest.get(key, 0.0)
+        with self._lock:
+            return self._slowest.get(key, 0.0)
 
     def rows_at_cost_of(self, key: Hashable, bucket: int, buckets: Iterable[int], slack: float) -> int:
         """The largest of ``buckets`` whose step has run within ``slack`` x the time of a step of
         ``bucket`` (at least ``bucket``), both at their fastest: how far a step can grow at about the
         same cost. Where step time barely grows with rows (a GPU) that is the largest bucket; on a
         CPU, a few more."""
-        budget = slack * self._lookup(self._fastest, key, bucket)
-        return max([b for b in buckets if b >= bucket and self._lookup(self._fastest, key, b) <= budget],
-                   default=bucket)
+        with self._lock:
+            budget = slack * self._lookup(self._fastest, key, bucket)
+            return max([b for b in buckets if b >= bucket and self._lookup(self._fastest, key, b) <= budget],
+                       default=bucket)
 
     def _lookup(self, table: dict, key: Hashable, bucket: int) -> float:
         seconds = table.get((key, bucket))

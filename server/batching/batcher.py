@@ -22,7 +22,7 @@ nothing here checks them again:
    which the engine runs as one step (``device_steps.run_step``) on the single device-worker
    thread, except on the idle fast path (``_runs_inline``): a lone request, the device thread free,
    traffic sparse (no step within the last step time, or queue delay if padded), a step expected
-   within ``--inline-step-max-ms``: run on the loop, saving two thread switches; ``forward_now``
+   within ``--inline-step-max-ms``: run on the loop, saving two thread switches; ``direct.forward_now``
    is that path for a front end's own thread (the native port's), when nothing at all is admitted.
    Step seconds feed the step-time estimates. Non-finite outputs (inputs that overflow the layer)
    fail their request INVALID_ARGUMENT; a failed merged step is re-run range by range, so a bad
@@ -44,18 +44,19 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 from expertd.client.messages import ForwardResult, RouteResult
 from expertd.server.batching import device_steps, offload, results
 from expertd.server.batching.admission import Admission, Limits, RunningSteps, StepTimes
-from expertd.server.batching.queues import Batch, LayerQueue, QueuedRequest, Queues, Ticket
+from expertd.server.batching.direct import DirectPath, Occupancy
+from expertd.server.batching.queues import LayerQueue, QueuedRequest, Queues, Ticket
 from expertd.server.batching.requests import ForwardRequest, Header, RouteRequest
+from expertd.server.batching.scheduling import StepScheduling
 from expertd.server.config import BatchingConfig
 from expertd.server.engine import api
-from expertd.server.engine.description import ModelDescription
+from expertd.server.engine.api import ModelDescription
 from expertd.server.errors import DeadlineExpired, NotReady, Overloaded
 from expertd.server.metrics.expert_load import ExpertLoadTracker
 from expertd.server.metrics.families import Metrics
@@ -65,6 +66,7 @@ DRAINING = "draining: not accepting new requests"
 """Why a request is refused UNAVAILABLE before warm-up ends and from the drain on (every front end says the same)."""
 
 DEADLINE_TOLERANCE_S = 0.01  # a call cancelled this close to its deadline ended by its deadline
+BACKLOG_READ_TIMEOUT_S = 0.5  # how long a scrape waits for the loop to compute the backlog gauge
 
 
 @dataclasses.dataclass(slots=True)
@@ -76,12 +78,17 @@ class Timing:
     compute_seconds: float
 
 
-class Batcher:
+class Batcher(StepScheduling):
     """Per-(layer, step kind) queues in front of one engine (see module docstring).
+
+    Threads: the server's event loop owns it (queues, tickets, scheduler tasks, futures); the one
+    entry for other threads is ``direct`` (``batching.direct.DirectPath``), which shares only
+    ``occupancy`` (under its lock) and the locked step times, loads and metrics. The metrics scrape
+    thread reads the backlog gauge through the loop (``_backlog_gauge``).
 
     Args:
       engine: runs the steps (``expertd.server.engine.engine.Engine``, whose lock serializes them, or the
-        multi-host leader's wrapper, never given to ``forward_now``'s callers).
+        multi-host leader's wrapper, never given to ``direct.forward_now``'s callers).
       model: the served layers and buckets.
       config: batching and admission limits.
       metrics: where batches, queue times, drops, refusals and routing are recorded.
@@ -105,37 +112,36 @@ class Batcher:
         sized = (lambda queue, rows: self.times.rows_at_cost_of(queue.step_key, model.bucket_for(rows), model.buckets,
                                                                 config.small_step_slack))
         self.queues = Queues(self.max_part_tokens, self._expire, sized if config.small_step_slack else None)
-        self.accepting = False
         self.draining = False
+        self.occupancy = Occupancy()  # shared with the direct path's threads, under its lock
+        self.direct = DirectPath(self)  # the off-loop entry for a transport's own thread
         self._buckets = frozenset(model.buckets)
-        self._pending = 0
         self._running = RunningSteps()  # the steps handed over and not ended
-        self._device_jobs = 0  # jobs handed to the device thread and not finished (steps, warm-up, swaps)
-        self._direct = False  # a forward_now step is running (on another thread)
-        self._last_step_end = 0.0  # monotonic end of the latest step
         self._idle = asyncio.Event()
         self._idle.set()
-        metrics.track_pending(lambda: self._pending)
-        metrics.track_queue(lambda: self.queues.queued_tokens, self.backlog_seconds)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the owner, known from ``start``
+        self._last_backlog = 0.0
+        metrics.track_pending(lambda: self.occupancy.pending)
+        metrics.track_queue(lambda: self.queues.queued_tokens, self._backlog_gauge)
         metrics.track_expert_load(self.loads)
 
     # -- public API (called from servicers on the event loop) -----------------------------------
     def admit(self, header: Header, deadline: float | None) -> Ticket:
         """A place for a request of ``header.tokens`` rows, or ``NotReady`` / ``Overloaded`` at once."""
-        if not self.accepting:
+        if not self.occupancy.accepting:
             raise NotReady(DRAINING if self.draining else WARMING_UP)
         queue = self._queue(header.layer, header.kind)
         now = time.monotonic()
         try:
             self.admission.check(queue, header.tokens, None if deadline is None else deadline - now,
                                  queues=self.queues.values(), running_s=self._running.seconds_left(now),
-                                 pending=self._pending, queued_tokens=self.queues.queued_tokens, now=now)
+                                 pending=self.occupancy.pending, queued_tokens=self.queues.queued_tokens, now=now)
         except Overloaded as exc:
             self.metrics.observe_rejected(exc.reason)
             raise
         small = self.admission.is_small(header.tokens)
         self.queues.reserve(queue, header.tokens, small)
-        self._pending += 1
+        self.occupancy.add_pending(1)
         self._idle.clear()
         return Ticket(self.queues, queue, header.tokens, small, self._done_one)
 
@@ -148,35 +154,6 @@ class Batcher:
                                    self.model.layers[request.layer].num_experts, elements=request.tokens.size)
         return result, timing
 
-    def forward_now(self, request: ForwardRequest, answer: Callable[[np.ndarray], None]) -> bool:
-        """Compute ``request`` now on the calling thread (the native port's gRPC thread, GIL held), ``answer``
-        its output ``[T, H]`` in the caller's dtype, then ``_record`` the step; False, doing nothing, unless
-        the server is idle (accepting; nothing admitted, queued, on the device thread or in another such
-        step; one step of any length, expected within the deadline). Reads the loop's state, never changes
-        it (steps serialize on the engine's lock). InvalidRequest for a non-finite output."""
-        rows, cfg, now = len(request.tokens), self.model.layers[request.layer], time.monotonic()
-        if not (self.accepting and not self._direct and self._pending == 0 and self._device_jobs == 0
-                and self.queues.queued_tokens == 0 and rows <= self.max_part_tokens):
-            return False
-        key, bucket = self.step_key(cfg, api.FORWARD), self.model.bucket_for(rows)
-        expected = self.times.estimate(key, bucket)
-        if request.deadline is not None and request.deadline < now + expected:
-            return False
-        self._direct = True
-        try:
-            ids = None if request.token_ids is None else api.pad_rows([request.token_ids], bucket)
-            result, seconds, bad_rows = device_steps.run_step(self.engine, request.layer, api.FORWARD,
-                                                              [request.tokens], bucket, rows, ids)
-        finally:
-            self._direct, self._last_step_end = False, time.monotonic()
-        if bad_rows is None:
-            answer(api.cast(result.output, request.out_dtype))
-        self._record(key, request.layer, api.FORWARD, rows, bucket, 1, seconds, result)
-        self.metrics.observe_queue("forward", 0.0)
-        if bad_rows is not None:
-            raise results.not_finite(request.field, int(np.argmax(bad_rows)))
-        return True
-
     async def route(self, request: RouteRequest, ticket: Ticket | None = None) -> tuple[RouteResult, Timing]:
         """Top-k routing of hidden states ``[T, H]`` or logits ``[T, E]``; aux loss times the request's coefficient."""
         kind = api.ROUTE_LOGITS if request.from_logits else api.ROUTE_HIDDEN
@@ -187,26 +164,53 @@ class Batcher:
     @property
     def pending(self) -> int:
         """Admitted requests not answered yet (decoding, queued or computing)."""
-        return self._pending
+        return self.occupancy.pending
+
+    @property
+    def accepting(self) -> bool:
+        return self.occupancy.accepting
 
     def backlog_seconds(self) -> float:
-        """Expected seconds until the admitted work is done (the running step's rest included).
-        Also read by the metrics scrape thread: a read that races the loop is retried."""
-        for _ in range(3):
-            try:
-                now = time.monotonic()
-                return self.admission.backlog(self.queues.values(), self._running.seconds_left(now), now)
-            except RuntimeError:  # a dict changed size while this thread read it
-                continue
-        return 0.0
+        """Expected seconds until the admitted work is done (the running step's rest included). On the loop."""
+        now = time.monotonic()
+        self._last_backlog = self.admission.backlog(self.queues.values(), self._running.seconds_left(now), now)
+        return self._last_backlog
+
+    def _backlog_gauge(self) -> float:
+        """``backlog_seconds`` for the metrics scrape thread: computed on the loop, which owns the
+        queues (the last value when the loop does not answer within BACKLOG_READ_TIMEOUT_S)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return self._last_backlog
+        try:
+            if asyncio.get_running_loop() is loop:
+                return self.backlog_seconds()
+        except RuntimeError:  # no loop runs on this thread: the scrape thread
+            pass
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+
+        def compute():
+            if not answer.cancelled():
+                answer.set_result(self.backlog_seconds())
+
+        try:
+            loop.call_soon_threadsafe(compute)
+            return answer.result(BACKLOG_READ_TIMEOUT_S)
+        except (RuntimeError, concurrent.futures.TimeoutError):  # the loop closed, or is busy
+            answer.cancel()
+            return self._last_backlog
 
     def start(self) -> None:
-        """Accept requests (after warm-up)."""
-        self.accepting = True
+        """Accept requests (after warm-up). On the loop."""
+        self._loop = asyncio.get_running_loop()
+        with self.occupancy.lock:
+            self.occupancy.accepting = True
 
     async def drain(self) -> None:
         """Stop accepting; return when every accepted request has been answered."""
-        self.accepting, self.draining = False, True
+        with self.occupancy.lock:
+            self.occupancy.accepting = False
+        self.draining = True
         await self._idle.wait()
 
     async def close(self) -> None:
@@ -219,11 +223,11 @@ class Batcher:
 
     async def run_on_device(self, fn, *args):
         """Run ``fn(*args)`` on the device-worker thread (warm-up, engine steps, weight swaps)."""
-        self._device_jobs += 1
+        self.occupancy.add_device_jobs(1)
         try:
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         finally:
-            self._device_jobs -= 1
+            self.occupancy.add_device_jobs(-1)
 
     async def calibrate(self) -> None:
         """Seed the step-time estimates (``device_steps.calibrate``). After warm-up, before ``start``."""
@@ -272,8 +276,7 @@ class Batcher:
             self._done_one()
 
     def _done_one(self) -> None:
-        self._pending -= 1
-        if self._pending == 0:
+        if self.occupancy.add_pending(-1) == 0:
             self._idle.set()
 
     def _fail(self, request: QueuedRequest, exc: BaseException) -> None:
@@ -286,116 +289,3 @@ class Batcher:
         if not request.ended:
             self.metrics.observe_dropped("deadline")
             self._fail(request, DeadlineExpired("deadline passed while queued; dropped before compute"))
-
-    async def _schedule(self, queue: LayerQueue) -> None:
-        last_step_end = 0.0
-        while True:
-            while queue.queued <= 0:
-                queue.wakeup.clear()
-                await queue.wakeup.wait()
-            await self._gather(queue, last_step_end)
-            batch = self.queues.take(queue, time.monotonic())
-            if batch:
-                await self._execute(queue, batch)
-                last_step_end = time.monotonic()
-            else:  # only cancelled requests were left: let their callers account for them
-                await asyncio.sleep(0)
-
-    async def _gather(self, queue: LayerQueue, last_step_end: float) -> None:
-        """Wait, at most the queue delay, for more requests to join the next step.
-
-        No wait when the queued rows fill a bucket exactly (nothing to gain) or M. The delay counts
-        from the oldest request's arrival or the end of the previous step, whichever is later, so
-        callers just answered by that step can come back and fill the padding of the next one
-        (closed-loop clients otherwise settle into half-full batches).
-        """
-        delay = self.config.max_queue_delay_ms / 1000.0
-        while not self.draining:
-            rows = queue.queued
-            if rows >= self.max_part_tokens or rows in self._buckets:
-                return
-            now = time.monotonic()
-            oldest = self.queues.oldest_arrival(queue, now)
-            if oldest is None:
-                return
-            remaining = max(oldest, last_step_end) + delay - now
-            if remaining <= 0:
-                return
-            queue.wakeup.clear()
-            queue.gather_until = now + remaining
-            try:
-                await asyncio.wait_for(queue.wakeup.wait(), remaining)
-            except TimeoutError:
-                return
-            finally:
-                queue.gather_until = 0.0
-
-    # -- execution ------------------------------------------------------------------------------
-    def _runs_inline(self, queue: LayerQueue, rows: int) -> bool:
-        """The idle fast path (module docstring, step 4): this request is the only one admitted, the
-        device thread has nothing to do, its step is expected within --inline-step-max-ms, and no
-        step ran within that time (or, for a padded batch, within the queue delay)."""
-        limit_s = self.config.inline_step_max_ms / 1e3
-        if not (limit_s > 0 and self._pending == 1 and self._device_jobs == 0 and not self._direct and queue.queued == 0
-                and rows <= self.max_part_tokens):
-            return False
-        bucket = self.model.bucket_for(rows)
-        expected = self.times.estimate(queue.step_key, bucket)
-        if expected > limit_s:
-            return False
-        quiet = expected if rows == bucket else max(expected, self.config.max_queue_delay_ms / 1e3)
-        return time.monotonic() - self._last_step_end >= quiet
-
-    async def _execute(self, queue: LayerQueue, batch: Batch, inline: bool = False) -> None:
-        rows = sum(stop - start for _, start, stop in batch)
-        bucket = self.model.bucket_for(rows)
-        step = self._running.start(self.times.estimate(queue.step_key, bucket))
-        try:
-            # token ids ride with their rows, padded to the bucket; None unless every request has them
-            ids = None if any(r.token_ids is None for r, _, _ in batch) else \
-                api.pad_rows([r.token_ids[start:stop] for r, start, stop in batch], bucket)
-            parts = [r.tokens[start:stop] for r, start, stop in batch]
-            args = (self.engine, queue.layer, queue.kind, parts, bucket, rows, ids)
-            result, seconds, bad_rows = device_steps.run_step(*args) if inline else \
-                await self.run_on_device(device_steps.run_step, *args)
-        except Exception as exc:  # noqa: BLE001 - handed to the requests' futures
-            self._running.end(step)
-            if len(batch) > 1:
-                for entry in batch:  # isolate the failing request; the others still get answers
-                    await self._execute(queue, [entry])
-            else:
-                self._fail(batch[0][0], exc)
-            return
-        finally:
-            self._running.end(step)
-            self._last_step_end = time.monotonic()
-        ended = self._last_step_end
-        self._record(queue.step_key, queue.layer, queue.kind, rows, bucket, len(batch), seconds, result)
-        offset = 0
-        for request, start, stop in batch:
-            span = slice(offset, offset + stop - start)
-            offset = span.stop
-            if request.ended or request.future.done():
-                continue
-            if bad_rows is not None and bad_rows[span].any():
-                self._fail(request, results.not_finite(request.field, start + int(np.argmax(bad_rows[span]))))
-                continue
-            self._deliver(request, start, results.step_piece(queue.kind, result, span), seconds, ended)
-
-    def _deliver(self, request: QueuedRequest, start: int, piece: tuple, seconds: float, ended: float) -> None:
-        """Rows ``start:`` of ``request`` computed (``piece``, ``results.step_piece``)."""
-        if (pieces := request.add(start, piece, seconds, ended)) is not None:
-            self.queues.end(request)
-            request.future.set_result(pieces)
-
-    def _record(self, step_key, layer: int, kind: str, rows: int, bucket: int, num_parts: int, seconds: float,
-                result) -> None:
-        """One step of ``seconds`` done: the step-time estimates, the metrics, the expert loads."""
-        self.times.observe(step_key, bucket, seconds)
-        metric_kind = "forward" if kind == api.FORWARD else "route"
-        self.metrics.observe_batch(layer=layer, kind=metric_kind, num_valid=rows, bucket=bucket,
-                                   num_requests=num_parts, seconds=seconds)
-        self.loads.add(layer, result.tokens_per_expert)
-        if kind != api.FORWARD:
-            self.metrics.set_aux_loss(layer, result.aux_loss)
-

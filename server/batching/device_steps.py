@@ -12,7 +12,7 @@ import numpy as np
 
 from expertd.server.batching.admission import StepTimes
 from expertd.server.engine import api
-from expertd.server.engine.description import ModelDescription
+from expertd.server.engine.api import ModelDescription
 
 
 def run_step(engine, layer: int, kind: str, parts: list[np.ndarray], bucket: int, rows: int, token_ids=None):

@@ -9,6 +9,7 @@ import os
 from expertd.server.config.batching import BatchingConfig
 from expertd.server.config.fields import (
     AUTH_TOKEN_ENV,
+    EVENT_LOOPS,
     from_environment,
     option,
     optional_str,
@@ -17,7 +18,6 @@ from expertd.server.config.model import ModelConfig
 from expertd.server.config.multihost import MultihostConfig
 from expertd.server.config.native_cpu import NativeCpuConfig
 from expertd.server.config.security import SecurityConfig
-from expertd.server.transport.event_loop import EVENT_LOOPS
 
 
 @dataclasses.dataclass(frozen=True)

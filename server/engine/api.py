@@ -19,7 +19,7 @@ import numpy as np
 from expertd.server.engine.description import MeshDescription, ModelDescription
 
 __all__ = ["FORWARD", "ROUTE_HIDDEN", "ROUTE_LOGITS", "STEP_KINDS", "ForwardOutput", "MeshDescription",
-           "ModelDescription", "RouteOutput", "StepRunner", "aux_loss_of", "cast", "pad_rows"]
+           "ModelDescription", "Placements", "RouteOutput", "StepRunner", "aux_loss_of", "cast", "pad_rows"]
 
 FORWARD, ROUTE_HIDDEN, ROUTE_LOGITS = "forward", "route_hidden", "route_logits"
 STEP_KINDS = (ROUTE_HIDDEN, ROUTE_LOGITS, FORWARD)
@@ -61,6 +61,18 @@ class StepRunner(Protocol):
 
     def route(self, layer: int, tokens: np.ndarray, num_valid: int, *, from_logits: bool = False,
               aux_loss_coeff: float = 1.0, token_ids: np.ndarray | None = None) -> RouteOutput: ...
+
+
+class Placements(Protocol):
+    """The layers' current physical expert placements (``engine.rebalancer.Rebalancer``), as the
+    front ends read them for GetModelInfo and GetExpertLoad. ``placement(layer)`` is an
+    ``expertd.kernels.eplb.Placement`` (None: the layer is not expert-parallel)."""
+
+    layers: list[int]
+
+    def placement(self, layer: int): ...
+
+    def version(self, layer: int) -> int: ...
 
 
 def cast(array: np.ndarray, dtype) -> np.ndarray:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from expertd.kernels.moe import MoEConfig
+from expertd.kernels.config import MoEConfig
 from expertd.server.errors import UnknownLayerError
 
 

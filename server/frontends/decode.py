@@ -32,7 +32,7 @@ from expertd.client import admission, codec
 from expertd.client.pb.v1 import expert_pb2
 from expertd.server.batching.requests import ForwardRequest, Header, RouteRequest
 from expertd.server.engine import api
-from expertd.server.engine.description import ModelDescription
+from expertd.server.engine.api import ModelDescription
 from expertd.server.errors import InvalidRequest, shown_shape
 from expertd.server.frontends.shared_memory import SharedMemoryRegistry, Slot
 

@@ -28,8 +28,8 @@ from expertd.client import admission, codec, messages
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.server.batching import offload
 from expertd.server.batching.batcher import Batcher
-from expertd.server.engine.description import ModelDescription
-from expertd.server.engine.rebalancer import Rebalancer
+from expertd.server.engine import api
+from expertd.server.engine.api import ModelDescription
 from expertd.server.errors import DeadlineExpired, InvalidRequest, run_unary, status_of
 from expertd.server.frontends import decode
 from expertd.server.frontends.shared_memory import SharedMemoryRegistry
@@ -48,7 +48,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     """Forward, Route, ForwardStream, GetModelInfo and GetExpertLoad over one Batcher."""
 
     def __init__(self, model: ModelDescription, batcher: Batcher, metrics: Metrics, *, aux_loss_coeff: float,
-                 version: str, placements: Rebalancer | None = None,
+                 version: str, placements: api.Placements | None = None,
                  shared_memory: SharedMemoryRegistry | None = None):
         self.model = model
         self.shared_memory = shared_memory
@@ -100,7 +100,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     def early_handlers(self) -> dict[str, tuple[str, grpc.RpcMethodHandler]]:
         """{method: (metadata key, handler)}: the calls of a method that carry the key go to the
-        handler (``interceptors.RoutedServer.add_early_handler``)."""
+        handler (``registration.RoutedServer.add_early_handler``)."""
         handler = grpc.stream_unary_rpc_method_handler(
             self.ForwardAdmittedEarly, request_deserializer=expert_pb2.ForwardRequest.FromString,
             response_serializer=expert_pb2.ForwardResponse.SerializeToString)
@@ -253,7 +253,7 @@ def _deadline(context) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-def placement_message(placements: Rebalancer, layer: int) -> expert_pb2.ExpertPlacement:
+def placement_message(placements: api.Placements, layer: int) -> expert_pb2.ExpertPlacement:
     """Layer ``layer``'s current physical expert placement as an ExpertPlacement message."""
     placement = placements.placement(layer)
     return expert_pb2.ExpertPlacement(

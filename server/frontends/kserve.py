@@ -4,7 +4,8 @@ Registered by ``expertd.server.app`` on the same grpc.aio server (and port) as `
 front of the same Batcher and ModelDescription: KServe and expertd.v1 requests for one layer share
 batches, metrics (the ``grpc_server_*`` families) and the error mapping of
 ``expertd.server.errors``. ModelInferRequests are decoded and validated once, by
-``expertd.server.frontends.kserve_decode.decode_model_infer``; ModelStatistics reads ``expertd.server.metrics.statistics``.
+``expertd.server.frontends.kserve_decode.decode_model_infer``; ModelStatistics reads
+``expertd.server.metrics.statistics``.
 
 Models: one per served layer, ``moe-layer-<index>``, version ``1``, platform ``jax``:
 
@@ -45,7 +46,7 @@ import numpy as np
 from expertd.client.kserve_protos import SERVICE_NAME, model_config_pb2, service_grpc, service_pb2
 from expertd.server.batching.batcher import Batcher
 from expertd.server.config import BatchingConfig
-from expertd.server.engine.description import ModelDescription
+from expertd.server.engine.api import ModelDescription
 from expertd.server.errors import InvalidRequest, run_unary
 from expertd.server.frontends import kserve_decode
 from expertd.server.frontends.kserve_decode import (

@@ -32,7 +32,7 @@ import numpy as np
 
 from expertd.server.batching.requests import ForwardRequest, Header
 from expertd.server.engine import api
-from expertd.server.engine.description import ModelDescription
+from expertd.server.engine.api import ModelDescription
 from expertd.server.errors import InvalidRequest, UnknownLayerError, shown, shown_shape
 from expertd.server.frontends.decode import check_shape, check_token_ids, check_tokens
 from expertd.server.frontends.shared_memory import SharedMemoryRegistry, Slot

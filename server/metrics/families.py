@@ -116,7 +116,7 @@ class Metrics:
         self.build_info = Gauge("expertd_build_info", "Build information (value 1).",
                                 ["version", "jax_version", "grpc_version", "platform"], registry=r)
         self._grpc_methods: dict[tuple[str, str, str], GrpcMethodMetrics] = {}
-        self.grpc_calls = GrpcCallCollector(self._grpc_methods)
+        self.grpc_calls = GrpcCallCollector(self._grpc_methods, LATENCY_BUCKETS)
         r.register(self.grpc_calls)  # grpc_server_*
         self._kind_children: dict[str, tuple] = {}
 

@@ -22,6 +22,11 @@ The door (every caller uses these names; `config` is a config.json dict or an `H
 serve. The family modules live in `expertd.server.models.families` (one file each; see
 `family.py` for what a module declares). Checkpoint formats: `quant` (dequantisers), `stored`
 (memory-mapped safetensors), `dtypes` (the serving dtype `--dtype auto` picks).
+
+The layers served, built on the registry: `presets` (the presets with seeded weights, `LoadedLayer`,
+layer selection), `checkpoint` (a Hugging Face checkpoint's plan and its MoE layers loaded),
+`checkpoint_layer` (one layer's tensors read and dequantised), `inspect` (`expertd inspect DIR`).
+They import JAX; this door and the registry do not.
 """
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
-from expertd.server import app
 from expertd.server.app import PROBE_SERVICES
 from expertd.server.config import ServerConfig
 from expertd.server.engine import build
@@ -74,13 +73,13 @@ class FollowerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         address = f"{config.host}:{config.port}"
         try:
-            self.port = self._server.add_secure_port(address, app.grpc_server_credentials(credentials.tls)) \
+            self.port = self._server.add_secure_port(address, listen.grpc_server_credentials(credentials.tls)) \
                 if credentials.tls else self._server.add_insecure_port(address)
         except RuntimeError:  # gRPC's "Failed to bind", without the reason
             self._close_loop()
             raise listen.bind_error(address, "--host, --port", "the address is in use or not on this host") from None
         self.tls = credentials.tls is not None
-        self.security = app.security_summary(config, credentials, self.metrics_url)
+        self.security = listen.security_summary(config, credentials, self.metrics_url)
         self.set_ready(False)
         self._health.set("liveness", SERVING)
         self._server.start()

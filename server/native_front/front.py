@@ -21,8 +21,8 @@ gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves o
   fails answers each of its calls with that status (details included).
   The direct path (``direct``, ``--native-direct``, on by default in one process): a call that
   finds nothing queued or in flight on the port does not wake the event loop. Its gRPC thread
-  takes the GIL and offers the call to ``Batcher.forward_now``, which computes and answers it
-  there when the whole server is idle (nothing admitted, queued or running; one step, expected
+  takes the GIL and offers the call to ``Batcher.direct.forward_now`` (``batching.direct``), which
+  computes and answers it there when the whole server is idle (nothing admitted, queued or running; one step, expected
   within the deadline) and records the step as the batcher records every step; otherwise the
   batch is handed to the event loop as a taken batch. Calls arriving meanwhile queue without
   waking the loop. When the step is done and nothing else is in flight, the port's runner thread
@@ -44,7 +44,9 @@ Security is the main port's: the same bearer token, the same TLS / mutual-TLS ma
 Refused calls are logged as the main port's are (``errors.client_errors``: one rate-limited line per
 status code, never a traceback), read from C++ every REFUSAL_LOG_INTERVAL_S.
 
-Metrics (on the server's registry): ``expertd_native_forward_handled_total{grpc_code}``,
+Metrics (on the server's registry, defined in ``expertd.server.metrics.native_port``): each
+Forward counts in the main port's ``grpc_server_*`` series of ``expertd.v1.ExpertService/Forward``;
+beside them, the port's own ``expertd_native_forward_handled_total{grpc_code}``,
 ``expertd_native_forward_handling_seconds`` (arrival to answer, as ``grpc_server_handling_seconds``
 measures the main port's calls), ``expertd_native_forward_queued_tokens`` and
 ``expertd_native_forward_direct_total{outcome}`` (the direct runner's batches: computed on its
@@ -61,12 +63,10 @@ import atexit
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
 
 from expertd.client import codec
 from expertd.client.pb.v1.expert_pb2 import GetModelInfoResponse
@@ -76,8 +76,11 @@ from expertd.server.batching.admission import MIN_RETRY_S
 from expertd.server.batching.batcher import WARMING_UP, Batcher
 from expertd.server.config.credentials import TlsMaterial
 from expertd.server.engine import api
-from expertd.server.engine.description import ModelDescription
+from expertd.server.engine.api import ModelDescription
+from expertd.server.metrics import native_port
+from expertd.server.metrics.calls import GrpcCallCollector
 from expertd.server.metrics.families import LATENCY_BUCKETS
+from expertd.server.metrics.native_port import NativePortCollector
 from expertd.server.native_front.build import load
 
 log = logging.getLogger(__name__)
@@ -197,9 +200,11 @@ class NativeFront:
         await asyncio.gather(*self._batches, return_exceptions=True)
         self._log_refusals()
 
-    def collector(self) -> Collector:
-        """The port's metrics for a prometheus_client registry."""
-        return _Collector(self)
+    def register_metrics(self, registry, grpc_calls: GrpcCallCollector) -> None:
+        """Export the port's ``expertd_native_forward_*`` on ``registry`` and count its Forward calls
+        in the ``grpc_server_*`` series (``expertd.server.metrics.native_port``)."""
+        registry.register(NativePortCollector(self.stats, lambda: dict(self.direct_calls)))
+        grpc_calls.add_transport(native_port.FORWARD_LABELS, lambda: native_port.grpc_calls(self.stats()))
 
     # -- the event loop's side -------------------------------------------------------------------
     def _on_ready(self) -> None:
@@ -259,7 +264,7 @@ class NativeFront:
         """One of the direct runner's batches (a lone call on an idle port, on its gRPC thread, or the
         calls queued behind the last, on the runner thread) with the GIL held (C++'s ``set_direct``;
         ``batch`` as ``take`` gives it): computed and answered here where the batcher is idle too
-        (``Batcher.forward_now``, which records the step after the answer), else handed to the
+        (``Batcher.direct.forward_now``, which records the step after the answer), else handed to the
         event loop as a taken batch."""
         answered = False
 
@@ -274,7 +279,7 @@ class NativeFront:
             self._fail(batch_id, exc)
             return
         try:
-            computed = self._batcher.forward_now(request, answer)
+            computed = self._batcher.direct.forward_now(request, answer)
         except Exception as exc:  # noqa: BLE001 - its step ran: a non-finite result, or recording failed
             computed = True
             if not answered:
@@ -328,43 +333,6 @@ class NativeFront:
         except ValueError:
             if not self._stopped:
                 log.exception("native Forward port: batch %d could not be answered", batch_id)
-
-
-class _Collector(Collector):
-    """``expertd_native_forward_*`` from the C++ counters, read at scrape time."""
-
-    def __init__(self, front: NativeFront):
-        self._front = front
-
-    def describe(self) -> list:
-        return [CounterMetricFamily("expertd_native_forward_handled", "", labels=("grpc_code",)),
-                HistogramMetricFamily("expertd_native_forward_handling_seconds", ""),
-                GaugeMetricFamily("expertd_native_forward_queued_tokens", ""),
-                CounterMetricFamily("expertd_native_forward_direct", "", labels=("outcome",))]
-
-    def collect(self) -> Iterator:
-        stats = self._front.stats()
-        handled = CounterMetricFamily("expertd_native_forward_handled", "Forward calls answered on the native port, "
-                                      "by status code.", labels=("grpc_code",))
-        for code, count in sorted(stats["handled"].items()):
-            handled.add_metric([_CODE_NAMES.get(code, str(code))], count)
-        counts, total = stats["latency"]
-        buckets, running = [], 0
-        for bound, count in zip((*(repr(float(b)) for b in LATENCY_BUCKETS), "+Inf"), counts, strict=True):
-            running += count
-            buckets.append((bound, running))
-        seconds = HistogramMetricFamily("expertd_native_forward_handling_seconds", "Forward calls on the native port: "
-                                        "seconds from arrival to answer.")
-        seconds.add_metric([], buckets, total)
-        queued = GaugeMetricFamily("expertd_native_forward_queued_tokens", "Tokens of Forward calls queued on the "
-                                   "native port, not yet handed to the batcher.", value=stats["queued_tokens"])
-        direct = CounterMetricFamily("expertd_native_forward_direct", "Batches of the native port's direct runner (a "
-                                     "lone call at an idle port, then what queued behind it) by outcome: computed on "
-                                     "its gRPC thread (answered there, OK or not), or handed over to the event loop "
-                                     "(the server was busy).", labels=("outcome",))
-        for outcome, count in self._front.direct_calls.items():
-            direct.add_metric([outcome], count)
-        yield from (handled, seconds, queued, direct)
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
-
 
 def loop_factory(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop], str]:
     """(a new-loop factory, its description) for ``--event-loop choice`` (module docstring)."""

@@ -7,11 +7,19 @@ port left in TIME_WAIT passes; dual-stack for the wildcard "[::]", as gRPC liste
 raises OSError naming `host:port` and `flag` when another socket holds it. Port 0,
 names that do not resolve and every other bind problem (no IPv6 here, an address this host does
 not have) are left to the real bind, whose failure `bind_error` words the same way.
+
+`grpc_server_credentials(tls)` is a gRPC port's TLS; `security_summary` the start-up line saying
+what guards the ports (TLS, mutual TLS, the bearer token) and the metrics endpoint.
 """
 from __future__ import annotations
 
 import errno
 import socket
+
+import grpc
+
+from expertd.server.config import ServerConfig
+from expertd.server.config.credentials import Credentials, TlsMaterial
 
 
 def check_free(host: str, port: int, flag: str) -> None:
@@ -45,3 +53,19 @@ def check_free(host: str, port: int, flag: str) -> None:
 def bind_error(address: str, flag: str, why: str) -> OSError:
     """The error of a listener that cannot bind ``address``: names it, the flag, and what to do."""
     return OSError(f"cannot listen on {address} ({flag}): {why}; stop what holds it or choose another port")
+
+
+def security_summary(config: ServerConfig, credentials: Credentials, metrics_url: str) -> str:
+    """``security: TLS on, mTLS off, auth on (...); metrics: https://...:8002/metrics (TLS on,
+    auth off)``: what the start-up log of a server (or a multi-host follower) states."""
+    metrics = (f"metrics: {metrics_url} (TLS {'on' if config.metrics_tls else 'off'}, "
+               f"auth {'on' if config.metrics_auth else 'off'}")
+    if config.metrics_host is None and config.security.auth_enabled and not config.metrics_auth:
+        metrics += "; loopback only: auth is on and --metrics-auth is not, give --metrics-host to change"
+    return f"security: {credentials.describe()}; {metrics})"
+
+
+def grpc_server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
+    """The gRPC port's TLS (mutual when a client CA was given) from the material read at start."""
+    return grpc.ssl_server_credentials([(tls.private_key, tls.certificate_chain)], root_certificates=tls.client_ca,
+                                       require_client_auth=tls.mutual)

@@ -43,7 +43,7 @@ def reflection_pool(service_names: Iterable[str],
 
 def enable_reflection(server, service_names: Iterable[str]) -> None:
     """Serve ``grpc.reflection.v1alpha.ServerReflection`` on ``server`` (a grpc.aio server, or the
-    ``expertd.server.transport.interceptors.WrappingServer`` in front of one) for ``service_names`` and itself.
+    ``expertd.server.transport.registration.WrappingServer`` in front of one) for ``service_names`` and itself.
 
     The aio servicer is registered directly: ``reflection.enable_server_reflection`` picks the
     sync one for anything that is not a ``grpc.aio.Server`` instance.

@@ -354,6 +354,27 @@ def test_metrics_count_the_ports_calls_and_its_batches_reach_the_batcher(server)
     assert sample(text, "expertd_native_forward_queued_tokens") == 0
 
 
+def test_a_forward_on_either_port_counts_in_the_same_grpc_server_series(server):
+    forward = {"grpc_type": "unary", "grpc_service": "expertd.v1.ExpertService", "grpc_method": "Forward"}
+
+    def counts():
+        text = scrape(server.metrics_port)
+        return (sample(text, "grpc_server_handled_total", grpc_code="OK", **forward) or 0,
+                sample(text, "grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **forward) or 0,
+                sample(text, "grpc_server_started_total", **forward) or 0,
+                sample(text, "grpc_server_handling_seconds_count", **forward) or 0)
+
+    ok, invalid, started, timed = counts()
+    with native(server) as client:
+        for seed in range(3):
+            client.forward(rows(2, seed), layer=0)
+        with pytest.raises(InvalidArgumentError):
+            client.forward(NAN, layer=0)
+    with main(server) as client:
+        client.forward(rows(2, 7), layer=0)
+    assert counts() == (ok + 4, invalid + 1, started + 5, timed + 5)
+
+
 def _held(server):
     """Hold the device thread with one call's step in it; (release, the held call's future, pool)."""
     gate = server.gate
