@@ -4,8 +4,9 @@ Registered by ``expertd.server.app`` on the same grpc.aio server (and port) as `
 front of the same Batcher and ModelDescription: KServe and expertd.v1 requests for one layer share
 batches, metrics (the ``grpc_server_*`` families) and the error mapping of
 ``expertd.server.errors``. ModelInferRequests are decoded and validated once, by
-``expertd.server.frontends.kserve_decode.decode_model_infer``; ModelStatistics reads
-``expertd.server.metrics.statistics``.
+``expertd.server.frontends.kserve_decode.decode_model_infer``, and answers encoded once
+(``_infer_response``), both off the event loop for large tensors (``batching.offload``, as
+expertd.v1 does); ModelStatistics reads ``expertd.server.metrics.statistics``.
 
 Models: one per served layer, ``moe-layer-<index>``, version ``1``, platform ``jax``:
 
@@ -44,6 +45,7 @@ import time
 import numpy as np
 
 from expertd.client.kserve_protos import SERVICE_NAME, model_config_pb2, service_grpc, service_pb2
+from expertd.server.batching import offload
 from expertd.server.batching.batcher import Batcher
 from expertd.server.config import BatchingConfig
 from expertd.server.engine.api import ModelDescription
@@ -200,29 +202,14 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
             remaining = context.time_remaining()
             call_deadline = None if remaining is None else time.monotonic() + remaining
             header = kserve_decode.model_infer_header(request, self.model, index)
+            elements = header.tokens * self.model.layers[index].hidden_size  # raw, typed or in shared memory
             with self.batcher.admit(header, kserve_decode.infer_deadline(request, call_deadline)) as ticket:
-                forward, wanted, slots = kserve_decode.decode_model_infer(request, self.model, index, call_deadline,
-                                                                            self.shared_memory)
+                forward, wanted, slots = await offload.run(kserve_decode.decode_model_infer, request, self.model,
+                                                           index, call_deadline, self.shared_memory, elements=elements)
                 decoded = time.perf_counter()
                 result, timing = await self.batcher.forward(forward, ticket)
             in_batcher = time.perf_counter()
-            response = service_pb2.ModelInferResponse(model_name=model_name(index), model_version=MODEL_VERSION,
-                                                      id=request.id)
-            arrays = {OUTPUT: result.output, TOPK_IDS: result.routing.topk_ids,
-                      TOPK_WEIGHTS: result.routing.topk_weights}
-            input_datatype = next(t.datatype for t in request.inputs if t.name == INPUT)
-            for name in wanted:
-                datatype = input_datatype if name == OUTPUT else ("INT32" if name == TOPK_IDS else "FP32")
-                tensor = response.outputs.add(name=name, datatype=datatype, shape=arrays[name].shape)
-                array = little_endian(np.ascontiguousarray(arrays[name]))
-                slot = slots.get(name)
-                if slot is None:
-                    response.raw_output_contents.append(array.tobytes())
-                else:  # written to its region; its parameters say where, its raw entry stays empty
-                    slot.write(array)
-                    for key, value in request.outputs[wanted.index(name)].parameters.items():
-                        tensor.parameters[key].CopyFrom(value)
-                    response.raw_output_contents.append(b"")
+            response = await offload.run(_infer_response, request, index, result, wanted, slots, elements=elements)
         except BaseException:  # counted as Triton's "fail", then mapped to a status by run_unary
             self.statistics.add_failure(index, time.perf_counter() - started)
             raise
@@ -231,6 +218,27 @@ class KServeServicer(service_grpc.GRPCInferenceServiceServicer):
             compute_input=decoded - started, queue=timing.queue_seconds, compute_infer=timing.compute_seconds,
             compute_output=done - in_batcher, total=done - started))
         return response
+
+
+def _infer_response(request, index: int, result, wanted: list[str], slots: dict) -> service_pb2.ModelInferResponse:
+    """The ModelInferResponse of ``result`` (a ForwardResult) with the ``wanted`` outputs, each in its
+    raw entry or written to its shared-memory slot (its parameters say where; its raw entry empty)."""
+    response = service_pb2.ModelInferResponse(model_name=model_name(index), model_version=MODEL_VERSION, id=request.id)
+    arrays = {OUTPUT: result.output, TOPK_IDS: result.routing.topk_ids, TOPK_WEIGHTS: result.routing.topk_weights}
+    input_datatype = next(t.datatype for t in request.inputs if t.name == INPUT)
+    for name in wanted:
+        datatype = input_datatype if name == OUTPUT else ("INT32" if name == TOPK_IDS else "FP32")
+        tensor = response.outputs.add(name=name, datatype=datatype, shape=arrays[name].shape)
+        array = little_endian(np.ascontiguousarray(arrays[name]))
+        slot = slots.get(name)
+        if slot is None:
+            response.raw_output_contents.append(array.tobytes())
+        else:
+            slot.write(array)
+            for key, value in request.outputs[wanted.index(name)].parameters.items():
+                tensor.parameters[key].CopyFrom(value)
+            response.raw_output_contents.append(b"")
+    return response
 
 
 def add_to_server(server, *, model: ModelDescription, batcher: Batcher, statistics: Statistics,

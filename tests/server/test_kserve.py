@@ -2,6 +2,7 @@
 the official tritonclient gRPC clients (sync and aio) and, for what tritonclient cannot send, by
 our own stubs. Results must equal expertd.v1 Forward on the same server."""
 import asyncio
+import threading
 
 import grpc
 import ml_dtypes
@@ -284,3 +285,31 @@ def test_requests_are_counted_in_the_shared_metrics(server, triton_client):
                    grpc_code="OK")
     assert sample(after, "grpc_server_handled_total", **handled) == \
         sample(before, "grpc_server_handled_total", **handled) + 1
+
+
+def test_large_tensors_are_decoded_and_encoded_off_the_event_loop(stub, monkeypatch):
+    """As expertd.v1 does: a body of OFFLOAD_ELEMENTS elements or more is decoded, and its answer
+    encoded, on a worker thread; a small one on the server's event loop (thread ``expertd-grpc``)."""
+    from expertd.server.batching import offload
+    from expertd.server.frontends import kserve, kserve_decode
+
+    threads = []
+    decode, respond = kserve_decode.decode_model_infer, kserve._infer_response
+
+    def recording(function, step):
+        def wrapped(*args):
+            threads.append((step, threading.current_thread().name))
+            return function(*args)
+        return wrapped
+
+    monkeypatch.setattr(kserve_decode, "decode_model_infer", recording(decode, "decode"))
+    monkeypatch.setattr(kserve, "_infer_response", recording(respond, "encode"))
+    large = tokens(offload.OFFLOAD_ELEMENTS // H, seed=5)
+    small = tokens(2, seed=6)
+    for x in (small, large):
+        reply = stub.ModelInfer(_raw_request(x), timeout=120)
+        out = np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(x.shape)
+        assert np.isfinite(out).all()
+    assert [step for step, _ in threads] == ["decode", "encode"] * 2
+    assert {name for _, name in threads[:2]} == {"expertd-grpc"}
+    assert "expertd-grpc" not in {name for _, name in threads[2:]}

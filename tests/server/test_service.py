@@ -151,7 +151,6 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_result(server, par
     executions = delta("expertd_executions_total", layer="0", kind="forward")
     assert 1 <= executions < n
     assert delta("expertd_batch_requests_sum", kind="forward") == n
-    assert delta("expertd_routed_tokens_total", layer="0", expert="0") >= 0
     assert sum(delta("expertd_routed_tokens_total", layer="0", expert=str(e)) for e in range(E)) == n * K
 
 
