@@ -20,7 +20,7 @@ import sys
 import pytest
 from service_support import cache_dir
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def failover_benchmark():
