@@ -34,7 +34,7 @@ size, same time to its deadline) to pass, assuming no new arrivals; at least ``M
 
 Before the estimates, an upper bound admits at once when it is in time (every queued step at its
 bucket's slowest estimate): it never admits what the estimates would refuse
-(``tests/server/test_admission_bounds.py``), and most calls of a busy server stop there.
+(``tests/server/batching/test_admission_bounds.py``), and most calls of a busy server stop there.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from expertd.server.errors import Overloaded
 
 MARGIN = 1.25
 """Expected completion x MARGIN must be within the deadline: room for step times that vary
-(the benchmark and ``tests/server/test_overload.py`` show the goodput this leaves)."""
+(the benchmark and ``tests/server/batching/test_overload.py`` show the goodput this leaves)."""
 MIN_RETRY_S = 0.01
 EWMA_WEIGHT = 0.2
 """Weight of the newest step in the step-time average (about the last 10 steps count)."""

@@ -117,7 +117,7 @@ class MeshPlacement:
         """A host input of a compiled step (tokens, num_valid), replicated over the mesh when called.
 
         In one process the host array itself: the compiled step places it in C++, cheaper than a
-        `jax.device_put` first (BENCHMARKS.md, engine_step). A mesh over several processes needs a
+        `jax.device_put` first (BENCHMARKS.md, Engine step cycle). A mesh over several processes needs a
         global array built from this process's copy.
         """
         if jax.process_count() == 1:
@@ -129,7 +129,7 @@ class MeshPlacement:
         if all(r.is_fully_addressable for r in results):
             if self.devices[0].platform == "cpu":
                 # Already in host memory: np.asarray reads each result where it is; device_get
-                # would first start a host copy of each (BENCHMARKS.md, engine_step).
+                # would first start a host copy of each (BENCHMARKS.md, Engine step cycle).
                 return [np.asarray(r) for r in results]
             return list(jax.device_get(tuple(results)))  # one transfer for all results
         from jax.experimental import multihost_utils

@@ -5,7 +5,7 @@ Why: XLA:CPU allocates each execution's temporaries and outputs with malloc. gli
 above its mmap threshold (32 MiB at most) with a fresh mmap and gives it back with munmap when it is
 freed, and a thread's own arena holds no block over 64 MiB, so every call of a large layer has the
 kernel fault its big buffers in again, 4 KiB at a time, zero-filled: a T=4096 layer takes tens of
-thousands of page faults per call (BENCHMARKS.md has the counts and what they cost).
+thousands of page faults per call (what that costs: BENCHMARKS.md, Host allocator).
 
 `retain_freed_memory()` sets glibc's malloc to one arena (M_ARENA_MAX=1), no mmap'd blocks
 (M_MMAP_MAX=0) and no trimming of the heap's top (M_TRIM_THRESHOLD at its int maximum, 2 GiB): every
@@ -20,7 +20,7 @@ otherwise changes nothing and says why; likewise off Linux/glibc or with another
 `expertd serve --retain-freed-memory` (multi-host processes included) calls it first thing
 (`expertd.server.engine.build.prepare_process`), and the MoE benchmarks do. It is off by default: the one
 arena is shared by gRPC, Python and XLA threads, and small requests pay for that in latency and CPU
-(BENCHMARKS.md, Serving), so it pays only where buckets of 1024 tokens or more dominate. `state()` is
+(BENCHMARKS.md, Host allocator), so it pays only where buckets of 1024 tokens or more dominate. `state()` is
 what this process did.
 """
 from __future__ import annotations

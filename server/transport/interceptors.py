@@ -4,7 +4,7 @@ per-method message limits before it is parsed, and the ``grpc_server_*`` metrics
 All of it is applied once, when a service registers its handlers, not per call: ``wrapping(server,
 metrics, token, max_request_bytes=...)`` returns a stand-in for the grpc.aio server that every
 ``add_*_to_server`` function is given. It keeps every method in one generic handler (``_Router``)
-registered on the real server; grpc.aio asks it for a method's handler when a call starts, with
+registered on the real server (``transport.registration``); grpc.aio asks it for a method's handler when a call starts, with
 the call's metadata and before the request message is read, so that:
 
 - Auth: a call to a method outside ``OPEN_SERVICES`` without ``authorization: Bearer <token>``
@@ -26,8 +26,8 @@ gRPC core (1.81) reads the whole message before it compares its length with the 
 ``grpc.max_receive_message_length`` (docs/overload.md).
 
 Rule: nothing per call that can be done once per method; grpc.aio's own ``ServerInterceptor`` chain
-would await a coroutine per interceptor and rebuild the handler on every call (what that costs:
-BENCHMARKS.md, Serving). Health is open: Kubernetes probes cannot send metadata.
+would await a coroutine per interceptor and rebuild the handler on every call. The wrapping itself
+lives in ``transport.registration``. Health is open: Kubernetes probes cannot send metadata.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Targets, the service config, balancing and retries of the client, against small in-process gRPC
 servers that stand in for replicas (they count the calls they get and answer what the test says).
 
-The real servers under a real failure: tests/server/test_failover.py."""
+The real servers under a real failure: tests/server/transport/test_failover.py."""
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,4 @@
-"""Load for tests/server/test_overload.py, run as its own process (``python overload_load.py SPEC``)
+"""Load for tests/server/batching/test_overload.py, run as its own process (``python overload_load.py SPEC``)
 so that the load generator never shares the test's GIL with the server.
 
 SPEC (JSON): target, hidden, duration (s), seed, and streams: each {name, tokens, deadline (s),

@@ -3,7 +3,7 @@ families (tests/hf_fixtures.py), one per tensor layout, layer prefix and weight 
 gRPC. On every MoE layer and for two token counts, Forward equals the family's transformers block
 (the float64 oracle `hf_fixtures.hf_reference`) within fp32 tolerance, and Route equals the
 in-process kernels on the same weights. The other families are checked at the loader
-(tests/server/test_checkpoint.py, test_models_quant_checkpoints.py): same loader, same kernels."""
+(tests/server/models/test_checkpoint.py, test_models_quant_checkpoints.py): same loader, same kernels."""
 import hf_fixtures
 import ml_dtypes
 import numpy as np

@@ -3,7 +3,7 @@
 settings (health over TLS, metrics at --metrics-host behind TLS and the token), as the leader's.
 
 The followers here are built in this process (`FollowerServer`, one CPU device, no group joined):
-their listeners are what is tested; the group itself is tests/server/test_multihost_processes.py's.
+their listeners are what is tested; the group itself is tests/server/multihost/test_multihost_processes.py's.
 """
 import dataclasses
 import json
