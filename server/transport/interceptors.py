@@ -3,9 +3,10 @@ per-method message limits before it is parsed, and the ``grpc_server_*`` metrics
 
 All of it is applied once, when a service registers its handlers, not per call: ``wrapping(server,
 metrics, token, max_request_bytes=...)`` returns a stand-in for the grpc.aio server that every
-``add_*_to_server`` function is given. It keeps every method in one generic handler (``_Router``)
-registered on the real server (``transport.registration``); grpc.aio asks it for a method's handler when a call starts, with
-the call's metadata and before the request message is read, so that:
+``add_*_to_server`` function is given (``transport.registration``). It keeps every method in one
+generic handler (``_Router``) registered on the real server; grpc.aio asks it for a method's
+handler when a call starts, with the call's metadata and before the request message is read, so
+that:
 
 - Auth: a call to a method outside ``OPEN_SERVICES`` without ``authorization: Bearer <token>``
   (scheme in any case, RFC 7235) gets a handler that never reads the request and answers
