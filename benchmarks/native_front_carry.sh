@@ -4,13 +4,14 @@
 # `benchmarks/gpu_session.sh floor` can measure that port on the GPU host's cores. That machine has
 # no network and no libgrpc++, so nothing can be built there; name `.native-front` (and `.whl`) in
 # the device tool's `carry`. gpu_session.sh's setup copies the module into ~/.cache/expertd (where
-# `build_module` finds it by its key: source, descriptors, flags, Python) and puts lib/ on
+# `build_module` finds it by its key: sources, descriptors, flags, Python) and puts lib/ on
 # LD_LIBRARY_PATH.
 #
 #   bash benchmarks/native_front_carry.sh        # needs python3.12 (PY312=...), apt-get, network
 #
-# The module's key covers front.cc and the descriptors: after either changes, run this again (an
-# old .native-front is then not found, and the floor step leaves the port out, saying why).
+# The module's key covers server/native_front/csrc/ (every source and header) and the descriptors:
+# after either changes, run this again (an old .native-front is then not found, and the floor step
+# leaves the port out, saying why).
 #
 # Layout: .native-front/cache/native_front/<key>/expertd_native_front.cpython-312-*.so, and
 # .native-front/lib/*.so* (Debian 12's libgrpc++ 1.51 and what it needs beyond glibc, libstdc++,

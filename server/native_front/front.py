@@ -1,6 +1,6 @@
 """The native Forward port (``--native-port``): ``expertd.v1`` Forward with no Python per call.
 
-gRPC C++ (``front.cc``, built by ``expertd.server.native_front.build``) serves on a port of its own:
+gRPC C++ (``csrc/``, built by ``expertd.server.native_front.build``) serves on a port of its own:
 
 - ``ExpertService/Forward``: checks each call where it arrives (bearer token, the body: bytes that
   do not parse as a ForwardRequest get the main port's INVALID_ARGUMENT; accepting, layer,

@@ -1,0 +1,179 @@
+// expertd's native Forward port: the declarations its sources share (README.md beside this file says
+// which source holds what). gRPC C++ serves expertd.v1.ExpertService/Forward (and GetModelInfo, and
+// grpc.health.v1) with no Python per call. A Python extension module, `expertd_native_front`
+// (module.cc); its one user is expertd/server/native_front/front.py, which says what the port does
+// and does not serve.
+//
+// Per call, on gRPC's own threads: the bearer token (when one is set; constant-time comparison), the
+// body (bytes that do not parse as a ForwardRequest: INVALID_ARGUMENT, as on the main port),
+// whether the server is accepting (else UNAVAILABLE with the reason Python gave), the request's
+// fields (NOT_FOUND for a layer not served, INVALID_ARGUMENT naming the field: dtype, shape, the
+// token limit, byte length, token ids, NaN / Inf), the bounds on queued tokens and calls
+// (RESOURCE_EXHAUSTED). Refusals carry the main port's rich details (google.rpc.Status in
+// grpc-status-details-bin): a BadRequest field violation with INVALID_ARGUMENT, a RetryInfo delay
+// with RESOURCE_EXHAUSTED (the tokens over the bound, or one queued call's tokens for the call
+// bound, at the seconds per token Python last gave; at least its minimum). An accepted call joins
+// one FIFO queue; a call that finds the queue empty signals an eventfd. The server's event loop
+// watches that fd; woken, it reads it and takes batches (one a loop turn) until none is left:
+// calls of one (layer, dtype, with or without token ids), in arrival order, up to
+// `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived after
+// the last batch was answered alone), their rows concatenated. Where Python gave a direct callable
+// (`set_direct`), a call that finds nothing queued or in flight skips the queue and the event loop:
+// it becomes a batch of its own at once, and its gRPC thread calls `direct` with the GIL held (the
+// arguments `take` would return), which answers it. The direct runner is then on: queued calls do
+// not signal the eventfd, and if any queued during that step, the front's runner thread takes them
+// as its next batch, and so on while nothing else is in flight (RunDirect). Python answers a batch with
+// `finish` (the output rows in the callers' dtype, split back per call) or `fail` (one status for
+// each of its calls). Calls cancelled or past their deadline while queued are answered CANCELLED
+// when a take meets them, not run.
+//
+// Every source includes this header first (it brings Python.h, which must come before the standard
+// headers). Everything here is in namespace expertd::native_front, hidden: of this code, the module
+// exports PyInit_expertd_native_front (module.cc) alone.
+#ifndef EXPERTD_NATIVE_FRONT_CSRC_FRONT_H_
+#define EXPERTD_NATIVE_FRONT_CSRC_FRONT_H_
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "expertd/v1/expert.grpc.pb.h"
+
+// Hidden from the module's dynamic symbols, as the one-file source's anonymous namespace was: the
+// sources share these names, nothing outside the module sees them.
+#pragma GCC visibility push(hidden)
+namespace expertd::native_front {
+
+using expertd::v1::ForwardRequest;
+using expertd::v1::ForwardResponse;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kNumCodes = 17;  // grpc::StatusCode values 0..16
+
+// checks.cc: RESOURCE_EXHAUSTED with a RetryInfo delay of `seconds` (a google.rpc.Status detail).
+grpc::Status Overloaded(const std::string& message, double seconds);
+
+// checks.cc: the bytes of one element of `dtype` (an expertd.v1.DType) for the hidden-state dtypes
+// the port serves (float32, bfloat16, float16); 0 for any other.
+int ItemSize(int dtype);
+
+// A call accepted onto the queue. The request is parsed here from the call's bytes (so that a body
+// that does not parse gets INVALID_ARGUMENT); the answer is serialized into `response`, gRPC's buffer,
+// which lives until the reactor finishes.
+struct Call {
+  grpc::CallbackServerContext* context;
+  grpc::ServerUnaryReactor* reactor;
+  std::shared_ptr<const ForwardRequest> request;
+  grpc::ByteBuffer* response;
+  int64_t rows;
+  Clock::time_point arrived;
+};
+
+// One native port. Forward is registered raw (bytes in, bytes out): gRPC C++ answers a body its own
+// parser rejects with UNIMPLEMENTED, so the port parses the bytes itself. The public fields are set
+// by `start` (module.cc) before the server starts, and only read after; the private state is
+// guarded by the mutex its group names. Each method is defined in the file its group names.
+class Front final
+    : public expertd::v1::ExpertService::WithRawCallbackMethod_Forward<expertd::v1::ExpertService::CallbackService> {
+ public:
+  std::unordered_map<uint32_t, int64_t> hidden;  // layer -> H
+  std::string layer_list;                        // "0, 1" for messages
+  int64_t max_request_tokens = 0, max_batch_tokens = 0, max_queued_tokens = 0, max_queued_calls = 0;
+  std::string token;  // empty: no auth
+  std::vector<double> latency_bounds;
+  std::unique_ptr<grpc::Server> server;
+  int ready_fd = -1;  // an eventfd: readable while calls may be queued
+
+  // service.cc: the calls gRPC makes, the port's state Python sets, and its shutdown.
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
+                                    grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const expertd::v1::GetModelInfoRequest*,
+                                         expertd::v1::GetModelInfoResponse* response) override;
+  bool SetModelInfo(const std::string& serialized);
+  void SetInitialReason(std::string reason);
+  void SetRetryHint(std::unordered_map<uint32_t, double> seconds_per_token, double min_s);
+  void SetAccepting(bool accepting, std::string reason);
+  void SetHealth(bool serving);
+  void Stop(double grace_s);
+
+  // queue.cc: the call queue, its batches and the batches in flight.
+  std::pair<int64_t, std::vector<Call>> TryTake();
+  std::vector<Call> NextBatchLocked(std::unique_lock<std::mutex>& lock, bool behind = false);
+  bool Release(int64_t id, std::vector<Call>* calls);
+  PyObject* BatchArgs(int64_t id, const std::vector<Call>& calls);
+  void Wake() const;
+
+  // runner.cc: the direct runner (a lone call on its gRPC thread, then the runner thread).
+  void SetDirect(PyObject* direct);
+  void RunDirect(int64_t id);
+  void RunnerThread();
+  void RunOne(int64_t id);
+  int64_t NextDirect();
+  void StopRunner(std::unique_lock<std::mutex>& lock);
+
+  // stats.cc: answering a call, and the port's own counts (per code, latency, refusals).
+  void Complete(grpc::ServerUnaryReactor* reactor, const grpc::Status& status, Clock::time_point arrived);
+  PyObject* Stats();
+  PyObject* Refusals();
+  void InitStats();
+
+ private:
+  // checks.cc: the per-call checks and the refusals they make.
+  bool Authorized(grpc::CallbackServerContext* context) const;
+  static grpc::Status Unauthenticated();
+  static grpc::Status Invalid(const std::string& field, const std::string& description);
+  double RetryDelay(uint32_t layer, int64_t tokens) const;
+  grpc::Status Parse(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
+                     ForwardRequest* request) const;
+  grpc::Status Check(const ForwardRequest& request) const;
+
+  // Guarded by mu_: the queue, the batches in flight, whether calls are accepted (and why not), the
+  // retry hint and the direct runner.
+  std::mutex mu_;
+  std::deque<Call> queue_;
+  int64_t queued_tokens_ = 0;
+  bool accepting_ = false;
+  bool stopping_ = false;
+  std::string reason_;
+  std::unordered_map<uint32_t, double> seconds_per_token_;
+  double min_retry_s_ = 0.0;
+  int64_t last_batch_ = 0;
+  std::map<int64_t, std::vector<Call>> in_flight_;
+  Clock::time_point last_answered_{};  // when the latest batch left in_flight_ (answered or failed)
+  PyObject* direct_ = nullptr;         // SetDirect's callable (a reference held forever), or none
+  bool direct_running_ = false;        // the direct runner is on (queued calls wait for it)
+  bool runner_started_ = false;        // the runner thread exists
+  bool runner_wanted_ = false;         // RunDirect woke the runner thread
+  std::condition_variable runner_cv_;
+
+  // Guarded by info_mu_: GetModelInfo's answer.
+  std::mutex info_mu_;
+  expertd::v1::GetModelInfoResponse model_info_;
+
+  // Guarded by stats_mu_: the counts `stats` and `refusals` read.
+  std::mutex stats_mu_;
+  std::array<int64_t, kNumCodes> handled_{};
+  std::vector<int64_t> latency_counts_;
+  double latency_sum_ = 0.0;
+  std::map<int, std::pair<int64_t, std::string>> refused_;  // code -> (calls, latest message), since Refusals
+};
+
+}  // namespace expertd::native_front
+#pragma GCC visibility pop
+
+#endif  // EXPERTD_NATIVE_FRONT_CSRC_FRONT_H_

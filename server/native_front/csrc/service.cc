@@ -1,0 +1,137 @@
+// The native port's gRPC service: Forward (checked, then refused, queued, or run at once by the
+// direct runner on an idle port) and GetModelInfo, on gRPC's callback threads (only the direct
+// runner takes the GIL, runner.cc); and the port's state that Python sets (accepting and why not,
+// the model description, the retry hint, health) and its shutdown, called from module.cc
+// (SetAccepting and Stop with the GIL let go).
+#include "front.h"
+
+#include <algorithm>
+
+#include <grpcpp/health_check_service_interface.h>
+
+namespace expertd::native_front {
+
+grpc::ServerUnaryReactor* Front::Forward(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
+                                         grpc::ByteBuffer* response) {
+  const Clock::time_point arrived = Clock::now();
+  auto* reactor = context->DefaultReactor();
+  auto request = std::make_shared<ForwardRequest>();
+  grpc::Status refusal = Parse(context, body, request.get());
+  if (refusal.ok()) refusal = Check(*request);
+  bool notify = false;
+  int64_t direct = 0;
+  if (!refusal.ok()) {
+    Complete(reactor, refusal, arrived);
+    return reactor;
+  }
+  const int64_t rows = request->hidden_states().shape(0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!accepting_) {
+      refusal = grpc::Status(grpc::StatusCode::UNAVAILABLE, reason_);
+    } else if (queued_tokens_ + rows > max_queued_tokens) {
+      refusal = Overloaded("overloaded: " + std::to_string(queued_tokens_) + " tokens queued on the native port, "
+                           "the limit is " + std::to_string(max_queued_tokens) + "; retry later",
+                           RetryDelay(request->layer(), queued_tokens_ + rows - max_queued_tokens));
+    } else if (static_cast<int64_t>(queue_.size()) >= max_queued_calls) {
+      refusal = Overloaded("overloaded: " + std::to_string(queue_.size()) + " calls queued on the native port, "
+                           "the limit is " + std::to_string(max_queued_calls) + "; retry later",
+                           RetryDelay(request->layer(), queued_tokens_ / std::max<int64_t>(queue_.size(), 1)));
+    } else if (direct_ != nullptr && !direct_running_ && queue_.empty() && in_flight_.empty()) {
+      direct = ++last_batch_;  // a lone call on an idle port: its own batch, and this thread the runner
+      in_flight_[direct] = {Call{context, reactor, std::move(request), response, rows, arrived}};
+      direct_running_ = true;
+    } else {
+      queued_tokens_ += rows;
+      // Python drains the queue after each wake-up: only the first call wakes it, and none while a
+      // direct runner is on, which takes the queue itself after its step (RunDirect).
+      notify = queue_.empty() && !direct_running_;
+      queue_.push_back({context, reactor, std::move(request), response, rows, arrived});
+    }
+  }
+  if (!refusal.ok()) {
+    Complete(reactor, refusal, arrived);
+    return reactor;
+  }
+  if (direct != 0) RunDirect(direct);
+  if (notify) Wake();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* Front::GetModelInfo(grpc::CallbackServerContext* context,
+                                              const expertd::v1::GetModelInfoRequest*,
+                                              expertd::v1::GetModelInfoResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  if (!Authorized(context)) {
+    reactor->Finish(Unauthenticated());
+    return reactor;
+  }
+  {
+    std::lock_guard<std::mutex> lock(info_mu_);
+    *response = model_info_;
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+// False when `serialized` is not a GetModelInfoResponse (the answer stays as it was).
+bool Front::SetModelInfo(const std::string& serialized) {
+  expertd::v1::GetModelInfoResponse info;
+  if (!info.ParseFromString(serialized)) return false;
+  std::lock_guard<std::mutex> lock(info_mu_);
+  model_info_.Swap(&info);
+  return true;
+}
+
+// Set before the server starts (no call can race it): why calls are refused until SetAccepting.
+void Front::SetInitialReason(std::string reason) { reason_ = std::move(reason); }
+
+// Seconds per token of each layer's queued work (layers not given: none) and the least delay.
+void Front::SetRetryHint(std::unordered_map<uint32_t, double> seconds_per_token, double min_s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  seconds_per_token_ = std::move(seconds_per_token);
+  min_retry_s_ = min_s;
+}
+
+void Front::SetAccepting(bool accepting, std::string reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    accepting_ = accepting;
+    reason_ = std::move(reason);
+  }
+  SetHealth(accepting);
+}
+
+// Health of "", "expertd.v1.ExpertService" and "readiness" (as on the main port); "liveness" is
+// SERVING from the start.
+void Front::SetHealth(bool serving) {
+  auto* health = server->GetHealthCheckService();
+  for (const char* service : {"", "expertd.v1.ExpertService", "readiness"}) {
+    health->SetServingStatus(service, serving);
+  }
+  health->SetServingStatus("liveness", true);
+}
+
+// Refuse what is queued, shut the port down (call without the GIL).
+void Front::Stop(double grace_s) {
+  std::deque<Call> queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    accepting_ = false;
+    stopping_ = true;
+    direct_ = nullptr;
+    reason_ = "the server is shutting down";
+    queued.swap(queue_);
+    queued_tokens_ = 0;
+  }
+  for (const Call& call : queued) {
+    Complete(call.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"),
+             call.arrived);
+  }
+  SetHealth(false);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::microseconds(static_cast<int64_t>(std::max(grace_s, 0.0) * 1e6)));
+}
+
+}  // namespace expertd::native_front
