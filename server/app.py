@@ -369,7 +369,7 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
     if config.native_port is not None:
         listen.check_free(config.host, config.native_port, "--native-port")
         try:
-            build_native_front(config.native_cpu.cache_dir)  # before the model loads: the first build takes a minute of CPU
+            build_native_front(config.native_cpu.cache_dir)  # before the model loads: a first build takes a while
         except NativeUnavailable as exc:
             raise ValueError(f"--native-port: the native Forward port cannot be built here: {exc}") from exc
     loop = event_loop.loop_factory(config.event_loop)  # ValueError for a loop that is not installed
