@@ -1,7 +1,7 @@
 """Server assembly and lifecycle: ``create_server(config)`` -> a running server handle.
 
 Start-up, in order:
-1. ``expertd.server.engine.build.build``: load the model (preset or checkpoint; ValueError on bad
+1. ``expertd.server.engine.build.build_served``: load the model (preset or checkpoint; ValueError on bad
    input), place and prepare the weights once, build the Engine; its ModelDescription is what the
    front ends see.
 2. Start a grpc.aio server on its own thread and event loop: ``expertd.v1.ExpertService`` and the
@@ -346,7 +346,7 @@ class ServerHandle:
 def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = None,
                   progress: Callable | None = None, layers=None, step_runner: Callable | None = None,
                   on_warm: Callable[[], None] | None = None) -> ServerHandle:
-    """Build the model (``build.build``), start serving (health NOT_SERVING) and begin warm-up;
+    """Build the model (``build.build_served``), start serving (health NOT_SERVING) and begin warm-up;
     returns at once.
 
     Raises OSError naming the flag when a port is taken (before the model is built, where it can
@@ -373,7 +373,7 @@ def create_server(config: ServerConfig, *, registry: CollectorRegistry | None = 
         except NativeUnavailable as exc:
             raise ValueError(f"--native-port: the native Forward port cannot be built here: {exc}") from exc
     loop = event_loop.loop_factory(config.event_loop)  # ValueError for a loop that is not installed
-    served = build.build(config, layers)
+    served = build.build_served(config, layers)
     runner = None if step_runner is None else step_runner(served.engine)
     handle = ServerHandle(config, served, registry or CollectorRegistry(), progress, runner, on_warm, loop)
     handle._start()

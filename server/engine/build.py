@@ -119,7 +119,7 @@ def load_layers(config: ServerConfig, dtype: str | None = None) -> list[LoadedLa
                        dtype=dtype, seed=model.seed)
 
 
-def build(config: ServerConfig, layers: Sequence[LoadedLayer] | None = None) -> Served:
+def build_served(config: ServerConfig, layers: Sequence[LoadedLayer] | None = None) -> Served:
     """Start-up steps 1-6 for ``config`` (``layers`` instead of loading ``config.model``)."""
     model = config.model
     cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None

@@ -50,7 +50,7 @@ class FollowerServer:
         credentials = config.security.credentials()  # ValueError naming a bad option: fail closed
         listen.check_free(config.host, config.port, "--port")
         listen.check_free(config.metrics_bind_host, config.metrics_port, "--metrics-port")
-        self.engine = build.build(config).engine
+        self.engine = build.build_served(config).engine
         self.metrics = Metrics(CollectorRegistry(), token_buckets=self.engine.buckets)
         self.metrics.set_build_info(version=VERSION, jax_version=jax.__version__, grpc_version=grpc.__version__,
                                     platform=self.engine.platform)
