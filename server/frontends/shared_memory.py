@@ -10,26 +10,28 @@ one is visible to the other.
 Registration rules (``InvalidRequest`` naming the field otherwise; INVALID_ARGUMENT):
 - ``name``: 1..128 printable characters, not registered already.
 - ``key``: the POSIX object as ``shm_open`` names it (leading ``/`` optional): one path component
-  of 1..255 characters, not ``.`` or ``..``; it must exist (under ``/dev/shm``) as a regular file.
+  of 1..255 characters, not ``.`` or ``..``; it must exist (under ``/dev/shm``) as a regular file,
+  opened without following a symbolic link (``O_NOFOLLOW``), owned by the user the server runs as
+  (its effective uid: a server running as root does not open another user's object for a caller).
 - ``offset`` + ``byte_size`` within the object's size; ``byte_size`` >= 1.
 - At most ``max_regions`` regions and ``max_total_bytes`` bytes registered at once
   (INVALID_ARGUMENT naming ``name`` or ``byte_size``, with the limit).
 
 Use: a tensor names ``(region, offset, byte_size)`` inside a registered region. ``input_array``
-checks the region exists, the span lies inside it, the byte size equals the tensor's, and that the
-object is still at least that large (a truncated object would fault the server on read), then
-returns a read-only array viewing the mapping: no copy. ``output_slot`` checks the same for an
-output (byte size at least the output's) and returns a ``Slot`` the answer is written into.
+checks the region exists, the span lies inside it and the byte size equals the tensor's, then reads
+the bytes into an array of the server's own (``preadv``: one copy, in the kernel). ``output_slot``
+checks the same for an output (byte size at least the output's) and returns a ``Slot`` the answer
+is written into (``pwrite``). The server never maps a caller's object: a caller that truncates
+its object while a call reads or writes it gets INVALID_ARGUMENT for that call (the read comes
+back short), never a fault (SIGBUS) of the server.
 
 Unregistering while a request uses a region: the name goes at once (later requests naming it get
-INVALID_ARGUMENT); the mapping stays valid while any request or array still refers to it (it is
-closed when the last reference goes), so a request in flight reads and writes the memory it
-validated, never an unmapped page.
+INVALID_ARGUMENT); the object stays open while any request still refers to it (it is closed when
+the last reference goes), so a request in flight reads and writes the object it validated.
 """
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import stat
 import threading
@@ -56,46 +58,57 @@ class RegionInfo:
 
 
 class Region:
-    """A mapped region: ``byte_size`` bytes of the object ``key`` from ``offset``.
-
-    Holds the object's file descriptor (to check its size before each use) and the mapping; both
-    are closed when the last reference to the region (registry, request, array view) goes.
-    """
+    """A registered region: ``byte_size`` bytes of the object ``key`` from ``offset``, read and
+    written through its open file descriptor (closed when the last reference goes)."""
 
     def __init__(self, info: RegionInfo, fd: int):
-        """Maps the region of ``fd`` (InvalidRequest naming ``key`` when it cannot be mapped); owns
-        ``fd`` once mapped (the caller closes it if this raises)."""
-        start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
-        try:
-            mapping = mmap.mmap(fd, info.offset + info.byte_size - start, offset=start)
-        except (OSError, ValueError) as exc:
-            raise InvalidRequest("key", f"cannot map shared-memory object {info.key!r}: {exc}") from None
+        """Owns ``fd`` from here on."""
         self.info = info
-        self._map = mapping
-        self._view = memoryview(mapping)[info.offset - start:info.offset - start + info.byte_size]
         self._fd = fd
 
-    def span(self, offset: int, byte_size: int, field: str) -> memoryview:
-        """Bytes ``[offset, offset + byte_size)`` of the region (InvalidRequest naming ``field`` when
-        they are not inside it, or the object has shrunk below them)."""
+    def _check(self, offset: int, byte_size: int, field: str) -> int:
+        """The object's file offset of the region's byte ``offset`` (InvalidRequest naming ``field``
+        when ``[offset, offset + byte_size)`` is not inside the region)."""
         if offset < 0 or byte_size < 0 or offset + byte_size > self.info.byte_size:
             raise InvalidRequest(field, f"bytes [{offset}, {offset + byte_size}) are outside region "
                                         f"{self.info.name!r} of {self.info.byte_size} bytes")
+        return self.info.offset + offset
+
+    def _shrank(self, field: str) -> InvalidRequest:
         size = os.fstat(self._fd).st_size
-        if size < self.info.offset + offset + byte_size:
-            raise InvalidRequest(field, f"the shared-memory object {self.info.key!r} of region {self.info.name!r} "
-                                        f"shrank to {size} bytes")
-        return self._view[offset:offset + byte_size]
+        return InvalidRequest(field, f"the shared-memory object {self.info.key!r} of region {self.info.name!r} "
+                                     f"shrank to {size} bytes")
+
+    def check(self, offset: int, byte_size: int, field: str) -> None:
+        """InvalidRequest naming ``field`` unless the span lies inside the region and the object."""
+        start = self._check(offset, byte_size, field)
+        if os.fstat(self._fd).st_size < start + byte_size:
+            raise self._shrank(field)
+
+    def read_into(self, offset: int, out: np.ndarray, field: str) -> None:
+        """Fill the contiguous array ``out`` from the region's byte ``offset``."""
+        start = self._check(offset, out.nbytes, field)
+        buffer = memoryview(out.reshape(-1).view(np.uint8))  # bytes of any dtype (bfloat16 exports none)
+        done = 0
+        while done < len(buffer):
+            got = os.preadv(self._fd, [buffer[done:]], start + done)
+            if got <= 0:  # the object ends before the span: truncated since registration
+                raise self._shrank(field)
+            done += got
+
+    def write(self, offset: int, array: np.ndarray, field: str) -> None:
+        """Write the contiguous array ``array`` at the region's byte ``offset``."""
+        start = self._check(offset, array.nbytes, field)
+        if os.fstat(self._fd).st_size < start + array.nbytes:  # never grow an object its owner shrank
+            raise self._shrank(field)
+        buffer = memoryview(array.reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(buffer):
+            done += os.pwrite(self._fd, buffer[done:], start + done)
 
     def __del__(self):
-        if not hasattr(self, "_fd"):
-            return  # never mapped: the registering caller closed the descriptor
-        try:
-            self._view.release()
-            self._map.close()
-        except BufferError:
-            pass  # arrays still view the mapping: it closes when the last one goes
-        os.close(self._fd)
+        if hasattr(self, "_fd"):
+            os.close(self._fd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +122,7 @@ class Slot:
 
     def write(self, array: np.ndarray) -> None:
         """Copy ``array`` (little-endian, row-major) into the slot's first ``array.nbytes`` bytes."""
-        view = self.region.span(self.offset, array.nbytes, self.field)
-        target = np.frombuffer(view, dtype=array.dtype, count=array.size).reshape(array.shape)
-        np.copyto(target, array, casting="no")
+        self.region.write(self.offset, np.ascontiguousarray(array), self.field)
 
 
 class SharedMemoryRegistry:
@@ -152,6 +163,9 @@ class SharedMemoryRegistry:
                 status = os.fstat(fd)
                 if not stat.S_ISREG(status.st_mode):
                     raise InvalidRequest("key", f"{key!r} is not a shared-memory object")
+                if status.st_uid != os.geteuid():
+                    raise InvalidRequest("key", f"shared-memory object {key!r} belongs to uid {status.st_uid}, not "
+                                                f"to the server's user (uid {os.geteuid()}): create it as that user")
                 if offset + byte_size > status.st_size:
                     raise InvalidRequest("byte_size", f"offset {offset} + byte_size {byte_size} exceeds the "
                                                       f"{status.st_size} bytes of object {key!r}")
@@ -190,14 +204,16 @@ class SharedMemoryRegistry:
     # -- tensors in regions ----------------------------------------------------------------------
     def input_array(self, name: str, offset: int, byte_size: int, dtype: np.dtype, shape: tuple[int, ...],
                     field: str) -> np.ndarray:
-        """The read-only ``shape`` ``dtype`` array at ``offset`` of region ``name``; ``byte_size`` must
-        equal its bytes (InvalidRequest naming ``field`` otherwise). Little-endian hosts only."""
+        """A read-only ``shape`` ``dtype`` array of the bytes at ``offset`` of region ``name`` (read now,
+        the server's own copy); ``byte_size`` must equal its bytes (InvalidRequest naming ``field``
+        otherwise). Little-endian hosts only."""
         expected = int(np.prod(shape)) * dtype.itemsize
         if byte_size != expected:
             raise InvalidRequest(f"{field}.byte_size", f"expected {expected} bytes for {dtype} {list(shape)}, "
                                                        f"got {byte_size}")
-        view = self.region(name, f"{field}.region").span(offset, byte_size, f"{field}.offset")
-        array = np.frombuffer(view, dtype=dtype).reshape(shape)
+        region = self.region(name, f"{field}.region")
+        array = np.empty(shape, dtype)
+        region.read_into(offset, array, f"{field}.offset")
         array.flags.writeable = False
         return array
 
@@ -207,7 +223,7 @@ class SharedMemoryRegistry:
         if byte_size < needed:
             raise InvalidRequest(f"{field}.byte_size", f"the output needs {needed} bytes, the slot has {byte_size}")
         region = self.region(name, f"{field}.region")
-        region.span(offset, byte_size, f"{field}.offset")
+        region.check(offset, byte_size, f"{field}.offset")
         return Slot(region, offset, byte_size, f"{field}.offset")
 
 

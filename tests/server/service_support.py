@@ -9,9 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import pathlib
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -206,3 +209,54 @@ class Gate:
 
     def route(self, layer, tokens, num_valid, **options):
         return self.engine.route(layer, tokens, num_valid, **options)
+
+
+class ServeProcess:
+    """An ``expertd serve`` subprocess: its ``process``, gRPC ``target``, metrics port and the file
+    its output goes to."""
+
+    def __init__(self, process: subprocess.Popen, target: str, metrics_port: int, log: pathlib.Path):
+        self.process, self.target, self.metrics_port, self.log = process, target, metrics_port, log
+
+    def memory_kib(self, field: str) -> int:
+        status = pathlib.Path(f"/proc/{self.process.pid}/status").read_text()
+        return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M).group(1))
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+
+@contextlib.contextmanager
+def serve_process(tmp_path_factory, *flags: str, env: dict | None = None):
+    """``expertd serve`` (tiny, one layer, fp32, buckets 1/8, loopback, free ports) with ``flags``
+    added, in its own process; stopped (SIGTERM, then SIGKILL) on exit."""
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    command = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--metrics-port", "0", "--preset", "tiny", "--num-layers", "1", "--dtype", "float32",
+               "--num-devices", "1", "--bucket-sizes", "1,8", "--drain-grace-s", "2",
+               "--compile-cache-dir", str(cache_dir(tmp_path_factory)), *flags]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+    try:
+        deadline = time.monotonic() + 300
+        while "ready:" not in log.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("server did not start:\n" + log.read_text())
+            time.sleep(0.2)
+        text = log.read_text()
+        port = int(re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", text).group(1))
+        metrics = int(re.search(r"metrics on https?://[^:]+:(\d+)", text).group(1))
+        yield ServeProcess(process, f"127.0.0.1:{port}", metrics, log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

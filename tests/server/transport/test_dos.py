@@ -9,8 +9,6 @@ never slows the liveness probe down.
 """
 from __future__ import annotations
 
-import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -21,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_support import cache_dir
+from service_support import ServeProcess, serve_process
 
 from expertd.client.kserve_protos import service_grpc, service_pb2
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
@@ -36,56 +34,19 @@ LIVENESS_MAX_S = 1.0   # generous for a loaded CI box; the attacks of the issue 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``expertd serve`` (tiny, one layer, fp32, buckets 1/8) with a token; its output in a file."""
-    log = tmp_path_factory.mktemp("dos") / "server.log"
-    command = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0", "--preset", "tiny", "--num-layers", "1", "--dtype", "float32",
-               "--num-devices", "1", "--bucket-sizes", "1,8", "--drain-grace-s", "2",
-               "--compile-cache-dir", str(cache_dir(tmp_path_factory))]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "EXPERTD_AUTH_TOKEN": TOKEN}
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while "ready:" not in log.read_text():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("server did not start:\n" + log.read_text())
-            time.sleep(0.2)
-        port = int(re.search(r"gRPC listening on 127\.0\.0\.1:(\d+)", log.read_text()).group(1))
-        yield Server(process, f"127.0.0.1:{port}", log)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with serve_process(tmp_path_factory, env={"EXPERTD_AUTH_TOKEN": TOKEN}) as handle:
+        yield handle
 
 
-class Server:
-    def __init__(self, process: subprocess.Popen, target: str, log: pathlib.Path):
-        self.process, self.target, self.log = process, target, log
-
-    def memory_kib(self, field: str) -> int:
-        status = pathlib.Path(f"/proc/{self.process.pid}/status").read_text()
-        return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M).group(1))
-
-    def log_size(self) -> int:
-        return self.log.stat().st_size
-
-    def log_since(self, offset: int) -> str:
-        with open(self.log, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-
-
-def attack(server: Server, code: str, seconds: float) -> subprocess.Popen:
+def attack(server: ServeProcess, code: str, seconds: float) -> subprocess.Popen:
     """Run ``code`` (with ``target``, ``TOKEN``, ``seconds`` defined) in another process."""
     prelude = f"import time, grpc\ntarget, TOKEN, seconds = {server.target!r}, {TOKEN!r}, {seconds!r}\n"
     return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
-def liveness_during(server: Server, attacker: subprocess.Popen, *, minimum_s: float = 1.0) -> tuple[list[float], str]:
+def liveness_during(server: ServeProcess, attacker: subprocess.Popen, *,
+                    minimum_s: float = 1.0) -> tuple[list[float], str]:
     """Seconds of each liveness Check sent while ``attacker`` runs (and at least ``minimum_s``), and
     what the attacker printed."""
     latencies = []
