@@ -22,7 +22,10 @@ Modules and their public names (all importable from ``harness`` itself):
   ``time_calls`` / ``Timing``, ``interleaved_medians``, ``ratios``, ``median_ratio``, ``span``,
   ``spread``.
 - ``probes``: measured rates: ``copy_bandwidth``, ``read_bandwidth``, ``copy_probes``,
-  ``read_probes``, ``fastest``, ``dense_matmul_rate``, ``PROBE_BYTES``.
+  ``read_probes``, ``fastest``, ``paired_floors`` (a call against the copy and read floors of its
+  own minute), ``dense_matmul_rate``, ``PROBE_BYTES``.
+- ``cases``: the MoE layer cases the kernel benchmarks time: ``LAYER_SHAPES``, ``LAYER_DTYPES``,
+  ``layer_config``, ``served_case``, ``selected_cases``.
 - ``machine``: ``facts`` (platform, CPU model / vendor / family / cores / ISA flags, memory,
   versions), ``platform_facts``, ``cpu``, ``memory_bytes``, ``processor``, ``summary``,
   ``describe``, ``today``, ``now``.
@@ -30,7 +33,8 @@ Modules and their public names (all importable from ``harness`` itself):
   ``write_results`` (the kernels' JSON: rows, date, software, host_allocator state),
   ``print_table``.
 """
-from harness import cpu_time, layers, load, machine, probes, results, rounds, servers
+from harness import cases, cpu_time, layers, load, machine, probes, results, rounds, servers
+from harness.cases import LAYER_DTYPES, LAYER_SHAPES, layer_config, selected_cases, served_case
 from harness.cpu_time import CpuSampler, spent, thread_cpu_s
 from harness.layers import (
     MID_HF_CONFIG,
@@ -49,6 +53,7 @@ from harness.probes import (
     copy_probes,
     dense_matmul_rate,
     fastest,
+    paired_floors,
     read_bandwidth,
     read_probes,
 )
@@ -77,11 +82,12 @@ from harness.servers import (
 )
 
 __all__ = [
-    "CpuSampler", "LOAD_START_S", "MID_HF_CONFIG", "PROBE_BYTES", "RESULTS", "SERVED_BUCKETS", "ServeProcess",
-    "Timing", "alternate", "benchmark_layers", "bucket_for", "copy_bandwidth", "copy_probes", "cpu_time",
-    "dense_matmul_rate", "fastest", "free_port", "free_ports", "interleaved_medians", "layers", "load", "machine",
-    "measure_load", "median_ratio", "order", "padded_forward", "print_table", "probes", "ratios", "read_bandwidth",
-    "read_probes", "ready_process", "results", "rounds", "run_callers", "running_server", "seeded_layers",
-    "server_config", "servers", "serving", "span", "spent", "spread", "start_serving", "thread_cpu_s", "time_calls",
-    "timed", "tiny_engine", "tiny_layers", "write_json", "write_results",
+    "CpuSampler", "LAYER_DTYPES", "LAYER_SHAPES", "LOAD_START_S", "MID_HF_CONFIG", "PROBE_BYTES", "RESULTS",
+    "SERVED_BUCKETS", "ServeProcess", "Timing", "alternate", "benchmark_layers", "bucket_for", "cases",
+    "copy_bandwidth", "copy_probes", "cpu_time", "dense_matmul_rate", "fastest", "free_port", "free_ports",
+    "interleaved_medians", "layer_config", "layers", "load", "machine", "measure_load", "median_ratio", "order",
+    "padded_forward", "paired_floors", "print_table", "probes", "ratios", "read_bandwidth", "read_probes",
+    "ready_process", "results", "rounds", "run_callers", "running_server", "seeded_layers", "selected_cases",
+    "served_case", "server_config", "servers", "serving", "span", "spent", "spread", "start_serving",
+    "thread_cpu_s", "time_calls", "timed", "tiny_engine", "tiny_layers", "write_json", "write_results",
 ]
