@@ -1,9 +1,11 @@
 """The benchmarks' harness: what every script in benchmarks/ does the same way, done once.
 
 Scripts run as ``python benchmarks/<name>.py``, which puts benchmarks/ on ``sys.path``, so
-``import harness`` finds this package. Importing it imports no JAX and nothing of expertd (the
-hf_peer.py worker and the load processes import it too): a function that needs them imports them
-when called, and each ``expertd.server`` import the benchmarks share sits in one place here.
+``import harness`` finds this package. What it may import: the standard library at import time;
+numpy, grpc, JAX and expertd (client, kernels, server) only inside the functions that need them, so
+importing it loads no JAX (the hf_peer.py worker and the load processes import it too), and each
+``expertd.server`` import the benchmarks share sits in one place here. It imports no script;
+scripts import it, not each other (moe_layer.py's own parts excepted: hf_peer.py, moe_layer_options.py).
 
 Modules and their public names (all importable from ``harness`` itself):
 
@@ -16,7 +18,8 @@ Modules and their public names (all importable from ``harness`` itself):
   ``seeded_layers``, ``benchmark_layers``, ``tiny_engine``; ``bucket_for``, ``padded_forward``
   (one step padded to its bucket, as the batcher pads it).
 - ``load``: the raw-stub load (Check or single-token Forward callers in processes of their own):
-  ``run_callers``, ``measure_load``, ``LOAD_START_S``.
+  ``run_callers``, ``measure_load``, ``LOAD_START_S`` (in the module also ``callers``,
+  ``start_callers``, ``finish``: one load process's pieces).
 - ``cpu_time``: ``thread_cpu_s``, ``spent``, ``CpuSampler``: CPU time while a load runs.
 - ``rounds``: A/B alternation and its arithmetic: ``order``, ``alternate``, ``timed``,
   ``time_calls`` / ``Timing``, ``interleaved_medians``, ``ratios``, ``median_ratio``, ``span``,
