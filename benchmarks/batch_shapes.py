@@ -21,45 +21,29 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import itertools
-import json
 import os
 import pathlib
-import platform
 import sys
 import threading
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import python_floor  # noqa: E402  (the load)
+import harness
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "batch_shapes.json"
-WARMUP_S = 1.0  # python_floor's load warms up this long before it measures
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+RESULTS = harness.RESULTS / "batch_shapes.json"
+WARMUP_S = 1.0  # harness.measure_load warms up this long before it measures
 
 
 def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.0,
             max_queue_delay_ms: float | None = None) -> dict:
     """One server with the load on ``port_kind`` ("main" or "native"), each step ``padding_s`` longer;
     ``max_queue_delay_ms``: the batcher's (None: its default)."""
-    from prometheus_client import CollectorRegistry
-
-    from expertd.server.app import create_server
-    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
-    from expertd.server.model import load_preset
-
-    port = python_floor.free_port()
+    port = harness.free_port()
     native = port_kind == "native"
-    config = ServerConfig(host="127.0.0.1", port=0 if native else port, metrics_port=0,
-                          native_port=port if native else None, model=ModelConfig(dtype="float32", num_devices=1),
-                          batching=BatchingConfig(bucket_sizes=(1, 16, 64, 256),
-                                                  **({} if max_queue_delay_ms is None else
-                                                     {"max_queue_delay_ms": max_queue_delay_ms})))
-    server = create_server(config, registry=CollectorRegistry(),
-                           layers=load_preset("tiny", num_layers=1, dtype="float32"))
-    try:
-        server.wait_ready(timeout=600)
+    config = harness.server_config(port=0 if native else port, native_port=port if native else None, batching=dict(
+        bucket_sizes=harness.SERVED_BUCKETS,
+        **({} if max_queue_delay_ms is None else {"max_queue_delay_ms": max_queue_delay_ms})))
+    with harness.running_server(config, harness.tiny_layers(), timeout=600, grace=None) as server:
         engine, steps = server.engine, []
         forward = engine.forward
 
@@ -76,9 +60,7 @@ def measure(port_kind: str, callers: int, duration: float, padding_s: float = 0.
 
         engine.forward = recording
         launched = time.perf_counter()
-        load = python_floor.measure(port, "Forward", callers, duration)
-    finally:
-        server.stop()
+        load = harness.measure_load(port, "Forward", callers, duration)
     window = [s for s in steps if s[0] >= launched + WARMUP_S]
     span = max(s[0] + s[1] for s in window) - min(s[0] for s in window)
     return {"port": port_kind, "callers": callers, "requests_per_s": load["requests_per_s"],
@@ -111,22 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'port':>6} | delay ms | req/s | p50 ms | steps/s | rows/step | one-row steps | engine busy | "
           "on the loop | direct", flush=True)
-    for round_index in range(args.rounds):
-        for port, delay in itertools.product(ports, delays):
-            row = measure(port, args.callers, args.duration, args.step_padding_ms / 1e3, delay) | {
-                "round": round_index, "max_queue_delay_ms": delay}
-            rows.append(row)
-            print(f"{port:>6} | {'default' if delay is None else delay:>8} | {row['requests_per_s']:5.0f} | "
-                  f"{row['p50_ms']:6.2f} | {row['steps_per_s']:7.0f} | {row['rows_per_step']:9.1f} | "
-                  f"{row['one_row_steps']:13.0%} | {row['engine_busy']:11.0%} | "
-                  f"{row['on_event_loop']:11.0%} | {row['direct']:.0%}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "batch_shapes", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
-        "duration_s": args.duration, "callers": args.callers, "step_padding_ms": args.step_padding_ms, "rows": rows},
-        indent=1) + "\n")
-    print(f"wrote {args.out}")
+    for round_index, port, delay in harness.alternate(args.rounds, ports, delays):
+        row = measure(port, args.callers, args.duration, args.step_padding_ms / 1e3, delay) | {
+            "round": round_index, "max_queue_delay_ms": delay}
+        rows.append(row)
+        print(f"{port:>6} | {'default' if delay is None else delay:>8} | {row['requests_per_s']:5.0f} | "
+              f"{row['p50_ms']:6.2f} | {row['steps_per_s']:7.0f} | {row['rows_per_step']:9.1f} | "
+              f"{row['one_row_steps']:13.0%} | {row['engine_busy']:11.0%} | "
+              f"{row['on_event_loop']:11.0%} | {row['direct']:.0%}", flush=True)
+    harness.write_json(args.out, {
+        "benchmark": "batch_shapes", "date": harness.machine.now(), "machine": harness.machine.summary(),
+        "duration_s": args.duration, "callers": args.callers, "step_padding_ms": args.step_padding_ms, "rows": rows})
     return 0
 
 

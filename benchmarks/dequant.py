@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 import time
 
+import harness
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import moe_layer  # noqa: E402  (write_results)
-
-from expertd.server.models.quant import codecs, fp8_tables  # noqa: E402
+from expertd.server.models.quant import codecs, fp8_tables
 
 ROWS, COLS, BLOCK = 2048, 7168, 128
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dequant.json")
+RESULTS = os.path.join(harness.RESULTS, "dequant.json")
 PATHS = {"tables": (fp8_tables.MIN_BLOCK_ELEMENTS, True), "numpy": (fp8_tables.MIN_BLOCK_ELEMENTS, False),
          "per-chunk": (1 << 40, False)}
 NATIVE = fp8_tables.cpu
@@ -111,7 +108,7 @@ def main() -> None:
                         for path in PATHS}})
         print(f"{n:>8} {tables:>10.1f} {numpy_tables:>9.1f} {per_chunk:>13.1f} {tables / per_chunk:>19.2f} "
               f"{numpy_tables / per_chunk:>18.2f}")
-    moe_layer.write_results(args.out, "dequant", rows, shape=[ROWS, COLS], block=[BLOCK, BLOCK], rounds=args.rounds)
+    harness.write_results(args.out, "dequant", rows, shape=[ROWS, COLS], block=[BLOCK, BLOCK], rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -27,19 +27,18 @@ and m = 3 over m = 1, busy fractions, round trip and hop. JSON in
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
 
+import harness
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "disaggregated.json"
+RESULTS = harness.RESULTS / "disaggregated.json"
 EXAMPLE = ROOT / "examples" / "decode_loop.py"
 BUCKETS = (1, 4, 16, 64, 256)
 SHAPES = {  # (H, E, k, I, MoE layers, dtype)
@@ -49,29 +48,22 @@ SHAPES = {  # (H, E, k, I, MoE layers, dtype)
 
 
 def build_layers(hidden: int, experts: int, topk: int, inter: int, layers: int, dtype: str):
-    from expertd.server.model import LoadedLayer, SeededParams
-    from expertd.server.models.hf_config import moe_config_from_hf
-
-    cfg = moe_config_from_hf({"model_type": "qwen3_moe", "hidden_size": hidden, "intermediate_size": 4 * inter,
-                              "moe_intermediate_size": inter, "num_hidden_layers": layers, "num_experts": experts,
-                              "num_experts_per_tok": topk, "norm_topk_prob": True, "hidden_act": "silu"})
-    return [LoadedLayer(i, cfg, SeededParams(cfg, layer_index=i, seed=0, dtype=dtype), source="benchmark")
-            for i in range(layers)]
+    return harness.seeded_layers({"model_type": "qwen3_moe", "hidden_size": hidden, "intermediate_size": 4 * inter,
+                                  "moe_intermediate_size": inter, "num_hidden_layers": layers,
+                                  "num_experts": experts, "num_experts_per_tok": topk, "norm_topk_prob": True,
+                                  "hidden_act": "silu"}, dtype, num_layers=layers)
 
 
 def in_process_step_ms(engine, layers: list[int], tokens: int, hidden: int, repeats: int) -> float:
     """p50 of one layer's engine step at ``tokens`` rows (padded to the bucket), over every layer."""
-    from expertd.server.steps import pad_rows
-
     x = np.random.default_rng(0).standard_normal((tokens, hidden)).astype(engine.dtype)
-    bucket = next(b for b in engine.buckets if b >= tokens)
     for layer in layers:  # the first call at a new shape is not timed
-        engine.forward(layer, pad_rows([x], bucket), tokens)
+        harness.padded_forward(engine, layer, [x])
     times = []
     for _ in range(repeats):
         for layer in layers:
             t0 = time.perf_counter()
-            engine.forward(layer, pad_rows([x], bucket), tokens)
+            harness.padded_forward(engine, layer, [x])
             times.append(time.perf_counter() - t0)
     return float(np.median(times) * 1e3)
 
@@ -81,15 +73,12 @@ def local_decode(engine, layers: list[int], tokens: int, hidden: int, attention_
     sys.path.insert(0, str(EXAMPLE.parent))
     from decode_loop import SyntheticAttention, next_input
 
-    from expertd.server.steps import pad_rows
-
     attention = SyntheticAttention(layers, hidden, tokens, attention_ms)
-    bucket = next(b for b in engine.buckets if b >= tokens)
     x = next_input(np.random.default_rng(1).standard_normal((tokens, hidden)).astype(engine.dtype))
 
     def step(x):
         for layer in layers:
-            x = np.asarray(engine.forward(layer, pad_rows([attention(layer, 0, x)], bucket), tokens).output)
+            x = np.asarray(harness.padded_forward(engine, layer, [attention(layer, 0, x)]).output)
         return next_input(x)
 
     x = step(x)
@@ -143,12 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (None if args.short else RESULTS)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-    from prometheus_client import CollectorRegistry
-
-    from expertd.server.app import create_server
-    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
-
     if NATIVE in transports:
         from expertd.server.native_front import NativeUnavailable, load
 
@@ -157,18 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         except (NativeUnavailable, ImportError) as exc:
             print(f"transport {NATIVE}: left out: {exc}", flush=True)
             transports.remove(NATIVE)
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=ModelConfig(dtype=dtype, num_devices=1),
-                          native_port=0 if NATIVE in transports else None,
-                          batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=0.0))
+    config = harness.server_config(dtype, native_port=0 if NATIVE in transports else None,
+                                   batching=dict(bucket_sizes=BUCKETS, max_queue_delay_ms=0.0))
     print(f"{shape}: H={hidden} E={experts} k={topk} I={inter}, {num_layers} MoE layers, {dtype}; "
           f"attention = "
           + (f"{args.attention_ms} ms" if args.attention_ms is not None else f"{args.attention_ratio} x the in-process "
              "layer step") + "; hop = round trip - the lower in-process step (before, after)", flush=True)
-    server = create_server(config, registry=CollectorRegistry(),
-                           layers=build_layers(hidden, experts, topk, inter, num_layers, dtype))
     rows = []
-    try:
-        server.wait_ready(timeout=1800)
+    with harness.running_server(config, build_layers(hidden, experts, topk, inter, num_layers, dtype),
+                                timeout=1800) as server:
         layers = list(range(num_layers))
         print("   T transport     | layer ms attn ms | local tok/s | remote tok/s m=" + "/".join(map(str, micro))
               + " | remote/local m=1 best | gain m=" + ",".join(map(str, micro[1:]))
@@ -198,19 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                 row["hop_ms"] = row["round_trip_ms"] - min(step_ms, step_after)
                 print_row(row, micro)
             rows += cells
-    finally:
-        server.stop(grace=5)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "benchmark": "disaggregated", "date": datetime.date.today().isoformat(),
-            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
-                        "device": str(jax.devices()[0]), "load_average": os.getloadavg()},
+        harness.write_json(out, {
+            "benchmark": "disaggregated", "date": harness.machine.today(),
+            "machine": {**harness.machine.platform_facts(with_jax=True), "load_average": os.getloadavg()},
             "shape": {"H": hidden, "E": experts, "k": topk, "I": inter, "layers": num_layers, "dtype": dtype},
             "buckets": list(BUCKETS), "max_queue_delay_ms": 0.0, "attention_ratio": args.attention_ratio,
-            "steps": steps, "rows": rows}, indent=2) + "\n")
-        print(f"wrote {out}")
+            "steps": steps, "rows": rows}, indent=2)
     return 0
 
 

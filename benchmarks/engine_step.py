@@ -24,34 +24,26 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 import time
 
+import harness
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import moe_layer  # noqa: E402  (write_results)
-import serving  # noqa: E402  (the mid layer)
+from expertd.server import steps
+from expertd.server.engine import Engine
+from expertd.server.startup import build_engine
+from expertd.server.warmup import warm_up
 
-from expertd.server import steps  # noqa: E402
-from expertd.server.engine import Engine  # noqa: E402
-from expertd.server.startup import build_engine  # noqa: E402
-from expertd.server.warmup import warm_up  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "engine_step.json")
+RESULTS = os.path.join(harness.RESULTS, "engine_step.json")
 INPUTS = ("host", "device_put")
 READS = ("asarray", "device_get")
 BASELINE = ("device_put", "device_get")
 
 
-def bucket_for(engine: Engine, rows: int) -> int:
-    return next(b for b in engine.buckets if b >= rows)
-
-
 def forward_executable(engine: Engine, rows: int):
     """Layer 0's compiled forward step for `rows` tokens (warmed up)."""
-    return engine.executable(0, bucket_for(engine, rows), steps.FORWARD)
+    return engine.executable(0, harness.bucket_for(engine.buckets, rows), steps.FORWARD)
 
 
 def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
@@ -59,7 +51,7 @@ def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
     step, params = forward_executable(engine, rows), engine.step_params(0)
 
     def run(x: np.ndarray) -> np.ndarray:
-        padded = steps.pad_rows([x.astype(engine.dtype)], bucket_for(engine, rows))
+        padded = steps.pad_rows([x.astype(engine.dtype)], harness.bucket_for(engine.buckets, rows))
         args = [padded, np.asarray(rows, np.int32)]
         if inputs == "device_put":
             args = [jax.device_put(a, engine.placement.replicated) for a in args]
@@ -81,7 +73,8 @@ def read_only(engine: Engine, rows: int, read: str, calls: int) -> float:
     """Mean time (us) to read back ready results, over `calls` steps. READS, and "packed": one
     device_get of a single buffer holding the same bytes (what one transfer a step would cost)."""
     step = forward_executable(engine, rows)
-    x = steps.pad_rows([np.ones((rows, engine.layers[0].cfg.hidden_size), engine.dtype)], bucket_for(engine, rows))
+    x = steps.pad_rows([np.ones((rows, engine.layers[0].cfg.hidden_size), engine.dtype)],
+                       harness.bucket_for(engine.buckets, rows))
     total = 0.0
     for _ in range(calls):
         results = jax.block_until_ready(step(engine.step_params(0), x, np.asarray(rows, np.int32)))
@@ -107,7 +100,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
-    engine = build_engine(serving.build_layers("mid"), buckets=rows_list, dtype=args.dtype).engine
+    engine = build_engine(harness.benchmark_layers("mid"), buckets=rows_list, dtype=args.dtype).engine
     warm_up(engine)
     ways = list(itertools.product(INPUTS, READS))
     rng = np.random.default_rng(0)
@@ -117,7 +110,7 @@ def main(argv=None) -> None:
     for rows in rows_list:
         x = rng.standard_normal((rows, engine.layers[0].cfg.hidden_size), dtype=np.float32)
         runs = {way: step_cycle(engine, rows, *way) for way in ways}
-        padded = steps.pad_rows([x.astype(engine.dtype)], bucket_for(engine, rows))
+        padded = steps.pad_rows([x.astype(engine.dtype)], harness.bucket_for(engine.buckets, rows))
         served = engine.forward(0, padded, rows).output
         for way, run in runs.items():  # every way computes the engine's answer
             np.testing.assert_array_equal(run(x).astype(np.float32), served.astype(np.float32), err_msg=str(way))
@@ -136,7 +129,7 @@ def main(argv=None) -> None:
                       "read_alone_us": reads})
         print(f"{rows:>5} " + " ".join(f"{medians[w]:>9.0f} us ({medians[w] / base:4.2f}x)" for w in ways)
               + f"   {reads['asarray']:.1f} / {reads['device_get']:.1f} / {reads['packed']:.1f} us", flush=True)
-    moe_layer.write_results(args.out, "engine_step", table, model="mid (serving.py)", dtype=args.dtype,
+    harness.write_results(args.out, "engine_step", table, model="mid (serving.py)", dtype=args.dtype,
                             rounds=args.rounds, calls_per_round=args.calls)
 
 

@@ -33,24 +33,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from harness import machine, print_table, results, time_calls  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from router import machine  # noqa: E402  (benchmarks/router.py: one machine description for all)
 
 from expertd.kernels import ep, eplb, moe, ragged  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "ep.json"
+RESULTS = results.RESULTS / "ep.json"
 NVLINK_BYTES_PER_S = 450e9  # H100 / H200 SXM: 900 GB/s total = 450 GB/s per direction per GPU
 V3_HIDDEN, V3_ROW_BYTES = 7168, 7168 * 2  # DeepSeek-V3's hidden size, bf16 rows
 
@@ -154,15 +150,8 @@ def measure_skew(tokens_per_rank: int, r: int, hidden: int, target: float = 2.0)
 
 def timed(fn, repeats: int):
     """(first call seconds incl. compile, median steady seconds) of fn() -> jax value."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    first = time.perf_counter() - start
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - start)
-    return first, statistics.median(samples)
+    timing = time_calls(lambda: jax.block_until_ready(fn()), min_calls=repeats)
+    return timing.first_s, timing.median
 
 
 def measure_time(num_tokens, experts, topk, hidden, intermediate, repeats, max_ranks):
@@ -225,16 +214,6 @@ def deepseek_v3_nvlink(tokens_per_rank: int, ranks: int = 8):
     return out
 
 
-def print_table(title, rows, columns):
-    print(f"\n{title}")
-    text = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in (row.get(c, "-") for c in columns)]
-            for row in rows]
-    widths = [max([len(c)] + [len(t[i]) for t in text]) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-    for t in text:
-        print("  ".join(v.rjust(w) for v, w in zip(t, widths)))
-
-
 PARTS = ("bytes", "skew", "time", "analytic")
 QUICK_OUT = pathlib.Path("/tmp/expertd-ep-quick.json")  # quick runs never overwrite the recorded results
 
@@ -282,7 +261,7 @@ def main(argv=None):
     time_rows = measure_time(t, e, k, h, i, sizes["repeats"], max_ranks) if "time" in parts else []
     analytic = deepseek_v3_nvlink(128) + deepseek_v3_nvlink(4096) if "analytic" in parts else []
 
-    print(f"expert parallelism, {machine()}, {max_ranks} ranks" + (" (quick sizes)" if args.quick else ""))
+    print(f"expert parallelism, {machine.describe()}, {max_ranks} ranks" + (" (quick sizes)" if args.quick else ""))
     if bytes_rows:
         print_table("bytes: DeepSeek-V3 routing, measured rows (x 14,336 B at H=7168 bf16)", bytes_rows,
                     ["tokens_per_rank", "routing", "mode", "vs_min", "vs_pairs", "min_vs_pairs", "dropped_pairs",
@@ -306,13 +285,12 @@ def main(argv=None):
         print("\ngoals" + (" (quick sizes: too few tokens per expert to judge the skew goals)" if args.quick else ""))
         for goal, value, met in checked:
             print(f"  {'met' if met else 'NOT met'}: {goal} (got {value:.4g})")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(dict(
-        benchmark="ep", date=datetime.date.today().isoformat(), machine=machine(), ranks=max_ranks,
+    print()
+    results.write_json(out_path, dict(
+        benchmark="ep", date=machine.today(), machine=machine.describe(), ranks=max_ranks,
         quick=args.quick, parts=parts, load_average=os.getloadavg(), sizes=sizes, bytes=bytes_rows, skew=skew_rows,
         time=time_rows, deepseek_v3_nvlink=analytic,
-        goals=[dict(goal=g, value=v, met=m) for g, v, m in checked]), indent=1))
-    print(f"\nwrote {out_path}")
+        goals=[dict(goal=g, value=v, met=m) for g, v, m in checked]))
 
 if __name__ == "__main__":
     main()

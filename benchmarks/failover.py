@@ -31,24 +31,19 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import datetime
-import json
 import os
 import pathlib
-import platform
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/server/test_failover.py loads this file by path
+import harness  # noqa: E402
+
+RESULTS = harness.RESULTS
 RECOVERY_FRACTION = 0.8   # "back": a RECOVERY_WINDOW_S window at this share of the pre-kill throughput
 RECOVERY_WINDOW_S = 0.5
 CLIENTS = ("retries", "no-retries")
@@ -70,46 +65,17 @@ class ChaosConfig:
     cache_dir: str | None = None    # JAX compilation cache shared by the replicas
 
 
-class Replica:
-    """One ``expertd serve`` subprocess on a fixed port; its output is collected by a thread."""
+class Replica(harness.ServeProcess):
+    """One replica: ``expertd serve`` (tiny preset, fp32, one CPU device) on a fixed port; its output
+    is collected by a thread."""
 
     def __init__(self, index: int, port: int, cache_dir: str):
-        self.index, self.port, self.cache_dir = index, port, cache_dir
-        self.popen: subprocess.Popen | None = None
-        self.lines: list[str] = []
-
-    def start(self) -> None:
-        argv = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                "--metrics-port", "0", "--preset", "tiny", "--num-layers", "1", "--dtype", "float32",
-                "--num-devices", "1", "--bucket-sizes", "1,8,32", "--max-queue-delay-ms", "1",
-                "--drain-grace-s", "5", "--compile-cache-dir", self.cache_dir]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
-        self.lines = []
-        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        threading.Thread(target=self._read, args=(self.popen, self.lines), daemon=True).start()
-
-    @staticmethod
-    def _read(popen: subprocess.Popen, lines: list[str]) -> None:
-        for line in popen.stdout:
-            lines.append(line)
-
-    def wait_ready(self, timeout: float) -> float:
-        """Block until the server printed ``ready:``; returns that moment (monotonic)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any("ready:" in line for line in list(self.lines)):
-                return time.monotonic()
-            if self.popen.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"replica {self.index} not ready:\n{''.join(self.lines)}")
-
-    @property
-    def metrics_port(self) -> int:
-        for line in list(self.lines):
-            if match := re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
-                return int(match.group(1))
-        raise RuntimeError(f"replica {self.index} printed no metrics port")
+        super().__init__(port, ["--metrics-port", "0", "--preset", "tiny", "--num-layers", "1", "--dtype", "float32",
+                                "--num-devices", "1", "--bucket-sizes", "1,8,32", "--max-queue-delay-ms", "1",
+                                "--drain-grace-s", "5", "--compile-cache-dir", cache_dir],
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"},
+                         name=f"replica {index}")
+        self.index, self.cache_dir = index, cache_dir
 
     def answered(self) -> float:
         """Forward calls this replica answered OK (its own counter)."""
@@ -124,29 +90,8 @@ class Replica:
                     return sample.value
         return 0.0
 
-    def kill(self) -> None:
-        self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait()
 
-    def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(15)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
+_start_all = harness.start_serving  # the replicas started and ready (tests/server/test_failover.py calls it)
 
 
 async def _closed_loop(client, name: str, concurrency: int, x: np.ndarray, stop: asyncio.Event,
@@ -208,38 +153,16 @@ async def _scenario(config: ChaosConfig, replicas: list[Replica], target: str) -
 def run_chaos(config: ChaosConfig, log=print) -> dict:
     """Start the replicas, run the scenario (module docstring), stop everything; the summary (``summarize``)."""
     cache_dir = config.cache_dir or os.path.join(tempfile.gettempdir(), "expertd-failover-jax-cache")
-    replicas = [Replica(i, port, cache_dir) for i, port in enumerate(free_ports(config.replicas))]
-    try:
-        _start_all(replicas, config.startup_timeout_s)
+    replicas = [Replica(i, port, cache_dir) for i, port in enumerate(harness.free_ports(config.replicas))]
+    with harness.serving(replicas, config.startup_timeout_s):
         target = ",".join(f"127.0.0.1:{replica.port}" for replica in replicas)
         log(f"{config.replicas} replicas ready: {target}")
         calls, events = asyncio.run(_scenario(config, replicas, target))
         answered = [replica.answered() for replica in replicas]
-    finally:
-        for replica in replicas:
-            replica.stop()
     result = summarize(calls, events, config)
     result["target"] = target
     result["answered_by_replica"] = answered
     return result
-
-
-def _start_all(replicas: list[Replica], timeout: float, attempts: int = 3) -> None:
-    """Start every replica and wait until it is ready. ``free_ports`` hands out ports that were free
-    when asked: a replica that finds its port taken since (``expertd serve`` says "cannot listen
-    on") starts again on another."""
-    for replica in replicas:
-        replica.start()
-    for replica in replicas:
-        for attempt in range(attempts):
-            try:
-                replica.wait_ready(timeout)
-                break
-            except RuntimeError:
-                if attempt == attempts - 1 or not any("cannot listen on" in line for line in replica.lines):
-                    raise
-                replica.port = free_ports(1)[0]
-                replica.start()
 
 
 def summarize(calls: list, events: dict[str, float], config: ChaosConfig) -> dict:
@@ -341,12 +264,6 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(),
-            "note": "replicas, load generator and restarts share this machine's cores"}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short phases, 4 calls in flight (proves it runs)")
@@ -365,10 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (pathlib.Path(tempfile.gettempdir()) / "expertd-failover" if quick else RESULTS)
     result = run_chaos(config)
     print(report(result))
-    out.mkdir(parents=True, exist_ok=True)
-    result.update(benchmark="failover", date=datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-                  quick=quick, machine=machine())
-    (out / "failover.json").write_text(json.dumps(result, indent=2) + "\n")
+    result.update(benchmark="failover", date=harness.machine.now("minutes", utc=True), quick=quick,
+                  machine={**harness.machine.platform_facts(),
+                           "note": "replicas, load generator and restarts share this machine's cores"})
+    harness.write_json(out / "failover.json", result, indent=2, announce=False)
     write_plot(result, out / "failover.png")
     print(f"wrote {out / 'failover.json'} and {out / 'failover.png'}")
     return 0

@@ -27,6 +27,7 @@ import os
 import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,10 +45,7 @@ from oracle import (  # noqa: E402
     tolerance,
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import write_results  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
+RESULTS = os.path.join(harness.RESULTS, "gpu_check.json")
 HIDDEN, INTER = 64, 48
 POINTS = ((8, 2, 64), (64, 8, 256), (8, 2, 1), (2, 1, 3))  # (E, k, T)
 QUICK_POINTS = ((8, 2, 64),)
@@ -143,7 +141,7 @@ def main(argv=None):
         sys.stdout.flush()
     failed = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(failed)} of {len(rows)} cases within tolerance")
-    write_results(args.out, "gpu_check", rows)
+    harness.write_results(args.out, "gpu_check", rows)
     return 1 if failed else 0
 
 

@@ -40,8 +40,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
+import harness
 import numpy as np
 
 FAMILIES = ("mixtral", "qwen3_moe")
@@ -177,32 +177,25 @@ def block_call(block, x):
     return call
 
 
-def time_calls(call, budget_s=BUDGET_S, count=None):
-    """(timed seconds, the warm-up call's output): one warm-up call, then `count` timed calls, or
-    (count None) calls until MAX_TIMED_CALLS are timed or they add up to `budget_s` (one at least)."""
-    out = call()
-    times = []
-    while len(times) < (count or 1) or (count is None and len(times) < MAX_TIMED_CALLS and sum(times) < budget_s):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return times, out
+def time_calls(call, budget_s=BUDGET_S):
+    """One warm-up call, then calls until MAX_TIMED_CALLS are timed or they add up to `budget_s`
+    (one at least): `harness.Timing` (its `output`: the warm-up call's)."""
+    return harness.time_calls(call, min_calls=1, max_calls=MAX_TIMED_CALLS, budget_s=budget_s)
 
 
 def measure(block, x, cap_s=CAP_S, budget_s=BUDGET_S):
     """(result dict, output [T, H] fp32 numpy or None where fitted) by the module's timing rules."""
     t = x.shape[0]
     if t > 16:
-        probe, _ = time_calls(block_call(block, x[:16]), PROBE_BUDGET_S)
+        probe = time_calls(block_call(block, x[:16]), PROBE_BUDGET_S)
         mid = min(256, t // 2)
-        if statistics.median(probe) * t / 16 > cap_s and mid > 16:
-            at_mid, _ = time_calls(block_call(block, x[:mid]), 0.0)
-            t16, tm = statistics.median(probe), statistics.median(at_mid)
-            slope = max(0.0, (tm - t16) / (mid - 16))
-            return {"seconds": t16 + slope * (t - 16), "how": f"fit(T=16,{mid})",
-                    "calls": [], "probe_calls": {"16": probe, str(mid): at_mid}}, None
-    times, out = time_calls(block_call(block, x), budget_s)
-    return {"seconds": statistics.median(times), "how": "measured", "calls": times}, out
+        if probe.median * t / 16 > cap_s and mid > 16:
+            at_mid = time_calls(block_call(block, x[:mid]), 0.0)
+            slope = max(0.0, (at_mid.median - probe.median) / (mid - 16))
+            return {"seconds": probe.median + slope * (t - 16), "how": f"fit(T=16,{mid})",
+                    "calls": [], "probe_calls": {"16": probe.samples, str(mid): at_mid.samples}}, None
+    timing = time_calls(block_call(block, x), budget_s)
+    return {"seconds": timing.median, "how": "measured", "calls": timing.samples}, timing.output
 
 
 def serve(block, x, reply):
@@ -215,8 +208,7 @@ def serve(block, x, reply):
         if words[0] != "time" or len(words) != 2 or not words[1].isdigit() or int(words[1]) < 1:
             reply({"error": f"expected 'time N' (N >= 1) or 'quit', got {line.strip()!r}"})
             continue
-        times, _ = time_calls(call, count=int(words[1]))
-        reply({"calls": times})
+        reply({"calls": harness.time_calls(call, min_calls=int(words[1])).samples})
 
 
 def worker(args) -> int:
@@ -287,13 +279,12 @@ class Peer:
         other_s, peer_s = [], []
         timeout_s = max(60.0, 20 * (calls + 1) * self.measurement()["seconds"])
         for _ in range(rounds):
-            times, _ = time_calls(other_call, count=calls)
-            other_s.append(statistics.median(times))
+            other_s.append(harness.time_calls(other_call, min_calls=calls).median)
             self._proc.stdin.write(f"time {calls}\n")
             self._proc.stdin.flush()
             peer_s.append(statistics.median(self._reply(timeout_s)["calls"]))
         return {"other_s": other_s, "peer_s": peer_s, "calls_per_run": calls,
-                "peer_x_other": statistics.median(p / o for p, o in zip(peer_s, other_s))}
+                "peer_x_other": harness.median_ratio(peer_s, other_s)}
 
     def close(self, kill=False):
         """End the process (asked to quit unless `kill`; killed if it has not within 30 s) and remove

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 
+import harness
 import jax  # noqa: E402  (after host_allocator: see main)
 import jax.numpy as jnp  # noqa: E402
 
@@ -35,12 +36,9 @@ from expertd.server import (
     host_memory,  # noqa: E402
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import SHAPES, layer_config, write_results  # noqa: E402
-
-DTYPES = ("bfloat16", "float32")
+SHAPES, DTYPES = harness.LAYER_SHAPES, harness.LAYER_DTYPES
 TOKENS = (1024, 4096)
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host_allocator.json")
+RESULTS = os.path.join(harness.RESULTS, "host_allocator.json")
 
 
 def faults() -> int:
@@ -52,7 +50,7 @@ def interleaved(call, rounds: int, give_back) -> dict:
     A retained call follows an untimed one, which faults back in what the last give_back released."""
     sides = {"retained": ([], []), "faulting": ([], [])}
     for round_ in range(rounds):
-        for side in ("retained", "faulting") if round_ % 2 == 0 else ("faulting", "retained"):
+        for side in harness.order(sides, round_):
             (give_back if side == "faulting" else call)()
             f0, t0 = faults(), time.perf_counter()
             call()
@@ -65,7 +63,7 @@ def interleaved(call, rounds: int, give_back) -> dict:
 
 def layer_case(e, k, h, i, family, t, dtype_name, rounds, give_back) -> dict:
     dtype = jnp.dtype(dtype_name)
-    cfg = layer_config(e, k, h, i, family)
+    cfg = harness.layer_config(e, k, h, i, family)
     params = moe.prepare_params(moe.init_params(cfg, jax.random.key(0), dtype), cfg)  # as the server serves them
     host_memory.advise_huge_pages(jax.tree.leaves(params))
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
@@ -125,7 +123,7 @@ def main(argv=None):
                 sys.stdout.flush()
     print()
     print_rows(rows)
-    write_results(args.out, "host_allocator", rows)
+    harness.write_results(args.out, "host_allocator", rows)
 
 
 if __name__ == "__main__":

@@ -29,15 +29,13 @@ import sys
 import tempfile
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import moe_layer  # noqa: E402  (the shapes, configs and results writer of the layer benchmark)
+from expertd.kernels import moe
 
-from expertd.kernels import moe  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "layer_timeline.json")
+RESULTS = os.path.join(harness.RESULTS, "layer_timeline.json")
 CALLS = 40
 WARMUP_CALLS = 10
 
@@ -67,7 +65,7 @@ def op_seconds(events: list[dict], calls: int) -> dict[str, dict]:
 def timeline(e, k, h, i, family, t, dtype_name, calls=CALLS):
     """One case: the layer's call period and its ops, per call."""
     dtype = jnp.dtype(dtype_name)
-    cfg, _, served, backend, x = moe_layer.served_case(e, k, h, i, family, t, dtype)
+    cfg, _, served, backend, x = harness.served_case(e, k, h, i, family, t, dtype)
     layer = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg),
                     compiler_options=moe.compiler_options(cfg, t, dtype=dtype) or None)
     for _ in range(WARMUP_CALLS):
@@ -100,16 +98,16 @@ def print_case(row, top=8):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[16])
-    parser.add_argument("--dtypes", nargs="*", default=list(moe_layer.DTYPES))
-    parser.add_argument("--experts", type=int, nargs="*", default=[s[0] for s in moe_layer.SHAPES])
+    parser.add_argument("--dtypes", nargs="*", default=list(harness.LAYER_DTYPES))
+    parser.add_argument("--experts", type=int, nargs="*", default=[s[0] for s in harness.LAYER_SHAPES])
     parser.add_argument("--calls", type=int, default=CALLS)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     rows = []
-    for (e, k, h, i, family), dtype_name, t in moe_layer.selected_cases(args, moe_layer.SHAPES, args.tokens):
+    for (e, k, h, i, family), dtype_name, t in harness.selected_cases(args, harness.LAYER_SHAPES, args.tokens):
         rows.append(timeline(e, k, h, i, family, t, dtype_name, args.calls))
         print_case(rows[-1])
-    moe_layer.write_results(args.out, "layer_timeline", rows)
+    harness.write_results(args.out, "layer_timeline", rows)
 
 
 if __name__ == "__main__":

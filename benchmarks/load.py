@@ -26,21 +26,20 @@ Run: `.venv/bin/python benchmarks/load.py [--quick] [--experts N] [--rounds N] [
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 
+import harness
 import ml_dtypes
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 H, I, LAYER = 7168, 2048, 3
 CHUNK = 16 << 20
 BLOCK = 128
@@ -208,10 +207,10 @@ def main() -> None:
         for fmt, quantized in (("bf16", False), ("fp8-128x128", True)):  # both written before any is timed
             path = pathlib.Path(tmp) / fmt
             paths[fmt] = path, write_checkpoint(path, experts, quantized)
-        runs = [("cold", r) for r in range(args.rounds)] + ([("warm", 0)] if args.warm else [])
-        for mode, round_ in runs:  # the formats alternate within each round
-            for fmt, (path, file_bytes) in paths.items():
-                rows.append({"round": round_, **measure(path, fmt, mode, experts, file_bytes, workers)})
+        runs = [("cold", args.rounds)] + ([("warm", 1)] if args.warm else [])
+        for mode, rounds in runs:
+            for round_, fmt in harness.alternate(rounds, paths):  # the formats alternate within each round
+                rows.append({"round": round_, **measure(paths[fmt][0], fmt, mode, experts, paths[fmt][1], workers)})
         for path, _ in paths.values():
             (path / "config.json").unlink()
     print(f"{'format':>12} {'mode':>5} {'round':>5} {'files GB':>9} {'served GB':>9} {'read s':>8} {'load s':>8} "
@@ -224,17 +223,13 @@ def main() -> None:
     for fmt in paths:
         cold = [r for r in rows if r["format"] == fmt and r["mode"] == "cold"]
         print(f"{fmt:>12} cold, {len(cold)} rounds: " + ", ".join(
-            f"{key} {min(r[key] for r in cold):.2f}-{max(r[key] for r in cold):.2f}"
+            f"{key} {harness.span((r[key] for r in cold), collapse=False)}"
             for key in ("read_s", "load_s", "load_over_read", "peak_over_served")))
     print("goals: load/read <= 2, peak/served <= 1.5")
-    result = {"benchmark": "load", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": f"{os.cpu_count()}-core {platform.processor() or platform.machine()}, Python "
-                         f"{platform.python_version()}", "workers": workers, "quick": args.quick,
+    result = {"benchmark": "load", "date": harness.machine.now(),
+              "machine": harness.machine.summary(with_processor=True), "workers": workers, "quick": args.quick,
               "shape": {"experts": experts, "hidden": H, "intermediate": I, "block": BLOCK}, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / ("load_quick.json" if args.quick else "load.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    harness.write_json(RESULTS / ("load_quick.json" if args.quick else "load.json"), result, indent=2)
 
 
 if __name__ == "__main__":

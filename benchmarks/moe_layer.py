@@ -44,37 +44,32 @@ The process keeps freed host buffers for reuse as `expertd serve --retain-freed-
 (expertd.server.host_allocator: no page faults on the large buffers of T=4096); (d)'s process keeps
 glibc's defaults.
 
-`--options-ab` instead checks the CPU rules on this machine: the layer ("expert_loop") compiled
-with the default options and with YNNPACK off (cpu.policy.SMALL_ROWS_CPU_OPTIONS), and "auto" as the
-server compiles and serves it (experts.choose_backend picks "native_cpu" where its C++ kernel builds, else
-"capacity" for fp32 weights with few rows per large expert), calls
-interleaved, at T in {1, 4, 16, 64, 128, 256}; `--experts 128` adds
-Qwen3-30B-A3B's layer shape; writes benchmarks/results/moe_layer_options_ab.json.
+`--options-ab` instead checks the CPU rules on this machine (benchmarks/moe_layer_options.py): the
+layer ("expert_loop") compiled with the default options and with YNNPACK off, and "auto" as the
+server compiles and serves it, calls interleaved, at T in {1, 4, 16, 64, 128, 256}; `--experts 128`
+adds Qwen3-30B-A3B's layer shape; writes benchmarks/results/moe_layer_options_ab.json.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 
+import harness
 import hf_peer  # benchmarks/hf_peer.py, beside this script: (d) in a process of its own
 import jax
 import jax.numpy as jnp
+import moe_layer_options  # benchmarks/moe_layer_options.py: --options-ab
 import numpy as np
 
 from expertd.kernels import cpu, experts, moe
 from expertd.kernels.cpu import policy as cpu_policy
 from expertd.server import host_allocator, host_memory
-from expertd.server.models.hf_config import moe_config_from_hf
 
-SHAPES = ((8, 2, 1024, 2048, "mixtral"), (64, 8, 1024, 512, "qwen3_moe"))
+SHAPES = harness.LAYER_SHAPES
 TOKENS = (16, 256, 4096)
-DTYPES = ("bfloat16", "float32")
+DTYPES = harness.LAYER_DTYPES
 BACKENDS = experts.BACKENDS + ("auto",)
 FLOP_CAP = 1.0e12  # skip a variant whose real work exceeds this many FLOPs per call
 HF_CALL_CAP_S = 60.0
@@ -86,146 +81,15 @@ HF_CALL_CAP_S = 60.0
 # back to back, a larger effect than the drift over their short timing.
 PAIRED_MIN_CALL_S = 0.1
 PAIRED_HF_CALL_CAP_S = 2.0
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_layer.json")
-AB_RESULTS = os.path.join(os.path.dirname(RESULTS), "moe_layer_options_ab.json")
-AB_TOKENS = (1, 4, 16, 64, 128, 256)
-# --options-ab only, with --experts 128: Qwen3-30B-A3B's layer shape (6 MiB fp32 expert matrices)
-AB_EXTRA_SHAPES = ((128, 8, 2048, 768, "qwen3_moe"),)
+RESULTS = os.path.join(harness.RESULTS, "moe_layer.json")
+AB_RESULTS, AB_TOKENS = moe_layer_options.AB_RESULTS, moe_layer_options.AB_TOKENS
 
 
-def median_time(fn, *args, budget_s=6.0, max_reps=15):
-    """(median seconds per call, first-call seconds incl. compile) of a blocking call."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
-    times = []
-    while len(times) < 3 or (sum(times) < budget_s and len(times) < max_reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), first
-
-
-def interleaved_medians(calls, budget_s=8.0, min_rounds=5, max_rounds=15):
-    """Median seconds of each zero-argument call in `calls`, timed in rounds that call each once
-    (the order reversed every other round), so the machine's drift hits them alike."""
-    times = {name: [] for name in calls}
-    order, spent = list(calls), 0.0
-    for round_ in range(max_rounds):
-        if round_ >= min_rounds and spent >= budget_s:
-            break
-        for name in order if round_ % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - t0)
-            spent += times[name][-1]
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-PROBE_BYTES = 256 << 20
-
-
-def copy_probes(nbytes=PROBE_BYTES):
-    """Zero-argument calls that each copy `nbytes` (read nbytes + write nbytes): numpy's copy and
-    an XLA in-place add (donated: no fresh output pages)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    state = [jnp.ones(nbytes // 4, jnp.float32)]
-    bump = jax.jit(lambda a: a + 1.0, donate_argnums=0)
-
-    def xla_copy():
-        state[0] = bump(state[0]).block_until_ready()
-    return {"numpy copy": lambda: np.copyto(dst, src), "xla copy": xla_copy}
-
-
-def read_probes(nbytes=PROBE_BYTES, blas=True):
-    """Zero-argument calls that each read `nbytes`: XLA's sum, XLA's and (with `blas`) numpy's
-    BLAS fp32 matrix-vector products."""
-    rows = nbytes // 4 // 4096
-    host = np.ones((rows, 4096), np.float32)
-    ones = np.ones(4096, np.float32)
-    device = jnp.ones((rows, 4096), jnp.float32)
-    host_memory.advise_huge_pages([device])  # like the weights (numpy's large arrays have them already)
-    xla_sum, xla_matvec = jax.jit(jnp.sum), jax.jit(lambda a: a @ jnp.ones(4096, jnp.float32))
-    probes = {"xla sum": lambda: xla_sum(device).block_until_ready(),
-              "xla matvec": lambda: xla_matvec(device).block_until_ready()}
-    return {"numpy matvec": lambda: host @ ones, **probes} if blas else probes
-
-
-def _fastest(probes, reps):
-    for probe in probes.values():
-        probe()  # compile, fault the pages in
-    return min(_timed(probe) for probe in probes.values() for _ in range(reps))
-
-
-def copy_bandwidth(nbytes=PROBE_BYTES):
-    """Bytes moved per second (read + written) by the fastest of a numpy and an XLA copy."""
-    return 2 * nbytes / _fastest(copy_probes(nbytes), reps=5)
-
-
-def read_bandwidth(nbytes=PROBE_BYTES):
-    """Bytes read per second by the fastest of XLA's sum, XLA's and numpy's (BLAS) fp32
-    matrix-vector product over `nbytes`: the rate a weight-streaming layer can at best reach."""
-    return nbytes / _fastest(read_probes(nbytes), reps=7)
-
-
-def dense_matmul_rate(n=8192, reps=10):
-    """FLOP/s of one n x n x n bf16 matrix product on random data (median of `reps` after a
-    warm-up): the device's dense matmul rate, which the GPU target at T=4096 is a fraction of."""
-    a, b = (jax.random.normal(jax.random.key(s), (n, n), jnp.bfloat16) for s in (0, 1))
-    product = jax.jit(jnp.matmul)
-    product(a, b).block_until_ready()
-    return 2 * n ** 3 / statistics.median(_timed(lambda: product(a, b).block_until_ready()) for _ in range(reps))
-
-
-def paired_floors(layer_call, touched_bytes, rounds=9, burst=5):
-    """The layer call timed in rounds with the copy and read probes (for short calls: T=16's target
-    is a ratio to (c), and a shared machine's bandwidth drifts between minutes and within one).
-    Each round times a burst of back-to-back layer calls, as a server runs them (the first call
-    after a probe runs slower, so it is not counted), then
-    each probe once. Returns the layer's median, (c) / (c') from the probes' fastest calls over all
-    rounds, and the ratios the table reports: per round, the burst's median over that round's
-    floors (its fastest copy / read probe), the median of those over the rounds, so that a layer
-    call is only ever compared with the bandwidth of its own minute. Each round also records
-    where its read floor lies in units of its copy floor ("read_floor_x_floor", = copy rate / read
-    rate): the x (c) of a layer that reads its weights at the read probe's rate. Above 1.5 the
-    T=16 target is out of reach in that round by (c)'s definition."""
-    copies, reads = copy_probes(), read_probes(blas=False)  # BLAS's threads spin on after a call
-    probes = {**copies, **reads}
-    for probe in probes.values():
-        probe()
-    layer, probe_s = [], {name: [] for name in probes}
-    by_round = {"x_floor": [], "x_read_floor": [], "read_floor_x_floor": []}
-    for _ in range(rounds):
-        layer_call()
-        burst_s = [_timed(layer_call) for _ in range(burst)]
-        layer += burst_s
-        for name, probe in probes.items():
-            probe_s[name].append(_timed(probe))
-        copy_s, read_s = min(probe_s[n][-1] for n in copies), min(probe_s[n][-1] for n in reads)
-        by_round["x_floor"].append(statistics.median(burst_s) / (touched_bytes * copy_s / (2 * PROBE_BYTES)))
-        by_round["x_read_floor"].append(statistics.median(burst_s) / (touched_bytes * read_s / PROBE_BYTES))
-        by_round["read_floor_x_floor"].append(2 * read_s / copy_s)
-    copy_rate = 2 * PROBE_BYTES / min(min(probe_s[n]) for n in copies)
-    read_rate = PROBE_BYTES / min(min(probe_s[n]) for n in reads)
-    return {"auto": statistics.median(layer), "copy_bytes_per_s": copy_rate, "read_bytes_per_s": read_rate,
-            "floor_s": touched_bytes / copy_rate, "read_floor_s": touched_bytes / read_rate,
-            **{name: statistics.median(values) for name, values in by_round.items()},
-            "rounds": {name: values for name, values in by_round.items()}}
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def layer_config(e, k, h, i, family):
-    if family == "mixtral":
-        return moe_config_from_hf(dict(model_type="mixtral", hidden_size=h, intermediate_size=i,
-                                       num_local_experts=e, num_experts_per_tok=k))
-    return moe_config_from_hf(dict(model_type="qwen3_moe", hidden_size=h, moe_intermediate_size=i,
-                                   num_experts=e, num_experts_per_tok=k, norm_topk_prob=True))
+def layer_time(fn, *args):
+    """(median seconds per call, first-call seconds incl. compile) of ``fn(*args)``: 3 to 15 timed
+    calls, as many as fit in 6 s."""
+    timing = harness.time_calls(lambda: jax.block_until_ready(fn(*args)), max_calls=15, budget_s=6.0)
+    return timing.median, timing.first_s
 
 
 def dense_all_experts(params, x, cfg):
@@ -277,28 +141,12 @@ def measure_hf(cfg, params, family, dtype_name, x, row, keep_open=False):
     return result["output"], peer
 
 
-def served_case(e, k, h, i, family, t, dtype):
-    """One shape as a library user (and the engine) runs it: (cfg, params, served, auto_backend, x).
-    `params` are the seeded params as loaded; `served` = `moe.prepare_params(params, cfg)`, the ones
-    `auto` runs on (the native CPU kernel's layout where it runs, else `params` itself); both on
-    huge pages as the engine places them. x: `[t, h]` random tokens in `dtype`."""
-    cfg = layer_config(e, k, h, i, family)
-    params = moe.init_params(cfg, jax.random.key(0), dtype)
-    host_memory.advise_huge_pages(jax.tree.leaves(params))
-    auto_backend = experts.choose_backend(t * k, e, h, i, dtype)
-    served = moe.prepare_params(params, cfg)
-    if served is not params:
-        host_memory.advise_huge_pages(jax.tree.leaves(served))
-    x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
-    return cfg, params, served, auto_backend, x
-
-
 def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backends=None, with_hf=True):
     """One shape: every backend and the baselines; `bandwidth` is the copy rate (r+w) for (c),
     `read_rate` the read rate for (c'), both in bytes/s. `auto` runs on the prepared params
     (`moe.prepare_params`), every other backend on the params as loaded."""
     dtype = jnp.dtype(dtype_name)
-    cfg, params, served, auto_backend, x = served_case(e, k, h, i, family, t, dtype)
+    cfg, params, served, auto_backend, x = harness.served_case(e, k, h, i, family, t, dtype)
     active_flops = 2 * 3 * t * k * h * i
     row = dict(E=e, k=k, H=h, I=i, T=t, dtype=dtype_name, family=family, active_gflop=active_flops / 1e9,
                backends={}, notes=[])
@@ -330,14 +178,14 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
         fn = compiled[backend] = jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b),
                                          compiler_options=options or None)
         p = served if backend == "auto" else params
-        median, first = median_time(fn, p, x)
+        median, first = layer_time(fn, p, x)
         err = float(jnp.max(jnp.abs(fn(p, x).astype(jnp.float32) - out_ref.astype(jnp.float32))))
         row["backends"][backend] = {"median_s": median, "first_call_s": first, "max_abs_diff_vs_expert_loop": err}
     row["auto_backend"] = auto_backend
     row["auto_weight_layout"] = cpu.describe(served)["weight_layout"] if served is not params else "row_major"
     row["auto_compiler_options"] = moe.compiler_options(cfg, t, dtype=dtype)
     if e * 6 * t * h * i <= FLOP_CAP:
-        row["dense_s"], _ = median_time(jax.jit(lambda p, v: dense_all_experts(p, v, cfg)), params, x)
+        row["dense_s"], _ = layer_time(jax.jit(lambda p, v: dense_all_experts(p, v, cfg)), params, x)
     else:
         row["notes"].append("(a) skipped: above FLOP_CAP")
     rows = jax.random.normal(jax.random.key(2), (t * k, h), jnp.float32).astype(dtype)
@@ -347,7 +195,7 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
                                   and jax.default_backend() == "cpu" else [])
     roof_fns = {name + tag: jax.jit(f, compiler_options=opts)
                 for name, f in roofline_variants(dtype).items() for tag, opts in option_sets}
-    roof = {name: median_time(fn, rows, *w)[0] for name, fn in roof_fns.items()}
+    roof = {name: layer_time(fn, rows, *w)[0] for name, fn in roof_fns.items()}
     row["roofline_s"], row["roofline_variant"] = min((v, n) for n, v in roof.items())
     if with_hf:  # its peer process stays up for the paired timing below where there is one
         hf_out, hf = measure_hf(cfg, params.to_dict(), family, dtype_name, x, row,
@@ -362,20 +210,20 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
         other = served.replace(**{name: cpu.to_panels(getattr(params, name), 80 - row["panel_columns"])
                                   for name in moe.EXPERT_WEIGHTS})  # the other panel width (16 <-> 64)
         host_memory.advise_huge_pages(jax.tree.leaves(other))
-        row["layout_ab_s"] = interleaved_medians({
+        row["layout_ab_s"] = harness.interleaved_medians({
             "panels": lambda: jax.block_until_ready(compiled["auto"](served, x)),
             "row_major": lambda: jax.block_until_ready(compiled["auto"](params, x)),
             "other_width_panels": lambda: jax.block_until_ready(compiled["auto"](other, x))}, budget_s=6.0)
     if "auto" in compiled and auto_s >= PAIRED_MIN_CALL_S:  # the target ratios, in alternation
         calls = {"auto": lambda: jax.block_until_ready(compiled["auto"](served, x)),
                  "roofline": lambda: jax.block_until_ready(roof_fns[row["roofline_variant"]](rows, *w))}
-        row["paired_s"] = interleaved_medians(calls)
+        row["paired_s"] = harness.interleaved_medians(calls)
         if hf is not None:  # (d) alternates with auto in whole timing runs, each side in its own process
             row["paired_hf"] = hf.alternate_with(calls["auto"])
             # (d)'s time at the ratio to auto that alternation measured, in this timing's units
             row["paired_s"]["hf"] = row["paired_s"]["auto"] * row["paired_hf"]["peer_x_other"]
     elif "auto" in compiled:  # short calls: the floors measured in alternation with them
-        row["paired_floor"] = paired_floors(lambda: jax.block_until_ready(compiled["auto"](served, x)),
+        row["paired_floor"] = harness.paired_floors(lambda: jax.block_until_ready(compiled["auto"](served, x)),
                                             touched_bytes)
     if hf is not None:
         hf.close()
@@ -449,13 +297,8 @@ def print_table(rows):
             print(f"{'':>24} paired floors: auto {f['auto'] * 1e3:.2f} ms, (c) {f['floor_s'] * 1e3:.2f} ms "
                   f"(copy {f['copy_bytes_per_s'] / 1e9:.1f} GB/s), (c') {f['read_floor_s'] * 1e3:.2f} ms "
                   f"(read {f['read_bytes_per_s'] / 1e9:.1f} GB/s) at the fastest probes; per round x (c) "
-                  f"{_spread(f['rounds']['x_floor'])}, x (c') {_spread(f['rounds']['x_read_floor'])}"
-                  f"; (c') in units of (c) {_spread(f['rounds']['read_floor_x_floor'])}")
-
-
-def _spread(values):
-    """"median (min-max)" of a list of ratios."""
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+                  f"{harness.spread(f['rounds']['x_floor'])}, x (c') {harness.spread(f['rounds']['x_read_floor'])}"
+                  f"; (c') in units of (c) {harness.spread(f['rounds']['read_floor_x_floor'])}")
 
 
 def markdown(rows):
@@ -476,63 +319,6 @@ def markdown(rows):
                    f"{r['of_roofline']:.2f} | {r['x_floor']:.1f} | {r['x_read_floor']:.2f} | {r['vs_hf']:.2f}{hf} | "
                    f"{others} |")
     return "\n".join(out)
-
-
-def options_ab(e, k, h, i, family, t, dtype_name, reps=9):
-    """One A/B row, calls interleaved (alternating the order), medians: the layer's "expert_loop"
-    compiled with default options and with YNNPACK off, and "auto" compiled as the server does
-    (backend by `experts.choose_backend`, options by `moe.compiler_options`, on `moe.prepare_params`)."""
-    dtype = jnp.dtype(dtype_name)
-    cfg, params, served, _, x = served_case(e, k, h, i, family, t, dtype)
-    no_ynn = cpu_policy.small_rows_cpu_options() or None
-    variants = {"default": ("expert_loop", None), "no_ynn": ("expert_loop", no_ynn),
-                "auto": ("auto", moe.compiler_options(cfg, t, dtype=dtype) or None)}
-    fns = {name: jax.jit(lambda p, v, b=backend: moe.moe_layer(p, v, cfg, backend=b), compiler_options=opts)
-           for name, (backend, opts) in variants.items()}
-    args = {name: served if name == "auto" else params for name in fns}  # auto as served
-    times = {name: [] for name in fns}
-    for name, fn in fns.items():
-        jax.block_until_ready(fn(args[name], x))
-    for rep in range(reps):
-        for name in (list(fns) if rep % 2 else list(fns)[::-1]):
-            start = time.perf_counter()
-            jax.block_until_ready(fns[name](args[name], x))
-            times[name].append(time.perf_counter() - start)
-    default_s, no_ynn_s, auto_s = (statistics.median(times[n]) for n in ("default", "no_ynn", "auto"))
-    rule_picks_no_ynn = bool(moe.compiler_options(cfg, t, dtype=dtype, backend="expert_loop"))
-    loop_s = no_ynn_s if rule_picks_no_ynn else default_s  # expert_loop as auto compiled it before the backend rule
-    return dict(E=e, k=k, H=h, I=i, T=t, dtype=dtype_name, rows_per_expert=t * k / e, default_s=default_s,
-                no_ynn_s=no_ynn_s, speedup=default_s / no_ynn_s, rule_picks_no_ynn=rule_picks_no_ynn,
-                auto_backend=experts.choose_backend(t * k, e, h, i, dtype), auto_s=auto_s,
-                auto_vs_expert_loop=loop_s / auto_s)
-
-
-def run_options_ab(args):
-    """--options-ab: are the rules in experts.compiler_options / choose_backend right on this machine?"""
-    if not cpu_policy.small_rows_cpu_options():
-        sys.exit("this jaxlib does not accept cpu.policy.SMALL_ROWS_CPU_OPTIONS; nothing to compare")
-    print(f"{'E':>3} {'T':>5} {'dtype':>8} {'rows/E':>7} {'default ms':>10} {'no-ynn ms':>9} {'speedup':>7} "
-          f"{'rule':>7} {'auto ms':>8} {'auto backend':>12} {'vs loop':>7}")
-    rows = []
-    for (e, k, h, i, family), dtype_name, t in selected_cases(args, SHAPES + AB_EXTRA_SHAPES, AB_TOKENS):
-        r = options_ab(e, k, h, i, family, t, dtype_name)
-        rows.append(r)
-        print(f"{e:>3} {t:>5} {dtype_name:>8} {r['rows_per_expert']:>7.1f} {r['default_s'] * 1e3:>10.1f} "
-              f"{r['no_ynn_s'] * 1e3:>9.1f} {r['speedup']:>7.2f} "
-              f"{'no-ynn' if r['rule_picks_no_ynn'] else 'default':>7} "
-              f"{r['auto_s'] * 1e3:>8.1f} {r['auto_backend']:>12} {r['auto_vs_expert_loop']:>7.2f}")
-        sys.stdout.flush()
-    return rows
-
-
-def selected_cases(args, shapes, default_tokens):
-    """(shape, dtype name, T) for every shape whose E is in --experts, dtype and token count."""
-    for shape in shapes:
-        if shape[0] not in args.experts:
-            continue
-        for dtype_name in args.dtypes:
-            for t in args.tokens or default_tokens:
-                yield shape, dtype_name, t
 
 
 def main(argv=None):
@@ -557,22 +343,22 @@ def main(argv=None):
     load_before = os.getloadavg()
     matmul_rate = None
     if args.options_ab:
-        name, bandwidth, read_rate, rows = "moe_layer_options_ab", None, None, run_options_ab(args)
+        name, bandwidth, read_rate, rows = "moe_layer_options_ab", None, None, moe_layer_options.run(args)
         out = AB_RESULTS if args.out == RESULTS else args.out
         save = _saver(out, name, rows, xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
                       copy_bandwidth_bytes_per_s=None, read_bandwidth_bytes_per_s=None)
     else:
-        bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
+        bandwidth, read_rate = harness.copy_bandwidth(), harness.read_bandwidth()
         print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read bandwidth {read_rate / 1e9:.1f} GB/s; "
               f"jax {jax.__version__} on {jax.default_backend()}")
         if jax.default_backend() == "gpu":  # the GPU target: T=4096 at >= 60% of this
-            matmul_rate = dense_matmul_rate()
+            matmul_rate = harness.dense_matmul_rate()
             print(f"dense bf16 matmul (8192^3, random data): {matmul_rate / 1e12:.0f} TFLOP/s")
         name, out, rows = "moe_layer", args.out, []
         save = _saver(out, name, rows, xla_flags=os.environ.get("XLA_FLAGS", ""), load_average_before=load_before,
                       copy_bandwidth_bytes_per_s=bandwidth, read_bandwidth_bytes_per_s=read_rate,
                       **({"dense_bf16_matmul_flops_per_s": matmul_rate} if matmul_rate else {}))
-        for (e, k, h, i, family), dtype_name, t in selected_cases(args, SHAPES, TOKENS):
+        for (e, k, h, i, family), dtype_name, t in harness.selected_cases(args, SHAPES, TOKENS):
             rows.append(run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, args.backends,
                                  not args.no_hf))
             print_table(rows[-1:])
@@ -586,21 +372,8 @@ def main(argv=None):
 def _saver(out, name, rows, **fields):
     """A function writing the rows so far (`complete=False` while the run goes on)."""
     def save(complete):
-        write_results(out, name, rows, complete=complete, **fields)
+        harness.write_results(out, name, rows, complete=complete, **fields)
     return save
-
-
-def write_results(path, benchmark, rows, **fields):
-    """Write a benchmark's JSON: `rows` and `fields` with the date, machine, software, the load
-    average now and this process's host_allocator state (the other benchmarks use it too)."""
-    result = dict(benchmark=benchmark, date=datetime.date.today().isoformat(), machine=platform.platform(),
-                  cpu_count=os.cpu_count(), jax=jax.__version__, jaxlib=jax.lib.__version__,
-                  device=jax.default_backend(), load_average_after=os.getloadavg(),
-                  host_allocator=host_allocator.state().as_dict(), **fields, rows=rows)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

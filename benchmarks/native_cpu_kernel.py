@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,16 +50,13 @@ from expertd.kernels import cpu
 from expertd.kernels.cpu import build
 from expertd.server import host_allocator, host_memory
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import copy_bandwidth, read_bandwidth, write_results  # noqa: E402
-
 # Projections of the two moe_layer.py shapes: Mixtral-style E=8 [1024, 2048] (gate / up) and
 # [2048, 1024] (down); Qwen3-MoE-style E=64 [1024, 512] and [512, 1024].
 SHAPES = ((8, 1024, 2048), (8, 2048, 1024), (64, 1024, 512), (64, 512, 1024))
 ROWS_PER_EXPERT = (1, 2, 4, 8, 16, 32, 64, 256)
 DTYPES = ("bfloat16", "float32")
 CYCLE_BYTES = 128 << 20
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "native_cpu_kernel.json")
+RESULTS = os.path.join(harness.RESULTS, "native_cpu_kernel.json")
 
 
 def variant_call(source: pathlib.Path, on_panels: bool = False):
@@ -143,7 +141,7 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     times = {name: [] for name in fns}
     for group in ([name for name in fns if name != "xla"], ["xla"]):  # the A/B interleaved, then XLA
         for rep in range(reps):
-            for j, name in enumerate(group if rep % 2 else group[::-1]):
+            for j, name in enumerate(harness.order(group, rep + 1)):  # reversed first
                 w = weights_of[name][(rep * len(group) + j) % len(weights)]
                 t0 = time.perf_counter()
                 jax.block_until_ready(fns[name](x, group_sizes, w))
@@ -208,7 +206,7 @@ def main(argv=None):
         return
     variant = variant_call(args.variant, args.variant_on_panels) if args.variant else None
     load_before = os.getloadavg()
-    bandwidth, read_rate = copy_bandwidth(), read_bandwidth()
+    bandwidth, read_rate = harness.copy_bandwidth(), harness.read_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write), read {read_rate / 1e9:.1f} GB/s; "
           f"jax {jax.__version__}; "
           f"kernel at {cpu.isa()}")
@@ -227,7 +225,7 @@ def main(argv=None):
                 rows.append(run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant, args.reps, args.pages_ab,
                                      args.variant_on_panels, args.isa_ab, args.width_ab))
                 print_row(rows[-1])
-    write_results(args.out, "native_cpu_kernel", rows, variant=str(args.variant or ""),
+    harness.write_results(args.out, "native_cpu_kernel", rows, variant=str(args.variant or ""),
                   load_average_before=load_before, copy_bandwidth_bytes_per_s=bandwidth,
                   read_bandwidth_bytes_per_s=read_rate)
 

@@ -36,26 +36,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
+import contextlib
 import json
 import os
-import pathlib
-import platform
 import subprocess
 import sys
 import time
 
+import harness
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "overload.json"
+RESULTS = harness.RESULTS / "overload.json"
 FORWARD = "/expertd.v1.ExpertService/Forward"
 CLIENTS = ("expertd", "eager", "bare")  # how the load sends its calls (module docstring)
-MID_HF_CONFIG = {  # the same layer as benchmarks/serving.py's "mid"
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 512,
-    "intermediate_size": 1024, "moe_intermediate_size": 256, "num_hidden_layers": 1, "num_experts": 16,
-    "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "hidden_act": "silu",
-}
 
 
 # ---------------------------------------------------------------------- load (its own process)
@@ -188,22 +181,13 @@ def overload_summary(calls: list, duration: float, capacity: float, rate: float,
 
 # ---------------------------------------------------------------------- the server side
 
-def build_server(buckets=None, **batching_overrides):
-    from expertd.server.app import create_server
-    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
-    from expertd.server.model import LoadedLayer, SeededParams
-    from expertd.server.models.hf_config import moe_config_from_hf
-
-    cfg = moe_config_from_hf(MID_HF_CONFIG)
-    layers = [LoadedLayer(0, cfg, SeededParams(cfg, layer_index=0, seed=0, dtype="float32"), source="benchmark mid")]
-    if buckets is not None:
-        batching_overrides["bucket_sizes"] = buckets
-    batching = BatchingConfig(**batching_overrides)
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=ModelConfig(dtype="float32", num_devices=1),
-                          batching=batching)
-    handle = create_server(config, layers=layers)
-    handle.wait_ready(timeout=900)
-    return handle, cfg.hidden_size
+@contextlib.contextmanager
+def mid_server(**batching):
+    """(the server, its hidden size): serving.py's ``mid`` layer behind ``BatchingConfig(**batching)``
+    (default: ``expertd serve``'s), stopped when the block ends."""
+    layers = harness.benchmark_layers("mid")
+    with harness.running_server(harness.server_config(batching=batching), layers) as handle:
+        yield handle, layers[0].cfg.hidden_size
 
 
 def server_counters(handle) -> dict:
@@ -239,26 +223,21 @@ def main(argv=None) -> int:
         print(json.dumps(asyncio.run(_load(json.loads(args.load)))))
         return 0
     duration = 4.0 if args.quick else args.duration
-    handle, hidden = build_server()
-    target = f"127.0.0.1:{handle.port}"
-    report = {"quick": args.quick, "tokens": args.tokens, "deadline_s": args.deadline, "duration_s": duration,
-              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "loadavg_before": os.getloadavg(), "model": "mid (H 512, I 256, E 16, k 4), fp32, bf16 requests",
-              "batching": {k: v for k, v in vars(handle.config.batching).items()}}
-    try:
-        base = {"target": target, "hidden": hidden}
+    with mid_server() as (handle, hidden):
+        report = {"quick": args.quick, "tokens": args.tokens, "deadline_s": args.deadline, "duration_s": duration,
+                  "date": harness.machine.now(utc=True), "machine": harness.machine.processor(),
+                  "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
+                  "model": "mid (H 512, I 256, E 16, k 4), fp32, bf16 requests",
+                  "batching": {k: v for k, v in vars(handle.config.batching).items()}}
+        base = {"target": f"127.0.0.1:{handle.port}", "hidden": hidden}
         if not args.fairness_only:
             overload_phases(report, base, args, duration, handle)
         report["fairness"] = fairness_phase(base, args.quick, handle)
-    finally:
-        handle.stop(grace=5)
     if not args.fairness_only:
         report["refusal_cost"] = refusal_cost_phase(args)
     report["loadavg_after"] = os.getloadavg()
     print_table(report)
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    harness.write_json(args.out, report, announce=False)
     return 0
 
 
@@ -326,9 +305,8 @@ def refusal_cost_phase(args) -> list[dict]:
     from expertd.client import messages
     from expertd.client.pb.v1 import expert_pb2_grpc
 
-    handle, hidden = build_server(max_queue_size=1, max_queue_delay_ms=600000, inline_step_max_ms=0)
     rows = []
-    try:
+    with mid_server(max_queue_size=1, max_queue_delay_ms=600000, inline_step_max_ms=0) as (handle, hidden):
         with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             holder = expert_pb2_grpc.ExpertServiceStub(channel).Forward.future(
                 messages.forward_request(np.ones((2, hidden), np.float32), 0, False), timeout=600)
@@ -348,8 +326,6 @@ def refusal_cost_phase(args) -> list[dict]:
                              "load_cpu_us": run["cpu_s"] / len(calls) * 1e6,
                              "latency_ms": percentiles([lat for _, lat, _ in calls])})
             holder.cancel()
-    finally:
-        handle.stop(grace=5)
     return rows
 
 

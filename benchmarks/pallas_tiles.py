@@ -28,8 +28,8 @@ import itertools
 import os
 import statistics
 import sys
-import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,11 +37,8 @@ import numpy as np
 from expertd.kernels import experts
 from expertd.kernels.experts_pallas import PallasTiles, default_tiles, gpu_compute_capability, grouped_ffn_pallas
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import dense_matmul_rate, write_results  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pallas_tiles.json")
-SHAPES = ((8, 2, 1024, 2048, "mixtral"), (64, 8, 1024, 512, "qwen3_moe"))  # (E, k, H, I), as moe_layer.py
+RESULTS = os.path.join(harness.RESULTS, "pallas_tiles.json")
+SHAPES = harness.LAYER_SHAPES  # (E, k, H, I), as moe_layer.py
 TOKENS = (4096, 256)
 LAUNCH = ((4, 2), (4, 3), (8, 3), (8, 4))  # (num_warps, num_stages)
 BF16_TOLERANCE = 3e-2  # of the output's scale, as tests/kernels/oracle.tolerance(bf16)
@@ -68,13 +65,8 @@ def case_inputs(e, k, h, i, t, seed=0):
 
 
 def median_seconds(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """The median of ``reps`` timed calls of ``fn(*args)`` after a warm-up call."""
+    return harness.time_calls(lambda: jax.block_until_ready(fn(*args)), min_calls=reps).median
 
 
 def tiled_ffn(block_m, tiles, interpret):
@@ -111,12 +103,11 @@ def confirm_case(e, k, h, i, family, t, candidates, rounds, reps, interpret):
     errors = {name: error_per_scale(fn(*args), reference) for name, fn in fns.items()}
     seconds = {name: [] for name in fns}
     for r in range(rounds):
-        order = list(fns) if r % 2 == 0 else list(fns)[::-1]
-        for name in order:
+        for name in harness.order(fns, r):
             seconds[name].append(median_seconds(fns[name], args, reps))
     rows = [dict(tiling=name, seconds=seconds[name], err_per_scale=errors[name],
                  tflop_per_s=flops / statistics.median(seconds[name]) / 1e12,
-                 ratio_to_default=[s / d for s, d in zip(seconds[name], seconds["default"])]) for name in fns]
+                 ratio_to_default=harness.ratios(seconds[name], seconds["default"])) for name in fns]
     return dict(family=family, E=e, k=k, H=h, I=i, T=t, rounds=rounds, rows=rows)
 
 
@@ -193,7 +184,7 @@ def main(argv=None) -> int:
         raise SystemExit("pallas_tiles.py times compiled kernels: run it on a GPU (or --smoke here)")
     shapes, tokens = (((4, 2, 64, 128, "smoke"),), (32,)) if args.smoke else (SHAPES, tuple(args.tokens))
     reps = 2 if args.smoke else args.reps
-    dense_rate = dense_matmul_rate() if on_gpu else None
+    dense_rate = harness.dense_matmul_rate() if on_gpu else None
     print(f"jax {jax.__version__} on {jax.default_backend()}: {jax.devices()}"
           + (f"; dense bf16 {dense_rate / 1e12:.0f} TFLOP/s" if dense_rate else "")
           + f"; default bf16 tiles at block_m 64: {default_tiles(64, 2, gpu_compute_capability())}")
@@ -203,14 +194,14 @@ def main(argv=None) -> int:
             cases.append(confirm_case(e, k, h, i, family, t, args.confirm, args.rounds, reps, not on_gpu))
             print_confirm(cases[-1])
             sys.stdout.flush()
-        write_results(args.out, "pallas_tiles_confirm", cases, complete=True)
+        harness.write_results(args.out, "pallas_tiles_confirm", cases, complete=True)
         return 1 if any(r["err_per_scale"] > BF16_TOLERANCE for c in cases for r in c["rows"]) else 0
     for (e, k, h, i, family), t in itertools.product(shapes, tokens):
         cases.append(run_case(e, k, h, i, family, t, args.quick or args.smoke, reps, not on_gpu, dense_rate))
         print_case(cases[-1])
         sys.stdout.flush()
-        write_results(args.out, "pallas_tiles", cases, complete=False)
-    write_results(args.out, "pallas_tiles", cases, complete=True)
+        harness.write_results(args.out, "pallas_tiles", cases, complete=False)
+    harness.write_results(args.out, "pallas_tiles", cases, complete=True)
     return 1 if any(c["wrong"] for c in cases) else 0
 
 

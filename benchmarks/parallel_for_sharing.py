@@ -17,20 +17,18 @@ Prints a table; JSON in benchmarks/results/parallel_for_sharing.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
-import platform
 import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import cpu
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "parallel_for_sharing.json"
+RESULTS = harness.RESULTS / "parallel_for_sharing.json"
 # (rows, K, C) of one grouped matmul; the rows are spread over min(rows, 8) of 8 experts.
 SHAPES = ((2, 64, 256), (2, 128, 256), (2, 256, 256), (4, 256, 256), (16, 64, 256), (2, 512, 512),
           (4, 512, 512), (64, 64, 256), (8, 1024, 768), (256, 64, 256))
@@ -50,12 +48,9 @@ def matmul_case(rows: int, k: int, c: int):
 
 def tiny_layer_step():
     """The served ``tiny`` layer's single-token step, as the server runs it (a zero-argument call)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import python_floor
-
-    engine, hidden = python_floor._engine()
+    engine, hidden = harness.tiny_engine()
     x = np.ones((1, hidden), np.float32)
-    return lambda: python_floor.engine_step(engine, [x])
+    return lambda: np.asarray(harness.padded_forward(engine, 0, [x]).output)[:1]
 
 
 def time_calls(call, calls: int, gap_s: float) -> tuple[list[float], float]:
@@ -78,7 +73,7 @@ def measure(call, rounds: int, calls: int, gap_s: float) -> dict:
         with cpu.caller_only_work(bound):
             time_calls(call, 10, 0.0)
     for round_index in range(rounds):
-        for mode in (MODES if round_index % 2 == 0 else reversed(MODES)):
+        for mode in harness.order(MODES, round_index):
             with cpu.caller_only_work(MODES[mode]):
                 w, c = time_calls(call, calls, gap_s)
             walls[mode] += w
@@ -114,11 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{name:>24} {macs or '':>9} {rule:>6} {gap_ms:>5} | {aw:8.1f} {ac:6.1f} | {sw:9.1f} {sc:6.1f} | "
                   f"{sw / aw:8.2f} {sc / ac:7.2f}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "parallel_for_sharing", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(), "isa": cpu.isa(), "caller_only_work": bound,
-        "rounds": args.rounds, "calls": args.calls, "rows": rows}, indent=1) + "\n")
+    harness.write_json(args.out, {
+        "benchmark": "parallel_for_sharing", "date": harness.machine.now(utc=True),
+        "machine": harness.machine.processor(), "isa": cpu.isa(), "caller_only_work": bound,
+        "rounds": args.rounds, "calls": args.calls, "rows": rows}, announce=False)
     return 0
 
 

@@ -19,20 +19,17 @@ Prints a table; JSON in benchmarks/results/parallel_for_trace.json.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 import time
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import cpu, moe
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import moe_layer  # noqa: E402
-
-SHAPES = {shape[0]: shape for shape in moe_layer.SHAPES}  # by E
+SHAPES = {shape[0]: shape for shape in harness.LAYER_SHAPES}  # by E
 CALLS_PER_ROUND = 20
 
 
@@ -114,7 +111,7 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=200, help="calls of each program")
     parser.add_argument("--sync-dispatch", action="store_true",
                         help="jax_cpu_enable_async_dispatch=False: run each call on the calling thread")
-    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "parallel_for_trace.json"))
+    parser.add_argument("--out", default=str(harness.RESULTS / "parallel_for_trace.json"))
     args = parser.parse_args(argv)
     if args.sync_dispatch:  # read when the CPU client is made, so before the first computation
         jax.config.update("jax_cpu_enable_async_dispatch", False)
@@ -124,7 +121,7 @@ def main(argv=None):
     rows = []
     for e in args.experts:
         for dtype_name in args.dtypes:
-            cfg, _, served, backend, x = moe_layer.served_case(*SHAPES[e], args.tokens, jnp.dtype(dtype_name))
+            cfg, _, served, backend, x = harness.served_case(*SHAPES[e], args.tokens, jnp.dtype(dtype_name))
             if backend != "native_cpu":
                 print(f"E={e} {dtype_name} T={args.tokens}: auto runs {backend}, not the native kernel; skipped")
                 continue
@@ -132,9 +129,9 @@ def main(argv=None):
                 rows.append({"E": e, "T": args.tokens, "dtype": dtype_name, "program": name,
                              "summary": summarize(wall, records)})
     print_rows(rows)
-    bandwidth = moe_layer.copy_bandwidth()
+    bandwidth = harness.copy_bandwidth()
     print(f"copy bandwidth after the run: {bandwidth / 1e9:.1f} GB/s")
-    moe_layer.write_results(args.out, "parallel_for_trace", rows, copy_bandwidth_after=bandwidth,
+    harness.write_results(args.out, "parallel_for_trace", rows, copy_bandwidth_after=bandwidth,
                             isa=cpu.isa(), async_dispatch=not args.sync_dispatch)
 
 

@@ -24,8 +24,9 @@ against three servers, each in its own process, all on grpc.aio with uvloop and 
   batcher. Not a server: the 64-caller rate the native port would reach if its step and
   bookkeeping cost nothing on this host, so the ceiling of any step-side change.
 
-Load: one process per measurement, C callers on one channel sending a prepared request (a raw stub
-for Forward, so no client library's cost is in it), warm-up then ``--duration`` s; with
+Load (``harness.measure_load``): one process per measurement, C callers on one channel sending a
+prepared request (a raw stub for Forward, so no client library's cost is in it), warm-up then
+``--duration`` s; with
 ``--load-processes`` P, the 64 callers are split over P such processes that start together. Servers and
 rounds alternate; the table gives each server's range over ``--rounds``. Each load also records
 the server's CPU per call (``server_cpu_us_per_call``, and by thread name, from ``/proc`` where
@@ -50,56 +51,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import json
 import os
 import pathlib
-import platform
-import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "python_floor.json"
-BUCKETS = (1, 16, 64, 256)
+import harness
+
+RESULTS = harness.RESULTS / "python_floor.json"
+BUCKETS = harness.SERVED_BUCKETS
 SERVERS = ("expertd", "bare", "bare-batched", "expertd-native", "expertd-native-queued", "native-echo")
 NATIVE = ("expertd-native", "expertd-native-queued", "native-echo")
-LOAD_START_S = 3.0
-"""Several load processes start their callers together this long after being launched (more than
-their imports take)."""
 IDLE_GAP_S = 0.0005  # about a lone caller's round trip: the gap before each of its steps
 CPU_LATENCY_QOS = pathlib.Path("/dev/cpu_dma_latency")  # PM QoS: what the CPUs' idle states may cost
 
 
 # ---------------------------------------------------------------------- the servers
 
-def _engine():
-    """serving.py's ``tiny`` layer on one CPU device, every bucket compiled."""
-    import numpy as np
-
-    from expertd.server.model import load_preset
-    from expertd.server.startup import build_engine
-
-    engine = build_engine(load_preset("tiny", num_layers=1, dtype="float32"), buckets=BUCKETS, dtype="float32",
-                          devices=1).engine
-    hidden = engine.layers[0].cfg.hidden_size
-    for bucket in BUCKETS:
-        engine.forward(0, np.zeros((bucket, hidden), np.float32), 1)
-    return engine, hidden
-
-
 def engine_step(engine, parts: list):
     """The layer's float32 output [rows, H] for the rows of ``parts`` (each float32 [T_i, H]), run as
     one step padded to the smallest bucket that holds them."""
     import numpy as np
 
-    from expertd.server.steps import pad_rows
-
     rows = sum(len(x) for x in parts)
-    bucket = next(b for b in BUCKETS if b >= rows)
-    return np.asarray(engine.forward(0, pad_rows(parts, bucket), rows).output)[:rows]
+    return np.asarray(harness.padded_forward(engine, 0, parts).output)[:rows]
 
 
 async def _serve_bare(port: int, batched: bool) -> None:
@@ -110,7 +87,7 @@ async def _serve_bare(port: int, batched: bool) -> None:
     from expertd.client import codec
     from expertd.client.pb.v1 import expert_pb2
 
-    engine, hidden = _engine()
+    engine, hidden = harness.tiny_engine(BUCKETS)
     pending: list[tuple[np.ndarray, asyncio.Future]] = []
     wakeup = asyncio.Event()
 
@@ -162,21 +139,11 @@ async def _serve_bare(port: int, batched: bool) -> None:
 def _serve_expertd(port: int, native: bool = False, direct: bool = True) -> None:
     """The real server; ``native``: its native Forward port on ``port`` (the main port on a free one),
     ``direct``: with ``--native-direct``."""
-    from prometheus_client import CollectorRegistry
-
-    from expertd.server.app import create_server
-    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
-    from expertd.server.model import load_preset
-
-    config = ServerConfig(host="127.0.0.1", port=0 if native else port, metrics_port=0,
-                          native_port=port if native else None, native_direct=direct,
-                          model=ModelConfig(dtype="float32", num_devices=1),
-                          batching=BatchingConfig(bucket_sizes=BUCKETS))
-    server = create_server(config, registry=CollectorRegistry(), layers=load_preset("tiny", num_layers=1,
-                                                                                    dtype="float32"))
-    server.wait_ready(timeout=600)
-    print("ready", flush=True)
-    server.wait()
+    config = harness.server_config(port=0 if native else port, native_port=port if native else None,
+                                   native_direct=direct, batching=dict(bucket_sizes=BUCKETS))
+    with harness.running_server(config, harness.tiny_layers(), timeout=600) as server:
+        print("ready", flush=True)
+        server.wait()
 
 
 def _serve_native_echo(port: int) -> None:
@@ -219,114 +186,19 @@ def serve(kind: str, port: int, cpu_sync_dispatch: bool = False) -> None:
     uvloop.run(_serve_bare(port, batched=kind == "bare-batched"))
 
 
-# ---------------------------------------------------------------------- the load
-
-async def _load(target: str, method: str, concurrency: int, warmup: float, duration: float,
-                start_at: float | None = None) -> dict:
-    """``concurrency`` callers of ``method`` (from ``start_at``, a ``time.time()``, where given) for
-    ``warmup`` then ``duration`` seconds: {calls, latencies_ms of the measured ones, the load's CPU}."""
-    import grpc
-    import numpy as np
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from expertd.client import codec
-    from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-
-    async with grpc.aio.insecure_channel(target) as channel:
-        if method == "Check":
-            call, request = health_pb2_grpc.HealthStub(channel).Check, health_pb2.HealthCheckRequest()
-        else:
-            call = expert_pb2_grpc.ExpertServiceStub(channel).Forward
-            request = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(np.ones((1, 64), np.float32)))
-        if start_at is not None:  # several load processes begin together
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-        cpu_before, start = thread_cpu_s(os.getpid()), time.perf_counter()
-        measured_from, stop = start + warmup, start + warmup + duration
-        latencies: list[float] = []
-
-        calls = 0
-
-        async def caller() -> None:
-            nonlocal calls
-            while (now := time.perf_counter()) < stop:
-                await call(request)
-                calls += 1
-                if now >= measured_from:
-                    latencies.append(time.perf_counter() - now)
-
-        await asyncio.gather(*(caller() for _ in range(concurrency)))
-    wall = time.perf_counter() - start
-    spent = {name: seconds - cpu_before.get(name, 0.0) for name, seconds in thread_cpu_s(os.getpid()).items()}
-    result = {"calls": calls, "latencies_ms": [round(t * 1e3, 4) for t in latencies]}
-    if spent:  # the load's own CPU: is the load, not the server, what stops the rate?
-        busiest = max(spent, key=spent.get)
-        result |= {"load_cpu_us_per_call": round(sum(spent.values()) / calls * 1e6, 1),
-                   "load_busiest_thread": {"name": busiest, "busy": round(spent[busiest] / wall, 3)}}
-    return result
-
-
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of process ``pid``'s threads, summed by thread name with digits
-    dropped (pool threads share one name); empty where there is no ``/proc``."""
-    tasks, tick, cpu = pathlib.Path(f"/proc/{pid}/task"), os.sysconf("SC_CLK_TCK"), {}
-    for task in tasks.iterdir() if tasks.is_dir() else ():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread ended
-            continue
-        name = "".join(c for c in stat[stat.index("(") + 1:stat.rindex(")")] if not c.isdigit()).strip("-_ ")
-        fields = stat[stat.rindex(")") + 2:].split()
-        cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return cpu
-
-
-def measure(port: int, method: str, concurrency: int, duration: float, server_pid: int | None = None,
-            processes: int = 1) -> dict:
-    """``_load`` in processes of its own (their CPU is not the server's), the callers split evenly
-    over ``processes`` of them (fewer where there are fewer callers); with ``server_pid``, the
-    server's CPU per call meanwhile (in all and by thread, microseconds)."""
-    processes = max(1, min(processes, concurrency))
-    before = thread_cpu_s(server_pid) if server_pid else {}
-    start_at = [str(time.time() + LOAD_START_S)] if processes > 1 else []
-    loads = [subprocess.Popen([sys.executable, __file__, "--load", f"127.0.0.1:{port}", method,
-                               str(concurrency // processes + (i < concurrency % processes)), str(duration),
-                               *start_at], stdout=subprocess.PIPE, text=True) for i in range(processes)]
-    parts = []
-    for load in loads:
-        out, _ = load.communicate(timeout=duration + 120)
-        if load.returncode:
-            raise RuntimeError(f"a {method} load process failed ({load.returncode})")
-        parts.append(json.loads(out))
-    latencies = sorted(t for part in parts for t in part["latencies_ms"])
-    result = {"requests_per_s": len(latencies) / duration, "p50_ms": latencies[len(latencies) // 2],
-              "calls": sum(part["calls"] for part in parts), "load_processes": processes}
-    if all("load_cpu_us_per_call" in part for part in parts):
-        result |= {"load_cpu_us_per_call": round(sum(part["load_cpu_us_per_call"] * part["calls"] for part in parts)
-                                                 / result["calls"], 1),
-                   "load_busiest_thread": max((part["load_busiest_thread"] for part in parts),
-                                              key=lambda thread: thread["busy"])}
-    if before:
-        spent = {name: seconds - before.get(name, 0.0) for name, seconds in thread_cpu_s(server_pid).items()}
-        per_call = {name: round(seconds / result["calls"] * 1e6, 1) for name, seconds in spent.items() if seconds > 0}
-        result |= {"server_cpu_us_per_call": round(sum(per_call.values()), 1), "server_cpu_by_thread": per_call}
-    return result
-
-
 def in_process_step_ms(duration: float = 2.0, idle_s: float = 0.0) -> float:
     """The single-token step's p50 in-process: back to back (what the hop subtracts), or each after
     ``idle_s`` of sleep (IDLE_GAP_S: as a lone caller's step follows its last answer)."""
     import numpy as np
 
-    from expertd.server.steps import pad_rows
-
-    engine, hidden = _engine()
+    engine, hidden = harness.tiny_engine(BUCKETS)
     x = np.ones((1, hidden), np.float32)
     times, start = [], time.perf_counter()
     while time.perf_counter() - start < duration:
         if idle_s:
             time.sleep(idle_s)
         t0 = time.perf_counter()
-        engine.forward(0, pad_rows([x], 1), 1)
+        harness.padded_forward(engine, 0, [x])
         times.append(time.perf_counter() - t0)
     return float(np.median(times) * 1e3)
 
@@ -352,31 +224,18 @@ def cpu_latency_qos(held: bool):
         os.close(request)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_server(kind: str, duration: float, step_ms: float, idle_step_ms: float, load_processes: int = 1,
                cpu_sync_dispatch: bool = False) -> dict:
     """One round against a fresh server of ``kind``: Check and Forward at 1 and 64 callers (these
     over ``load_processes``); the hop less ``step_ms`` (the goal's) and less ``idle_step_ms``."""
-    port = free_port()
-    process = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port),
-                                *(["sync"] if cpu_sync_dispatch else [])], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    try:
-        if process.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the {kind} server did not start")
+    port = harness.free_port()
+    argv = [sys.executable, __file__, "--serve", kind, str(port), *(["sync"] if cpu_sync_dispatch else [])]
+    with harness.ready_process(argv, env={**os.environ, "JAX_PLATFORMS": "cpu"}, what=f"{kind} server") as process:
         row = {"server": kind}
         for method in ("Check", "Forward"):
             for concurrency in (1, 64):
-                row[f"{method}_{concurrency}"] = measure(port, method, concurrency, duration, process.pid,
-                                                         load_processes)
-    finally:
-        process.kill()
-        process.wait(30)
+                row[f"{method}_{concurrency}"] = harness.measure_load(port, method, concurrency, duration, process.pid,
+                                                                      load_processes)
     row["hop_over_check"] = (row["Forward_1"]["p50_ms"] - step_ms) / row["Check_1"]["p50_ms"]
     row["hop_over_check_idle_step"] = (row["Forward_1"]["p50_ms"] - idle_step_ms) / row["Check_1"]["p50_ms"]
     row["throughput_over_check"] = row["Forward_64"]["requests_per_s"] / row["Check_64"]["requests_per_s"]
@@ -386,11 +245,6 @@ def run_server(kind: str, duration: float, step_ms: float, idle_step_ms: float, 
 def _qos_label(held: bool, settings: tuple) -> str:
     """The row label's suffix for a ``--cpu-latency-qos ab`` run (nothing when every row is alike)."""
     return "" if len(settings) == 1 else " +qos" if held else " -qos"
-
-
-def _range(values, digits: int = 2) -> str:
-    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
-    return low if low == high else f"{low}-{high}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"in-process single-token step p50 {steps_ms[held][0]:.3f} ms back to back, {steps_ms[held][1]:.3f} ms "
               f"after {IDLE_GAP_S * 1e3:g} ms idle" + _qos_label(held, settings), flush=True)
     rows = []
-    for round_index, held, kind in ((r, h, k) for r in range(args.rounds) for h in settings for k in servers):
+    for round_index, held, kind in harness.alternate(args.rounds, settings, servers):
         with cpu_latency_qos(held):
             row = run_server(kind, args.duration, *steps_ms[held], args.load_processes,
                              args.cpu_sync_dispatch) | {"round": round_index, "cpu_latency_qos": held}
@@ -459,35 +313,29 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     print(f"\n{'server':>12} | Forward p50 ms | Check p50 ms | hop / Check (goal <= 1.3) | 64 callers: Forward / "
           "Check req/s (goal >= 0.85)")
+    span = harness.span
     for held, kind in ((h, k) for h in settings for k in servers):
         mine = [r for r in rows if r["server"] == kind and r["cpu_latency_qos"] == held]
-        print(f"{kind + _qos_label(held, settings):>12} | {_range([r['Forward_1']['p50_ms'] for r in mine]):>14} | "
-              f"{_range([r['Check_1']['p50_ms'] for r in mine]):>12} | "
-              f"{_range([r['hop_over_check'] for r in mine]):>25} | "
-              f"{_range([r['Forward_64']['requests_per_s'] for r in mine], 0)} / "
-              f"{_range([r['Check_64']['requests_per_s'] for r in mine], 0)}: "
-              f"{_range([r['throughput_over_check'] for r in mine])}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "python_floor", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}",
+        print(f"{kind + _qos_label(held, settings):>12} | {span([r['Forward_1']['p50_ms'] for r in mine]):>14} | "
+              f"{span([r['Check_1']['p50_ms'] for r in mine]):>12} | "
+              f"{span([r['hop_over_check'] for r in mine]):>25} | "
+              f"{span([r['Forward_64']['requests_per_s'] for r in mine], 0)} / "
+              f"{span([r['Check_64']['requests_per_s'] for r in mine], 0)}: "
+              f"{span([r['throughput_over_check'] for r in mine])}")
+    harness.write_json(args.out, {
+        "benchmark": "python_floor", "date": harness.machine.now(),
+        "machine": harness.machine.summary(),
         "duration_s": args.duration, "load_processes": args.load_processes,
         "cpu_dispatch": "synchronous" if args.cpu_sync_dispatch else "asynchronous",
         "cpu_latency_qos": args.cpu_latency_qos, "in_process_step_p50_ms": steps_ms[settings[0]][0],
         "in_process_step_after_idle_p50_ms": steps_ms[settings[0]][1], "idle_gap_s": IDLE_GAP_S,
         **({"in_process_step_with_cpu_latency_qos_ms": steps_ms[True]} if len(settings) > 1 else {}),
-        "left_out": skipped, "rows": rows},
-        indent=1) + "\n")
-    print(f"wrote {args.out}")
+        "left_out": skipped, "rows": rows})
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         serve(sys.argv[2], int(sys.argv[3]), cpu_sync_dispatch=sys.argv[4:] == ["sync"])
-    elif len(sys.argv) > 1 and sys.argv[1] == "--load":
-        target, method, concurrency, duration = sys.argv[2:6]
-        start_at = float(sys.argv[6]) if len(sys.argv) > 6 else None
-        print(json.dumps(asyncio.run(_load(target, method, int(concurrency), 1.0, float(duration), start_at))))
     else:
         sys.exit(main())

@@ -20,35 +20,17 @@ Run: `flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/router.py [--qui
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
-import os
-import pathlib
-import platform
-import statistics
-import time
 
+import harness
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from expertd.kernels.router import fused_topk_with_score_function
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "router.json"
+RESULTS = harness.RESULTS / "router.json"
 BACKENDS = ("reference", "xla", "pallas")
-
-
-def machine() -> str:
-    if jax.default_backend() == "gpu":
-        return f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()}-core {model}, Python {platform.python_version()}, jax {jax.__version__}"
 
 
 def unfused_router(logits, topk):
@@ -62,15 +44,10 @@ def unfused_router(logits, topk):
 
 
 def median_seconds(fn, x, budget_s: float, max_repeats: int) -> tuple[float, int]:
-    """Median wall seconds of fn(x) after one warm-up call (compile), repeats within budget_s."""
-    jax.block_until_ready(fn(x))
-    times = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < 3 or (len(times) < max_repeats and time.perf_counter() < deadline):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), len(times)
+    """(median wall seconds, calls timed) of fn(x) after one warm-up call (compile): at least 3,
+    at most ``max_repeats``, as many as fit in ``budget_s``."""
+    timing = harness.time_calls(lambda: jax.block_until_ready(fn(x)), max_calls=max_repeats, budget_s=budget_s)
+    return timing.median, len(timing.samples)
 
 
 def copy_bandwidth() -> float:
@@ -153,13 +130,13 @@ def main():
     args = parser.parse_args()
     tokens = (128, 4096) if args.quick else (128, 4096, 32768)
     budget, interpret_budget = (0.3, 0.5) if args.quick else (1.0, 2.0)
-    print(f"router benchmark on {machine()} ({jax.default_backend()})")
+    print(f"router benchmark on {harness.machine.describe()} ({jax.default_backend()})")
     print(HEADER)
     rows = bench_grid(tokens, (8, 64, 256), (2, 8), budget, interpret_budget)
     print("\nother router settings (T=4096, E=256, k=8):")
     print(HEADER)
     rows += bench_settings(budget, interpret_budget)
-    result = {"benchmark": "router", "date": datetime.date.today().isoformat(), "machine": machine(),
+    result = {"benchmark": "router", "date": harness.machine.today(), "machine": harness.machine.describe(),
               "platform": jax.default_backend(), "pallas_mode": "compiled" if jax.default_backend() == "gpu"
               else "interpret", "rows": rows}
     if jax.default_backend() == "gpu":
@@ -172,9 +149,8 @@ def main():
         for entry in rows:
             if "pallas_fraction_of_copy" in entry:
                 print(f"  T={entry['T']} E={entry['E']} k={entry['k']}: {entry['pallas_fraction_of_copy']:.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {RESULTS}")
+    print()
+    harness.write_json(RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -41,104 +41,40 @@ ForwardStream, which only the main port serves, is measured there.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
-import threading
 import time
 
+import harness
 import numpy as np
 
 from expertd.server.config import BatchingConfig
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "serving.json"
-BUCKETS = (1, 16, 64, 256)
+RESULTS = harness.RESULTS / "serving.json"
+BUCKETS = harness.SERVED_BUCKETS
 TOKENS = (1, 16, 256)
 CONCURRENCY = (1, 64)
-MID_HF_CONFIG = {  # a mid-size layer that still runs in milliseconds on a CPU
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 512,
-    "intermediate_size": 1024, "moe_intermediate_size": 256, "num_hidden_layers": 1, "num_experts": 16,
-    "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "hidden_act": "silu",
-}
-
-
-def build_layers(model: str):
-    from expertd.server.model import LoadedLayer, SeededParams, load_preset
-    from expertd.server.models.hf_config import moe_config_from_hf
-
-    if model == "tiny":
-        return load_preset("tiny", num_layers=1, dtype="float32")
-    cfg = moe_config_from_hf(MID_HF_CONFIG)
-    return [LoadedLayer(0, cfg, SeededParams(cfg, layer_index=0, seed=0, dtype="float32"), source="benchmark mid")]
 
 
 def in_process(engine, layer: int, rows: int, hidden: int, duration: float) -> dict:
     """Steps of ``rows`` tokens back to back on the engine, as the batcher would run them (padded to
     the smallest bucket that fits, then the step)."""
-    from expertd.server.steps import pad_rows
-
     x = np.random.default_rng(0).standard_normal((rows, hidden), dtype=np.float32).astype(engine.dtype)
-    bucket = next(b for b in engine.buckets if b >= rows)
-    engine.forward(layer, pad_rows([x], bucket), rows)
+    harness.padded_forward(engine, layer, [x])
     steps = []
     start = time.perf_counter()
     while time.perf_counter() - start < duration:
         t0 = time.perf_counter()
-        engine.forward(layer, pad_rows([x], bucket), rows)
+        harness.padded_forward(engine, layer, [x])
         steps.append(time.perf_counter() - t0)
     elapsed = time.perf_counter() - start
     ms = np.asarray(steps) * 1e3
     return {"rows_per_step": rows, "steps": len(steps), "tokens_per_s": rows * len(steps) / elapsed,
             "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
-
-
-# One unary method from C concurrent callers on one grpc.aio channel, a raw stub and a prepared
-# request: health Check (the transport's own floor) or a single-token Forward [1, H] float32.
-UNARY_LOAD_SCRIPT = """
-import asyncio, json, sys, time
-import grpc
-import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from expertd.client import codec
-from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
-
-async def main(target, method, hidden, concurrency, warmup, duration):
-    async with grpc.aio.insecure_channel(target) as channel:
-        if method == "Check":
-            call, request = health_pb2_grpc.HealthStub(channel).Check, health_pb2.HealthCheckRequest()
-        else:
-            call = expert_pb2_grpc.ExpertServiceStub(channel).Forward
-            request = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(np.ones((1, hidden), np.float32)))
-        start = time.perf_counter()
-        window = {}
-
-        latencies = []
-
-        async def caller():
-            while (now := time.perf_counter()) < start + warmup + duration:
-                await call(request)
-                if now >= start + warmup:
-                    if not window:
-                        window.update(n=0, wall=time.time(), cpu=time.process_time(), t=now)
-                    window["n"] += 1
-                    latencies.append(time.perf_counter() - now)
-        await asyncio.gather(*(caller() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - window["t"]
-        latencies.sort()
-        return {"ok": window["n"], "requests_per_s": window["n"] / elapsed,
-                "p50_ms": latencies[len(latencies) // 2] * 1e3,
-                "window_unix_s": [window["wall"], time.time()],
-                "client_cpu_ms_per_request": (time.process_time() - window["cpu"]) * 1e3 / window["n"]}
-
-print(json.dumps(asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
-                                 float(sys.argv[6])))))
-"""
 
 
 # ForwardStream with single-token messages on one stream: lock-step (send one, read its answer:
@@ -189,37 +125,7 @@ print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[
 """
 
 
-class CpuSampler:
-    """Samples (wall clock, this process's CPU seconds) every ``interval`` s on a thread, so the
-    server's CPU can be read over any window a client reports."""
-
-    def __init__(self, interval: float = 0.02):
-        self.interval = interval
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
-
-    def __enter__(self) -> CpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), time.process_time()))
-            self._stop.wait(self.interval)
-        self.samples.append((time.time(), time.process_time()))
-
-    def cpu_between(self, wall_from: float, wall_to: float) -> float:
-        """CPU seconds this process used between two wall-clock instants (linear between samples)."""
-        walls, cpus = np.asarray(self.samples).T
-        return float(np.interp(wall_to, walls, cpus) - np.interp(wall_from, walls, cpus))
-
-
-def with_server_cpu(result: dict, sampler: CpuSampler) -> dict:
+def with_server_cpu(result: dict, sampler: harness.CpuSampler) -> dict:
     """Adds ``server_cpu_ms_per_request`` over the client's measured window."""
     if result.get("window_unix_s") and result["requests"]:
         seconds = sampler.cpu_between(*result["window_unix_s"])
@@ -266,16 +172,17 @@ def server_means(before: dict, after: dict, method: str) -> dict:
 
 def unary_load(port: int, method: str, concurrency: int, duration: float, hidden: int = 0, totals=None) -> dict:
     """``method`` ("Check", or "Forward" with single-token ``[1, hidden]`` requests) at ``concurrency``
-    against the server from a raw stub, in its own process; ``totals``: the server's ``server_totals``
-    (a zero-argument callable), for its in-server means."""
-    sampler = CpuSampler()
+    against the server from a raw stub (``harness.run_callers``: 1 s of warm-up, then ``duration``),
+    in its own process; ``totals``: the server's ``server_totals`` (a zero-argument callable), for
+    its in-server means. Requests/s and p50 over the load's window (from its first measured call)."""
+    sampler = harness.CpuSampler()
     before = totals() if totals else {}
     with sampler:
-        out = subprocess.run([sys.executable, "-c", UNARY_LOAD_SCRIPT, f"127.0.0.1:{port}", method, str(hidden),
-                              str(concurrency), "1.0", f"{duration:.1f}"], check=True, capture_output=True,
-                             text=True).stdout
-    report = json.loads(out)
-    report["requests"] = report.pop("ok")
+        load = harness.run_callers(f"127.0.0.1:{port}", method, concurrency, round(duration, 1), hidden=hidden)
+    latencies = sorted(load["latencies_ms"])
+    report = {"requests": len(latencies), "requests_per_s": len(latencies) / load["window_s"],
+              "p50_ms": latencies[len(latencies) // 2], "window_unix_s": load["window_unix_s"],
+              "client_cpu_ms_per_request": load["window_cpu_s"] * 1e3 / len(latencies)}
     if totals:
         report.update(server_means(before, totals(), method))
     return with_server_cpu(report, sampler)
@@ -343,7 +250,7 @@ def over_rpc(port: int, tokens: int, concurrency: int, duration: float, warmup: 
                "--tokens", str(tokens), "--dtype", "float32", "--duration", f"{duration:.1f}",
                "--warmup", f"{warmup:.1f}",
                "--timeout", "60", "--json", "--no-progress"]
-    sampler = CpuSampler()
+    sampler = harness.CpuSampler()
     before = totals() if totals else {}
     with sampler:
         report = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
@@ -361,26 +268,15 @@ def run_model(model: str, duration: float, queue_delay_ms: float,
               event_loop: str = "auto", native: bool = False) -> tuple[list[dict], list[dict], dict]:
     """(rows, gRPC-floor rows, the thin-hop summary) for one model; ``native``: Forward and Check
     on the native Forward port."""
-    from prometheus_client import CollectorRegistry
-
-    from expertd.server.app import create_server
-    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
-
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, event_loop=event_loop,
-                          native_port=0 if native else None,
-                          model=ModelConfig(dtype="float32", num_devices=1),
-                          batching=BatchingConfig(bucket_sizes=BUCKETS, max_queue_delay_ms=queue_delay_ms,
-                                                  inline_step_max_ms=inline_step_max_ms))
-    registry = CollectorRegistry()
-    server = create_server(config, registry=registry, layers=build_layers(model))
-    server.wait_ready(timeout=900)
-    totals = functools.partial(server_totals, registry, native)
-    port = server.native_port if native else server.port
-    print(f"{model}: event loop {server.event_loop}" + (f", load on the native port {port}" if native else ""),
-          flush=True)
-    cfg = server.engine.layers[0].cfg
+    config = harness.server_config(event_loop=event_loop, native_port=0 if native else None, batching=dict(
+        bucket_sizes=BUCKETS, max_queue_delay_ms=queue_delay_ms, inline_step_max_ms=inline_step_max_ms))
     rows, floor = [], []
-    try:
+    with harness.running_server(config, harness.benchmark_layers(model)) as server:
+        totals = functools.partial(server_totals, server.registry, native)
+        port = server.native_port if native else server.port
+        print(f"{model}: event loop {server.event_loop}" + (f", load on the native port {port}" if native else ""),
+              flush=True)
+        cfg = server.engine.layers[0].cfg
         stream = stream_cost(server.port, cfg.hidden_size, duration)
         for method in ("Check", "Forward"):  # the raw-stub load: the thin hop's like-for-like pair
             for concurrency in CONCURRENCY:
@@ -401,8 +297,6 @@ def run_model(model: str, duration: float, queue_delay_ms: float,
                 print_row(rows[-1])
         hop = hop_summary(model, rows, floor, stream)
         print_hop(hop)
-    finally:
-        server.stop(grace=5)
     return rows, floor, hop
 
 
@@ -438,8 +332,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--native", action="store_true", help="Forward and Check on the native Forward port")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
     print("model    T   C |  in-proc tok/s  p50 ms  p99 ms |  rpc tok/s   p50 ms   p99 ms | rpc/in "
           "| CPU ms/req srv cli")
     rows, floor, hops = [], [], []
@@ -458,20 +350,17 @@ def main(argv: list[str] | None = None) -> int:
                          if r["model"] == model and r["tokens_per_request"] == 256 and r["clients"] == 64)
         print(f"{model}: 64 single-token clients = {speedups[model]:.1f}x one client (goal >= 10x); "
               f"at saturation rpc/in-process = {saturated['rpc_over_in_process']:.2f} (goal >= 0.9)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "serving", "date": datetime.date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
-                    "device": str(jax.devices()[0]), "note": "shared development box; compare ratios only"},
+    harness.write_json(args.out, {
+        "benchmark": "serving", "date": harness.machine.today(),
+        "machine": {**harness.machine.platform_facts(with_jax=True),
+                    "note": "shared development box; compare ratios only"},
         "buckets": list(BUCKETS), "max_queue_delay_ms": args.max_queue_delay_ms, "duration_s": args.duration,
         "inline_step_max_ms": args.inline_step_max_ms, "event_loop": args.event_loop, "native_port": args.native,
         "rows": rows,
         "raw_stub_load": floor,
         "thin_hop": hops,
         "single_token_speedup_64_over_1": speedups,
-    }, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    }, indent=2)
     return 0
 
 

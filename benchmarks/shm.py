@@ -19,18 +19,17 @@ and shm / copy. Results go to benchmarks/results/shm.json (full mode only).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import pathlib
 import platform
 import subprocess
 import sys
 import time
 
+import harness
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "shm.json"
+RESULTS = harness.RESULTS / "shm.json"
 HIDDEN = 7168
 TOKENS = (16, 256, 4096)
 HF_CONFIG = {  # one MoE layer with DeepSeek-V3's H and a tiny expert: the hop, not the FLOPs
@@ -105,21 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(client_main(args.client, tokens, iterations)))
         return 0
 
-    from prometheus_client import CollectorRegistry
-
-    from expertd.server.app import create_server
-    from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
-    from expertd.server.model import LoadedLayer, SeededParams
-    from expertd.server.models.hf_config import moe_config_from_hf
-
-    cfg = moe_config_from_hf(HF_CONFIG)
-    layers = [LoadedLayer(0, cfg, SeededParams(cfg, layer_index=0, seed=0, dtype="bfloat16"), source="benchmark")]
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=ModelConfig(dtype="bfloat16", num_devices=1),
-                          batching=BatchingConfig(bucket_sizes=tuple(tokens), max_queue_delay_ms=0.0,
-                                                  max_request_tokens=max(tokens)))
-    server = create_server(config, registry=CollectorRegistry(), layers=layers)
-    try:
-        server.wait_ready(timeout=900)
+    config = harness.server_config("bfloat16", batching=dict(bucket_sizes=tuple(tokens), max_queue_delay_ms=0.0,
+                                                             max_request_tokens=max(tokens)))
+    with harness.running_server(config, harness.seeded_layers(HF_CONFIG, "bfloat16")) as server:
         command = [sys.executable, __file__, "--client", str(server.port), "--tokens", ",".join(map(str, tokens)),
                    "--iterations", str(iterations)]
         remote = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
@@ -135,14 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{t:>5} | {step['p50_ms']:>9.3f} | {copy['p50_ms']:>9.3f} {copy['p99_ms']:>8.3f} | "
                   f"{shm['p50_ms']:>9.3f} {shm['p99_ms']:>8.3f} | {copy['p50_ms'] - step['p50_ms']:>9.3f} "
                   f"{shm['p50_ms'] - step['p50_ms']:>9.3f} | {row['shm_over_copy']:.2f}", flush=True)
-    finally:
-        server.stop(grace=5)
     if not args.short:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({
-            "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        harness.write_json(RESULTS, {
+            "when": harness.machine.now(utc=True),
             "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
-            "iterations": iterations, "rows": rows}, indent=2) + "\n")
+            "iterations": iterations, "rows": rows}, indent=2, announce=False)
     return 0
 
 

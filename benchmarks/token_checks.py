@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
+import harness
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import moe_layer  # noqa: E402  (write_results)
+from expertd.server import requests
 
-from expertd.server import requests  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "token_checks.json")
+RESULTS = os.path.join(harness.RESULTS, "token_checks.json")
 SHAPES = [(1, 7168), (16, 7168), (256, 7168), (8192, 512)]
 DTYPES = [ml_dtypes.bfloat16, np.float16]
 
@@ -68,7 +65,7 @@ def main() -> None:
                          "bits_us": bits_us, "ratio": bits_us / isfinite_us})
             print(f"{np.dtype(dtype).name:>9} {tokens:>5} {hidden:>5} {isfinite_us:>12.1f} {bits_us:>8.1f} "
                   f"{bits_us / isfinite_us:>16.2f}")
-    moe_layer.write_results(args.out, "token_checks", rows, rounds=args.rounds)
+    harness.write_results(args.out, "token_checks", rows, rounds=args.rounds)
 
 
 if __name__ == "__main__":

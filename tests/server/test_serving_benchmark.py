@@ -26,7 +26,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def benchmark_module(script: str):
-    """``benchmarks/<script>.py`` imported as a module."""
+    """``benchmarks/<script>.py`` imported as a module, with benchmarks/ on ``sys.path`` as when it
+    runs as a script (for its ``import harness``)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(f"{script}_benchmark", ROOT / "benchmarks" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
