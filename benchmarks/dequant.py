@@ -13,7 +13,7 @@ round in one process so the machine's drift hits both alike:
 
 each timed on one thread (one matrix) and on two threads at once (two matrices, as the loader's
 workers run them). Reports the median ms per matrix and the ratios to per-chunk. The paths give
-the same bits (checked here; tests/server/test_quant.py checks them over a grid).
+the same bits (checked here; tests/server/models/test_quant.py checks them over a grid).
 
     .venv/bin/python benchmarks/dequant.py [--rounds 10] [--threads 2]
 

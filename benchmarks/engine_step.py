@@ -1,6 +1,6 @@
 """The engine's step cycle around the compiled layer: handing inputs over and reading results back.
 
-One forward step (the batcher's `steps.pad_rows`, then `Engine.forward`) is: pad the tokens to the
+One forward step (the batcher's `api.pad_rows`, then `Engine.forward`) is: pad the tokens to the
 bucket, hand tokens and `num_valid` to the compiled step, run it, read its four results (output,
 ids, weights, tokens per expert) on the host. This times that cycle on the benchmark's ``mid``
 layer (the one `serving.py` serves: Qwen3-MoE style, H=512, I=256, E=16, k=4) for a few bucket
@@ -30,10 +30,10 @@ import harness
 import jax
 import numpy as np
 
-from expertd.server import steps
-from expertd.server.engine import Engine
-from expertd.server.startup import build_engine
-from expertd.server.warmup import warm_up
+from expertd.server.engine import api
+from expertd.server.engine.build import build_engine
+from expertd.server.engine.engine import Engine
+from expertd.server.engine.warmup import warm_up
 
 RESULTS = os.path.join(harness.RESULTS, "engine_step.json")
 INPUTS = ("host", "device_put")
@@ -43,7 +43,7 @@ BASELINE = ("device_put", "device_get")
 
 def forward_executable(engine: Engine, rows: int):
     """Layer 0's compiled forward step for `rows` tokens (warmed up)."""
-    return engine.executable(0, harness.bucket_for(engine.buckets, rows), steps.FORWARD)
+    return engine.executable(0, harness.bucket_for(engine.buckets, rows), api.FORWARD)
 
 
 def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
@@ -51,7 +51,7 @@ def step_cycle(engine: Engine, rows: int, inputs: str, read: str):
     step, params = forward_executable(engine, rows), engine.step_params(0)
 
     def run(x: np.ndarray) -> np.ndarray:
-        padded = steps.pad_rows([x.astype(engine.dtype)], harness.bucket_for(engine.buckets, rows))
+        padded = api.pad_rows([x.astype(engine.dtype)], harness.bucket_for(engine.buckets, rows))
         args = [padded, np.asarray(rows, np.int32)]
         if inputs == "device_put":
             args = [jax.device_put(a, engine.placement.replicated) for a in args]
@@ -73,7 +73,7 @@ def read_only(engine: Engine, rows: int, read: str, calls: int) -> float:
     """Mean time (us) to read back ready results, over `calls` steps. READS, and "packed": one
     device_get of a single buffer holding the same bytes (what one transfer a step would cost)."""
     step = forward_executable(engine, rows)
-    x = steps.pad_rows([np.ones((rows, engine.layers[0].cfg.hidden_size), engine.dtype)],
+    x = api.pad_rows([np.ones((rows, engine.layers[0].cfg.hidden_size), engine.dtype)],
                        harness.bucket_for(engine.buckets, rows))
     total = 0.0
     for _ in range(calls):
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     for rows in rows_list:
         x = rng.standard_normal((rows, engine.layers[0].cfg.hidden_size), dtype=np.float32)
         runs = {way: step_cycle(engine, rows, *way) for way in ways}
-        padded = steps.pad_rows([x.astype(engine.dtype)], harness.bucket_for(engine.buckets, rows))
+        padded = api.pad_rows([x.astype(engine.dtype)], harness.bucket_for(engine.buckets, rows))
         served = engine.forward(0, padded, rows).output
         for way, run in runs.items():  # every way computes the engine's answer
             np.testing.assert_array_equal(run(x).astype(np.float32), served.astype(np.float32), err_msg=str(way))

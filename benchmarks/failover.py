@@ -21,7 +21,7 @@ call); throughput over the run in 100 ms bins as a PNG (matplotlib) and JSON.
 
     flock /tmp/expertd-bench.lock .venv/bin/python benchmarks/failover.py [--quick]
 
-``tests/server/test_failover.py`` runs the same scenario (``run_chaos``) with short phases and
+``tests/server/transport/test_failover.py`` runs the same scenario (``run_chaos``) with short phases and
 asserts its bounds. The replicas share this machine's cores with the load generator and with each
 other: a restarting replica's start-up (JAX import, compilation) takes CPU from the others.
 """
@@ -38,10 +38,8 @@ import tempfile
 import time
 import urllib.request
 
+import harness
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/server/test_failover.py loads this file by path
-import harness  # noqa: E402
 
 RESULTS = harness.RESULTS
 RECOVERY_FRACTION = 0.8   # "back": a RECOVERY_WINDOW_S window at this share of the pre-kill throughput
@@ -91,7 +89,6 @@ class Replica(harness.ServeProcess):
         return 0.0
 
 
-_start_all = harness.start_serving  # the replicas started and ready (tests/server/test_failover.py calls it)
 
 
 async def _closed_loop(client, name: str, concurrency: int, x: np.ndarray, stop: asyncio.Event,

@@ -1,4 +1,4 @@
-"""What keeping freed host buffers (expertd.server.host_allocator) is worth: the MoE layer with its
+"""What keeping freed host buffers (expertd.server.host.allocator) is worth: the MoE layer with its
 buffers reused as they are, against the same calls with their pages given back first.
 
 glibc's default (big blocks mmap'd per call, munmap'd when freed) cannot be switched back on in a
@@ -14,7 +14,7 @@ Shapes: the layer (`moe.moe_layer`, backend "auto" on `moe.prepare_params`, comp
 output per call). Only blocks above glibc's mmap threshold (32 MiB at most) fault per call by
 default: at T=256 a default process takes no faults per call, while malloc_trim would make the
 "faulting" side fault there anyway, so smaller T (--tokens) overstate what the default loses.
-Prints a table and writes benchmarks/results/host_allocator.json.
+Prints a table and writes benchmarks/results/allocator.json.
 """
 from __future__ import annotations
 
@@ -31,14 +31,11 @@ import jax  # noqa: E402  (after host_allocator: see main)
 import jax.numpy as jnp  # noqa: E402
 
 from expertd.kernels import moe  # noqa: E402
-from expertd.server import (
-    host_allocator,
-    host_memory,  # noqa: E402
-)
+from expertd.server.host import allocator, huge_pages
 
 SHAPES, DTYPES = harness.LAYER_SHAPES, harness.LAYER_DTYPES
 TOKENS = (1024, 4096)
-RESULTS = os.path.join(harness.RESULTS, "host_allocator.json")
+RESULTS = os.path.join(harness.RESULTS, "allocator.json")
 
 
 def faults() -> int:
@@ -65,7 +62,7 @@ def layer_case(e, k, h, i, family, t, dtype_name, rounds, give_back) -> dict:
     dtype = jnp.dtype(dtype_name)
     cfg = harness.layer_config(e, k, h, i, family)
     params = moe.prepare_params(moe.init_params(cfg, jax.random.key(0), dtype), cfg)  # as the server serves them
-    host_memory.advise_huge_pages(jax.tree.leaves(params))
+    huge_pages.advise_huge_pages(jax.tree.leaves(params))
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
     options = moe.compiler_options(cfg, t, dtype=dtype) or None  # as the server compiles it
     fn = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg), compiler_options=options)
@@ -101,7 +98,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=0, help="timed calls per side (default: 8 at T >= 4096, else 20)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
-    state = host_allocator.retain_freed_memory()  # before JAX's first computation
+    state = allocator.retain_freed_memory()  # before JAX's first computation
     if not state.applied:  # e.g. not glibc: nothing to compare (`make bench` goes on)
         print(f"skipped: host_allocator did not apply: {state.reason}")
         return

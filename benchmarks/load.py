@@ -6,7 +6,7 @@ in two formats: bfloat16, and FP8 e4m3 with 128x128 float32 block scales (`weigh
 DeepSeek ships it). Per format:
 
 - read: the time to read every byte of the checkpoint's files (16 MiB `readinto` chunks), cold;
-- load: `expertd.server.checkpoint.load_checkpoint(dir, dtype="bfloat16")` in a fresh process,
+- load: `expertd.server.models.checkpoint.load_checkpoint(dir, dtype="bfloat16")` in a fresh process,
   cold: wall time, and the process's peak RSS above its RSS before loading (after imports);
 - the ratios load / read (goal: <= 2) and peak RSS / served weights (goal: <= 1.5).
 
@@ -144,7 +144,7 @@ def read_seconds(path: pathlib.Path) -> float:
 
 def child(path: str, workers: int) -> None:
     """In a fresh process: load and print {seconds, rss_before, peak_rss, served_bytes} as JSON."""
-    from expertd.server.checkpoint import load_checkpoint, plan_checkpoint
+    from expertd.server.models.checkpoint import load_checkpoint, plan_checkpoint
 
     plan = plan_checkpoint(path, dtype="bfloat16")
     before = _rss()
@@ -194,7 +194,7 @@ def main() -> None:
                         "(default 3; the table gives each and the range)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from expertd.server.checkpoint import DEFAULT_WORKERS
+    from expertd.server.models.checkpoint import DEFAULT_WORKERS
 
     workers = args.workers or DEFAULT_WORKERS
     if args.child:

@@ -33,7 +33,7 @@ the copy and read probes instead (bursts of back-to-back layer calls between the
 their (c) and (c') ratios (T=16's target) are the median over the rounds of each round's burst
 against that round's floors ("paired floors": a shared VM's bandwidth drifts between runs and
 within one, so a layer call is compared with the bandwidth of its own minute). The weights are
-moved onto huge pages as the engine places them (expertd.server.host_memory); (d) keeps torch's
+moved onto huge pages as the engine places them (expertd.server.host.huge_pages); (d) keeps torch's
 defaults.
 `auto` runs on `moe.prepare_params(params, cfg)`, as a library user following `moe_layer`'s
 docstring and the engine do (on CPU where the native kernel runs: its prepared layout, panels of 64
@@ -41,7 +41,7 @@ columns on AVX-512 CPUs, 16 elsewhere); every other backend, (a) and (b) on the 
 a "weight layout A/B" line times auto on the prepared params, on the params as loaded and on
 panels of the other width (`cpu.to_panels`), in alternation (>1x: the prepared params are faster).
 The process keeps freed host buffers for reuse as `expertd serve --retain-freed-memory` does
-(expertd.server.host_allocator: no page faults on the large buffers of T=4096); (d)'s process keeps
+(expertd.server.host.allocator: no page faults on the large buffers of T=4096); (d)'s process keeps
 glibc's defaults.
 
 `--options-ab` instead checks the CPU rules on this machine (benchmarks/moe_layer_options.py): the
@@ -65,7 +65,7 @@ import numpy as np
 
 from expertd.kernels import cpu, experts, moe
 from expertd.kernels.cpu import policy as cpu_policy
-from expertd.server import host_allocator, host_memory
+from expertd.server.host import allocator, huge_pages
 
 SHAPES = harness.LAYER_SHAPES
 TOKENS = (16, 256, 4096)
@@ -209,7 +209,7 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
         row["panel_columns"] = cpu.describe(served)["panel_columns"]
         other = served.replace(**{name: cpu.to_panels(getattr(params, name), 80 - row["panel_columns"])
                                   for name in moe.EXPERT_WEIGHTS})  # the other panel width (16 <-> 64)
-        host_memory.advise_huge_pages(jax.tree.leaves(other))
+        huge_pages.advise_huge_pages(jax.tree.leaves(other))
         row["layout_ab_s"] = harness.interleaved_medians({
             "panels": lambda: jax.block_until_ready(compiled["auto"](served, x)),
             "row_major": lambda: jax.block_until_ready(compiled["auto"](params, x)),
@@ -339,7 +339,7 @@ def main(argv=None):
         with open(args.markdown) as f:
             print(markdown(json.load(f)["rows"]))
         return
-    host_allocator.retain_freed_memory()  # as `serve --retain-freed-memory`, before JAX's first computation
+    allocator.retain_freed_memory()  # as `serve --retain-freed-memory`, before JAX's first computation
     load_before = os.getloadavg()
     matmul_rate = None
     if args.options_ab:

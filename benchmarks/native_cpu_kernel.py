@@ -11,7 +11,7 @@ after the kernel, not interleaved with it: its bf16 einsum writes a widened fp32
 weights, which slows the kernel call after it. Reports median ms, GB/s of
 weights, GFLOP/s, and the ratios; writes benchmarks/results/native_cpu_kernel.json.
 
-The weights are moved onto huge pages, as the engine places them (expertd.server.host_memory);
+The weights are moved onto huge pages, as the engine places them (expertd.server.host.huge_pages);
 `--pages-ab` also times the kernel on copies left on 4 KiB pages, interleaved ("2M/4k" > 1: huge
 pages faster). "pan ms" / "pan/rm" time the same call on the weights panel-major
 (`cpu.to_panels`, as `moe.prepare_params` lays them out on CPU), interleaved with the row-major call
@@ -48,7 +48,7 @@ import numpy as np
 
 from expertd.kernels import cpu
 from expertd.kernels.cpu import build
-from expertd.server import host_allocator, host_memory
+from expertd.server.host import allocator, huge_pages
 
 # Projections of the two moe_layer.py shapes: Mixtral-style E=8 [1024, 2048] (gate / up) and
 # [2048, 1024] (down); Qwen3-MoE-style E=64 [1024, 512] and [512, 1024].
@@ -98,15 +98,15 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     w0 = jnp.asarray(rng.standard_normal((e, k, c)) * 0.02, dtype)
     weights_4k = weight_copies(w0, dtype) if pages_ab else None  # made first: fresh 4 KiB mappings
     weights = weight_copies(w0, dtype)
-    host_memory.advise_huge_pages(weights)  # as the engine places them
+    huge_pages.advise_huge_pages(weights)  # as the engine places them
     weight_panels = [cpu.to_panels(w) for w in weights]  # the layout prepare_params makes on CPU
-    host_memory.advise_huge_pages(jax.tree.leaves(weight_panels))
+    huge_pages.advise_huge_pages(jax.tree.leaves(weight_panels))
     lower_isas = cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
     # Each level on the panel width the engine would make for it (16 columns below AVX-512).
     width_of = {level: cpu.panel_columns(level) for level in lower_isas}
     panels_of_width = {width: [cpu.to_panels(w, width) for w in weights] for width in set(width_of.values())
                        if width != weight_panels[0].panel_columns}
-    host_memory.advise_huge_pages(jax.tree.leaves(panels_of_width))
+    huge_pages.advise_huge_pages(jax.tree.leaves(panels_of_width))
     fns = {"native": jax.jit(cpu.grouped_matmul), "panels": jax.jit(cpu.grouped_matmul),
            "xla": jax.jit(lambda v, g, w: jnp.einsum("emk,ekc->emc", v.reshape(e, m, k), w.astype(jnp.float32),
                                                      precision=jax.lax.Precision.DEFAULT).reshape(e * m, c))}
@@ -126,7 +126,7 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     if width_ab:
         fns["panels_other_width"] = fns["panels"]
         weights_of["panels_other_width"] = [cpu.to_panels(w, other_width) for w in weights]
-        host_memory.advise_huge_pages(jax.tree.leaves(weights_of["panels_other_width"]))
+        huge_pages.advise_huge_pages(jax.tree.leaves(weights_of["panels_other_width"]))
         on_panels.add("panels_other_width")
     if pages_ab:  # the same kernel on copies left on 4 KiB pages
         fns["native_4k"] = fns["native"]
@@ -163,8 +163,8 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
         row["variant_vs_base"] = med["panels" if variant_on_panels else "native"] / med["variant"]
     if pages_ab:
         row["huge_vs_4k"] = med["native_4k"] / med["native"]
-        ranges = [(p, p + n) for p, n in host_memory.cpu_buffer_ranges(weights_4k)]
-        row["huge_bytes_of_4k_copies"] = host_memory.huge_page_bytes(ranges)  # 0 unless THP is "always"
+        ranges = [(p, p + n) for p, n in huge_pages.cpu_buffer_ranges(weights_4k)]
+        row["huge_bytes_of_4k_copies"] = huge_pages.huge_page_bytes(ranges)  # 0 unless THP is "always"
     return row
 
 
@@ -200,7 +200,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
-    host_allocator.retain_freed_memory()  # as `serve --retain-freed-memory`, before JAX's first computation
+    allocator.retain_freed_memory()  # as `serve --retain-freed-memory`, before JAX's first computation
     if not cpu.available():  # e.g. no C++ compiler: nothing to time (`make bench` goes on)
         print(f"skipped: native CPU kernel unavailable: {cpu.unavailable_reason()}")
         return

@@ -153,7 +153,7 @@ def _serve_native_echo(port: int) -> None:
 
     from expertd.client import codec
     from expertd.client.pb.v1.expert_pb2 import GetModelInfoResponse
-    from expertd.server.metrics import LATENCY_BUCKETS
+    from expertd.server.metrics.families import LATENCY_BUCKETS
     from expertd.server.native_front import load
 
     module = load()
@@ -172,7 +172,7 @@ def _serve_native_echo(port: int) -> None:
 def serve(kind: str, port: int, cpu_sync_dispatch: bool = False) -> None:
     """Run server ``kind`` on ``port`` until killed (the ``--serve`` entry point), its engine's CPU steps
     on the calling thread where ``cpu_sync_dispatch`` (``expertd serve --cpu-sync-dispatch``)."""
-    from expertd.server.process import configure_cpu_dispatch
+    from expertd.server.host.process import configure_cpu_dispatch
 
     configure_cpu_dispatch(asynchronous=not cpu_sync_dispatch)
     if kind == "native-echo":
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[kind] = str(exc)
                 servers.remove(kind)
             print(f"{', '.join(native)}: left out: {exc}", flush=True)
-    from expertd.server.process import configure_cpu_dispatch
+    from expertd.server.host.process import configure_cpu_dispatch
 
     configure_cpu_dispatch(asynchronous=not args.cpu_sync_dispatch)  # the in-process step's, as the servers'
     steps_ms = {}  # cpu_latency_qos -> (the in-process step back to back, after IDLE_GAP_S idle)

@@ -1,4 +1,4 @@
-"""The NaN / Inf scan of a request's hidden states (`requests.check_tokens`): per request, on the loop.
+"""The NaN / Inf scan of a request's hidden states (`decode.check_tokens`): per request, on the loop.
 
 Every Forward's hidden states are scanned for NaN / Inf once, on the event loop for all but large
 requests. For bfloat16 and float16 the scan tests the exponent bits as integers; this times that
@@ -20,7 +20,7 @@ import harness
 import ml_dtypes
 import numpy as np
 
-from expertd.server import requests
+from expertd.server.frontends import decode
 
 RESULTS = os.path.join(harness.RESULTS, "token_checks.json")
 SHAPES = [(1, 7168), (16, 7168), (256, 7168), (8192, 512)]
@@ -32,8 +32,8 @@ def isfinite_scan(x: np.ndarray) -> bool:
 
 
 def bits_scan(x: np.ndarray) -> bool:
-    """The served check (``requests.check_tokens``: shape, then the exponent-bit scan)."""
-    requests.check_tokens(x, "hidden_states", x.shape[1], "H", len(x))
+    """The served check (``decode.check_tokens``: shape, then the exponent-bit scan)."""
+    decode.check_tokens(x, "hidden_states", x.shape[1], "H", len(x))
     return True
 
 

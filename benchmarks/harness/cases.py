@@ -28,15 +28,15 @@ def served_case(e: int, k: int, h: int, i: int, family: str, t: int, dtype):
     import jax.numpy as jnp
 
     from expertd.kernels import experts, moe
-    from expertd.server import host_memory
+    from expertd.server.host import memory
 
     cfg = layer_config(e, k, h, i, family)
     params = moe.init_params(cfg, jax.random.key(0), dtype)
-    host_memory.advise_huge_pages(jax.tree.leaves(params))
+    memory.advise_huge_pages(jax.tree.leaves(params))
     auto_backend = experts.choose_backend(t * k, e, h, i, dtype)
     served = moe.prepare_params(params, cfg)
     if served is not params:
-        host_memory.advise_huge_pages(jax.tree.leaves(served))
+        memory.advise_huge_pages(jax.tree.leaves(served))
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
     return cfg, params, served, auto_backend, x
 

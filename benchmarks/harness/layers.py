@@ -16,15 +16,15 @@ SERVED_BUCKETS = (1, 16, 64, 256)
 
 def tiny_layers():
     """The ``tiny`` preset's first layer in float32."""
-    from expertd.server.model import load_preset
+    from expertd.server.models.presets import load_preset
 
     return load_preset("tiny", num_layers=1, dtype="float32")
 
 
 def seeded_layers(hf_config: dict, dtype: str = "float32", num_layers: int = 1, source: str = "benchmark"):
     """``num_layers`` layers of ``hf_config``'s MoE shape with seeded weights (seed 0) in ``dtype``."""
-    from expertd.server.model import LoadedLayer, SeededParams
     from expertd.server.models.hf_config import moe_config_from_hf
+    from expertd.server.models.presets import LoadedLayer, SeededParams
 
     cfg = moe_config_from_hf(hf_config)
     return [LoadedLayer(i, cfg, SeededParams(cfg, layer_index=i, seed=0, dtype=dtype), source=source)
@@ -44,7 +44,7 @@ def tiny_engine(buckets=SERVED_BUCKETS):
     """(engine, hidden size): the ``tiny`` layer on one device in float32, every bucket compiled."""
     import numpy as np
 
-    from expertd.server.startup import build_engine
+    from expertd.server.engine.build import build_engine
 
     engine = build_engine(tiny_layers(), buckets=buckets, dtype="float32", devices=1).engine
     hidden = engine.layers[0].cfg.hidden_size
@@ -60,8 +60,8 @@ def bucket_for(buckets, rows: int) -> int:
 
 def padded_forward(engine, layer: int, parts: list):
     """``layer``'s forward step on the rows of ``parts`` (each [T_i, H]) as the batcher runs it:
-    padded to the smallest of the engine's buckets that holds them (``steps.pad_rows``)."""
-    from expertd.server.steps import pad_rows
+    padded to the smallest of the engine's buckets that holds them (``api.pad_rows``)."""
+    from expertd.server.engine.api import pad_rows
 
     rows = sum(len(x) for x in parts)
     return engine.forward(layer, pad_rows(parts, bucket_for(engine.buckets, rows)), rows)

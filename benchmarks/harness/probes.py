@@ -34,13 +34,13 @@ def read_probes(nbytes: int = PROBE_BYTES, blas: bool = True) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from expertd.server import host_memory
+    from expertd.server.host import memory
 
     rows = nbytes // 4 // 4096
     host = np.ones((rows, 4096), np.float32)
     ones = np.ones(4096, np.float32)
     device = jnp.ones((rows, 4096), jnp.float32)
-    host_memory.advise_huge_pages([device])  # like the weights (numpy's large arrays have them already)
+    memory.advise_huge_pages([device])  # like the weights (numpy's large arrays have them already)
     xla_sum, xla_matvec = jax.jit(jnp.sum), jax.jit(lambda a: a @ jnp.ones(4096, jnp.float32))
     probes = {"xla sum": lambda: xla_sum(device).block_until_ready(),
               "xla matvec": lambda: xla_matvec(device).block_until_ready()}

@@ -29,12 +29,12 @@ def write_results(path, benchmark: str, rows: list, **fields) -> pathlib.Path:
     software, the load average now and this process's host_allocator state."""
     import jax
 
-    from expertd.server import host_allocator
+    from expertd.server.host import allocator
 
     return write_json(path, dict(benchmark=benchmark, date=machine.today(), machine=platform.platform(),
                                  cpu_count=os.cpu_count(), jax=jax.__version__, jaxlib=jax.lib.__version__,
                                  device=jax.default_backend(), load_average_after=os.getloadavg(),
-                                 host_allocator=host_allocator.state().as_dict(), **fields, rows=rows))
+                                 host_allocator=allocator.state().as_dict(), **fields, rows=rows))
 
 
 def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
