@@ -104,12 +104,27 @@ def decode(
     if tensor.dtype not in allowed or tensor.dtype not in _NUMPY_BY_ENUM:
         expected = ", ".join(dtype_name(d) for d in allowed)
         raise TensorError(f"{field}.dtype", f"expected one of {expected}, got {dtype_name(tensor.dtype)}")
+    if ndim is not None and len(tensor.shape) != ndim:  # before the dimensions are read: a rank costs O(1)
+        raise TensorError(f"{field}.shape", f"expected {ndim} dimensions, got {shown_shape(tensor.shape)}")
+    if len(tensor.shape) > MAX_DIMENSIONS:
+        raise TensorError(f"{field}.shape", f"expected at most {MAX_DIMENSIONS} dimensions, got "
+                                            f"{shown_shape(tensor.shape)}")
     shape = tuple(int(d) for d in tensor.shape)
-    if ndim is not None and len(shape) != ndim:
-        raise TensorError(f"{field}.shape", f"expected {ndim} dimensions, got shape {list(shape)}")
     if any(d < 0 for d in shape):
         raise TensorError(f"{field}.shape", f"dimensions must be >= 0, got {list(shape)}")
     return from_bytes(tensor.data, _NUMPY_BY_ENUM[tensor.dtype], shape, field=field)
+
+
+MAX_DIMENSIONS = 8
+"""The most dimensions a tensor may declare (expertd's tensors have 1 or 2)."""
+
+
+def shown_shape(shape) -> str:
+    """A shape as an error message quotes it: its first dimensions only when it has many."""
+    count = len(shape)
+    if count <= 4:
+        return str([int(d) for d in shape])
+    return f"[{', '.join(str(int(shape[i])) for i in range(3))}, ...] ({count} dimensions)"
 
 
 def from_bytes(data: bytes, dtype: np.dtype, shape: tuple[int, ...], *, field: str = "tensor") -> np.ndarray:

@@ -25,6 +25,7 @@ Rules for messages and logs:
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import threading
@@ -99,6 +100,25 @@ class DeadlineExpired(Exception):
     """The request's deadline passed while it was queued, so it was dropped before compute."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """What a guarded deserializer (``transport.interceptors.guarded``) hands the method instead of
+    a message it would not parse; the wrapper around the method answers it with its status."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str  # too_large | undecodable
+
+
+class RefusedMessage(Exception):
+    """A streamed request message was refused: the call ends with its status, answered by the
+    method's wrapper whichever handler reads the message (``run_unary`` lets it through)."""
+
+    def __init__(self, refused: Refused):
+        super().__init__(refused.message)
+        self.refused = refused
+
+
 def status_of(exc: BaseException) -> Status:
     """(code, message, rich details) for a failure; unexpected ones are logged with their traceback."""
     if isinstance(exc, ValueError) and getattr(exc, "field", None):
@@ -151,6 +171,8 @@ async def run_unary(context: grpc.aio.ServicerContext, work):
     """
     try:
         return await work
+    except RefusedMessage:  # a message that did not parse: the wrapper answers it, as for every method
+        raise
     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
         set_status(context, status_of(exc))
         return None

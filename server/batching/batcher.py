@@ -128,6 +128,19 @@ class Batcher(StepScheduling):
     # -- public API (called from servicers on the event loop) -----------------------------------
     def admit(self, header: Header, deadline: float | None) -> Ticket:
         """A place for a request of ``header.tokens`` rows, or ``NotReady`` / ``Overloaded`` at once."""
+        queue = self._check(header, deadline)
+        small = self.admission.is_small(header.tokens)
+        self.queues.reserve(queue, header.tokens, small)
+        self.occupancy.add_pending(1)
+        self._idle.clear()
+        return Ticket(self.queues, queue, header.tokens, small, self._done_one)
+
+    def check_admission(self, header: Header, deadline: float | None) -> None:
+        """``NotReady`` / ``Overloaded`` now if ``admit`` would refuse ``header``; reserves nothing
+        (a call that declares its size and has not sent its body yet holds no place)."""
+        self._check(header, deadline)
+
+    def _check(self, header: Header, deadline: float | None) -> LayerQueue:
         if not self.occupancy.accepting:
             raise NotReady(DRAINING if self.draining else WARMING_UP)
         queue = self._queue(header.layer, header.kind)
@@ -139,11 +152,7 @@ class Batcher(StepScheduling):
         except Overloaded as exc:
             self.metrics.observe_rejected(exc.reason)
             raise
-        small = self.admission.is_small(header.tokens)
-        self.queues.reserve(queue, header.tokens, small)
-        self.occupancy.add_pending(1)
-        self._idle.clear()
-        return Ticket(self.queues, queue, header.tokens, small, self._done_one)
+        return queue
 
     async def forward(self, request: ForwardRequest, ticket: Ticket | None = None) -> tuple[ForwardResult, Timing]:
         """The layer output for ``request.tokens [T, H]`` in the caller's dtype, with the routing.

@@ -71,9 +71,10 @@ def _first_non_finite_row(array: np.ndarray) -> int | None:
     return int(np.argmax(bad.any(axis=1)))
 
 
-def check_token_ids(array: np.ndarray, num_tokens: int, field: str = "token_ids") -> np.ndarray:
+def check_token_ids(array: np.ndarray, num_tokens: int, field: str = "token_ids", vocab: int = 0) -> np.ndarray:
     """``array`` as ``token_ids [T]`` int32 for ``num_tokens`` tokens: int32, rank 1, length T,
-    every id >= 0 (InvalidRequest naming ``field`` otherwise)."""
+    every id >= 0 and, for a hash-routed layer (``vocab`` > 0: its ``hash_vocab_size``), < vocab
+    (InvalidRequest naming ``field`` otherwise): checked here, at the edge, never in a merged step."""
     if array.dtype != np.int32:
         raise InvalidRequest(f"{field}.dtype", f"expected int32 token ids, got {array.dtype}")
     if array.ndim != 1 or len(array) != num_tokens:
@@ -82,7 +83,20 @@ def check_token_ids(array: np.ndarray, num_tokens: int, field: str = "token_ids"
     if array.size and int(array.min()) < 0:
         bad = int(np.argmax(array < 0))
         raise InvalidRequest(field, f"expected ids >= 0, got {int(array[bad])} at token {bad}")
+    if vocab and array.size and int(array.max()) >= vocab:
+        bad = int(np.argmax(array >= vocab))
+        raise InvalidRequest(field, f"expected ids < {vocab} (the layer's hash vocabulary), got {int(array[bad])} "
+                                    f"at token {bad}")
     return array
+
+
+def required_token_ids(ids: np.ndarray | None, cfg, layer: int, field: str = "token_ids") -> np.ndarray | None:
+    """``ids``, or InvalidRequest naming ``field`` when a hash-routed layer (``cfg.hash_routed``) got none."""
+    if ids is None and cfg.hash_routed:
+        raise InvalidRequest(field, f"required: layer {layer} is hash-routed (expert ids come from "
+                                    f"tid2eid[token_id], vocabulary {cfg.hash_vocab_size}); send one int32 token "
+                                    "id per token")
+    return ids
 
 
 # ---------------------------------------------------------------------- expertd.v1
@@ -141,7 +155,7 @@ def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, 
     wire = _tensor_body(message.hidden_states, "hidden_states", header.tokens, model.layer(message.layer).hidden_size,
                         shared_memory)
     return ForwardRequest(message.layer, api.cast(wire, model.dtype), wire.dtype, deadline,
-                          token_ids=_token_ids(message, len(wire)))
+                          token_ids=_token_ids(message, len(wire), model.layer(message.layer), shared_memory))
 
 
 def route_header(message: expert_pb2.RouteRequest, model: ModelDescription) -> Header:
@@ -169,7 +183,7 @@ def decode_route(message: expert_pb2.RouteRequest, model: ModelDescription, defa
     from_logits = which == "logits"
     tokens = api.cast(wire, np.float32 if from_logits else model.dtype)
     return RouteRequest(message.layer, tokens, from_logits, float(coeff), deadline, which,
-                        token_ids=_token_ids(message, len(wire)))
+                        token_ids=_token_ids(message, len(wire), model.layer(message.layer), shared_memory))
 
 
 def _route_input(message: expert_pb2.RouteRequest, cfg) -> tuple[str, int, str]:
@@ -229,15 +243,33 @@ def _shared_tensor(tensor: expert_pb2.Tensor, field: str, shared_memory: SharedM
                                      f"{field}.shared_memory")
 
 
-def _token_ids(message, num_tokens: int) -> np.ndarray | None:
-    """The message's ``token_ids [T]`` int32, checked; None when it has none."""
+def _token_ids(message, num_tokens: int, cfg, shared_memory: SharedMemoryRegistry | None) -> np.ndarray | None:
+    """The message's ``token_ids [T]`` int32 (in the message or a region of ``shared_memory``),
+    checked: its dtype and shape before any of it is read, then its values (``check_token_ids``);
+    None when it has none and the layer is not hash-routed."""
     if not message.HasField("token_ids"):
-        return None
-    try:
-        array = codec.decode(message.token_ids, field="token_ids", dtypes=(expert_pb2.DTYPE_INT32,))
-    except codec.TensorError as exc:
-        raise InvalidRequest(exc.field, exc.description) from None
-    return check_token_ids(array, num_tokens)
+        return required_token_ids(None, cfg, message.layer)
+    tensor = message.token_ids
+    if tensor.dtype != expert_pb2.DTYPE_INT32:
+        raise InvalidRequest("token_ids.dtype", f"expected int32 token ids, got {codec.dtype_name(tensor.dtype)}")
+    if len(tensor.shape) != 1 or int(tensor.shape[0]) != num_tokens:
+        raise InvalidRequest("token_ids.shape", f"expected [T={num_tokens}] (one id per token), got "
+                                                f"{shown_shape(tensor.shape)}")
+    if tensor.HasField("shared_memory"):
+        if shared_memory is None:
+            raise InvalidRequest("token_ids.shared_memory", "shared memory is off on this server "
+                                                            "(--shared-memory-regions 0)")
+        if tensor.data:
+            raise InvalidRequest("token_ids.data", "must be empty when shared_memory names the bytes")
+        ref = tensor.shared_memory
+        array = shared_memory.input_array(ref.region, ref.offset, ref.byte_size, np.dtype(np.int32), (num_tokens,),
+                                          "token_ids.shared_memory")
+    else:
+        try:
+            array = codec.decode(tensor, field="token_ids", dtypes=(expert_pb2.DTYPE_INT32,), ndim=1)
+        except codec.TensorError as exc:
+            raise InvalidRequest(exc.field, exc.description) from None
+    return check_token_ids(array, num_tokens, vocab=cfg.hash_vocab_size)
 
 
 def output_slot(message: expert_pb2.ForwardRequest, request: ForwardRequest,

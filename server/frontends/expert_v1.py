@@ -40,8 +40,9 @@ STREAM_WINDOW = 64
 
 
 ADMITTED_MESSAGE_WAIT_S = 5.0
-"""How long a Forward admitted from its metadata waits for its message: the admission holds a place
-in the queue, so a client that declares a request and withholds its body cannot keep it."""
+"""How long a Forward admitted from its metadata waits for its message. The declaration reserves no
+place in the queue (the call is admitted again, for real, once its message is here), so withheld
+bodies cost other callers nothing; this bound ends the waiting call itself."""
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
@@ -69,10 +70,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return await self._forward_answer(message, result, slot)
 
     async def ForwardAdmittedEarly(self, request_iterator, context):
-        """Forward for a call that carries ``admission.ADMISSION_METADATA``: admitted from it before
-        its message is read (a refused call's body is never read), then served as Forward once the
-        message agrees with it; a call that also sends ``admission.EXPECT_METADATA`` is told of its
-        admission (initial metadata ``admission.ADMITTED_METADATA``) before it sends the message.
+        """Forward for a call that carries ``admission.ADMISSION_METADATA``: checked against admission
+        from it before its message is read (a refused call's body is never read; an accepted
+        declaration reserves nothing), then admitted and served as Forward once the message is here
+        and agrees with it; a call that also sends ``admission.EXPECT_METADATA`` is told it may send
+        (initial metadata ``admission.ADMITTED_METADATA``) before it sends the message.
         Registered with ``early_handlers``."""
         return await run_unary(context, self._forward_early(context, request_iterator, _deadline(context)))
 
@@ -80,21 +82,22 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         metadata = context.invocation_metadata()
         declared = decode.admission_header(metadata, self.model)
         expects = decode.expects_admission(metadata)
-        with self.batcher.admit(declared, deadline) as ticket:
-            if expects:
-                await context.send_initial_metadata((admission.ADMITTED_METADATA,))
-            try:  # the admission holds a place in the queue: its message must come promptly
-                message = await asyncio.wait_for(anext(aiter(request_iterator), None), ADMITTED_MESSAGE_WAIT_S)
-            except TimeoutError:
-                raise DeadlineExpired(f"the ForwardRequest message did not arrive within {ADMITTED_MESSAGE_WAIT_S:g} "
-                                      "s of the call's admission from its metadata") from None
-            if message is None:
-                raise InvalidRequest("request", "the call ended before its ForwardRequest message")
-            header = decode.forward_header(message, self.model)
-            if (header.layer, header.tokens) != (declared.layer, declared.tokens):
-                raise InvalidRequest(f"metadata {admission.ADMISSION_METADATA!r}", f"declares layer {declared.layer} "
-                                     f"with {declared.tokens} tokens; the message has layer {header.layer} with "
-                                     f"{header.tokens}")
+        self.batcher.check_admission(declared, deadline)  # refused now, or told to send: nothing reserved
+        if expects:
+            await context.send_initial_metadata((admission.ADMITTED_METADATA,))
+        try:  # the call itself is what waits: its message must come promptly
+            message = await asyncio.wait_for(anext(aiter(request_iterator), None), ADMITTED_MESSAGE_WAIT_S)
+        except TimeoutError:
+            raise DeadlineExpired(f"the ForwardRequest message did not arrive within {ADMITTED_MESSAGE_WAIT_S:g} "
+                                  "s of the call's admission from its metadata") from None
+        if message is None:
+            raise InvalidRequest("request", "the call ended before its ForwardRequest message")
+        header = decode.forward_header(message, self.model)
+        if (header.layer, header.tokens) != (declared.layer, declared.tokens):
+            raise InvalidRequest(f"metadata {admission.ADMISSION_METADATA!r}", f"declares layer {declared.layer} "
+                                 f"with {declared.tokens} tokens; the message has layer {header.layer} with "
+                                 f"{header.tokens}")
+        with self.batcher.admit(header, deadline) as ticket:  # the place is taken once the body is here
             result, slot = await self._forward_admitted(message, header, ticket, deadline)
         return await self._forward_answer(message, result, slot)
 

@@ -24,6 +24,7 @@ fields (at most MAX_INPUTS inputs are looked at) and every quoted value is bound
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -34,7 +35,7 @@ from expertd.server.batching.requests import ForwardRequest, Header
 from expertd.server.engine import api
 from expertd.server.engine.api import ModelDescription
 from expertd.server.errors import InvalidRequest, UnknownLayerError, shown, shown_shape
-from expertd.server.frontends.decode import check_shape, check_token_ids, check_tokens
+from expertd.server.frontends.decode import check_shape, check_token_ids, check_tokens, required_token_ids
 from expertd.server.frontends.shared_memory import SharedMemoryRegistry, Slot
 
 MODEL_PREFIX = "moe-layer-"
@@ -111,7 +112,8 @@ def decode_model_infer(request, model: ModelDescription, layer: int, call_deadli
     """
     deadline = infer_deadline(request, call_deadline)
     cfg = model.layer(layer)
-    wire, token_ids = _inputs(request, cfg.hidden_size, model.max_request_tokens, shared_memory)
+    wire, token_ids = _inputs(request, cfg, model.max_request_tokens, shared_memory)
+    token_ids = required_token_ids(token_ids, cfg, layer, f"inputs[{TOKEN_IDS!r}]")
     forward = ForwardRequest(layer, api.cast(wire, model.dtype), wire.dtype, deadline, f"inputs[{INPUT!r}]",
                              token_ids=token_ids)
     wanted, slots = _requested_outputs(request, shared_memory)
@@ -154,9 +156,10 @@ def infer_deadline(request, call_deadline: float | None) -> float | None:
     return min(deadlines) if deadlines else None
 
 
-def _inputs(request, hidden_size: int, max_tokens: int,
+def _inputs(request, cfg, max_tokens: int,
             shared_memory: SharedMemoryRegistry | None) -> tuple[np.ndarray, np.ndarray | None]:
     """(``hidden_states [T, H]`` in its wire dtype, ``token_ids [T]`` int32 or None), checked."""
+    hidden_size = cfg.hidden_size
     _hidden_states_header(request, hidden_size)  # at most MAX_INPUTS inputs from here on
     raw_users = [i for i, t in enumerate(request.inputs) if SHM_REGION not in t.parameters and
                  not t.HasField("contents")]
@@ -170,17 +173,20 @@ def _inputs(request, hidden_size: int, max_tokens: int,
                                                                      strict=False))}
     arrays = {}
     for index, tensor in enumerate(request.inputs):
-        dtypes, ndim = (DATATYPES, 2) if tensor.name == INPUT else (INT32, 1)
-        arrays[tensor.name] = _input(tensor, raw.get(index), dtypes, ndim, shared_memory)
+        dtypes, ndim, limit = (DATATYPES, 2, max_tokens * hidden_size) if tensor.name == INPUT else \
+            (INT32, 1, max_tokens)
+        arrays[tensor.name] = _input(tensor, raw.get(index), dtypes, ndim, limit, shared_memory)
     hidden = arrays[INPUT]
     check_tokens(hidden, f"inputs[{INPUT!r}]", hidden_size, "H", max_tokens)
     ids = arrays.get(TOKEN_IDS)
-    return hidden, None if ids is None else check_token_ids(ids, len(hidden), f"inputs[{TOKEN_IDS!r}]")
+    return hidden, None if ids is None else check_token_ids(ids, len(hidden), f"inputs[{TOKEN_IDS!r}]",
+                                                            cfg.hash_vocab_size)
 
 
-def _input(tensor, raw: tuple[int, bytes] | None, dtypes: dict[str, np.dtype], ndim: int,
+def _input(tensor, raw: tuple[int, bytes] | None, dtypes: dict[str, np.dtype], ndim: int, limit: int,
            shared_memory: SharedMemoryRegistry | None) -> np.ndarray:
-    """One input tensor in its wire dtype and shape, from raw bytes, typed contents or shared memory."""
+    """One input tensor in its wire dtype and shape, from raw bytes, typed contents or shared memory;
+    its rank, dimensions and element count (at most ``limit``) checked before anything is read."""
     field = f"inputs[{tensor.name!r}]"
     _check_parameters(tensor.parameters, f"{field}.parameters", SHM_PARAMETERS)
     dtype = dtypes.get(tensor.datatype)
@@ -189,7 +195,10 @@ def _input(tensor, raw: tuple[int, bytes] | None, dtypes: dict[str, np.dtype], n
     if len(tensor.shape) != ndim or min(tensor.shape) < 0:
         raise InvalidRequest(f"{field}.shape", f"expected {ndim} dimensions >= 0, got {shown_shape(tensor.shape)}")
     shape = tuple(int(d) for d in tensor.shape)
-    count = int(np.prod(shape))
+    count = math.prod(shape)
+    if count > limit:
+        raise InvalidRequest(f"{field}.shape", f"{shown_shape(shape)} holds {count} elements, more than the "
+                                               f"{limit} of --max-request-tokens")
     if SHM_REGION in tensor.parameters:
         if tensor.HasField("contents"):
             raise InvalidRequest(f"{field}.contents", "set either shared memory or contents, not both")

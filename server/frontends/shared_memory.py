@@ -32,6 +32,7 @@ the last reference goes), so a request in flight reads and writes the object it 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import stat
 import threading
@@ -207,11 +208,12 @@ class SharedMemoryRegistry:
         """A read-only ``shape`` ``dtype`` array of the bytes at ``offset`` of region ``name`` (read now,
         the server's own copy); ``byte_size`` must equal its bytes (InvalidRequest naming ``field``
         otherwise). Little-endian hosts only."""
-        expected = int(np.prod(shape)) * dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize
         if byte_size != expected:
             raise InvalidRequest(f"{field}.byte_size", f"expected {expected} bytes for {dtype} {list(shape)}, "
                                                        f"got {byte_size}")
         region = self.region(name, f"{field}.region")
+        region.check(offset, byte_size, f"{field}.offset")  # inside the region before anything is allocated
         array = np.empty(shape, dtype)
         region.read_into(offset, array, f"{field}.offset")
         array.flags.writeable = False

@@ -33,14 +33,13 @@ lives in ``transport.registration``. Health is open: Kubernetes probes cannot se
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import time
 from collections.abc import Callable
 
 import grpc
 
-from expertd.server.errors import CLIENT_CODES, client_errors
+from expertd.server.errors import CLIENT_CODES, Refused, RefusedMessage, client_errors
 from expertd.server.metrics.calls import GrpcMethodMetrics
 from expertd.server.metrics.families import Metrics
 from expertd.server.transport.auth import UNAUTHENTICATED_MESSAGE
@@ -62,23 +61,6 @@ HANDLER_FACTORIES = {
     "client_stream": grpc.stream_unary_rpc_method_handler,
     "bidi_stream": grpc.stream_stream_rpc_method_handler,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Refused:
-    """What a guarded deserializer hands the method instead of a message it would not parse."""
-
-    code: grpc.StatusCode
-    message: str
-    reason: str  # too_large | undecodable
-
-
-class RefusedMessage(Exception):
-    """A streamed request message was refused: the call ends with its status."""
-
-    def __init__(self, refused: Refused):
-        super().__init__(refused.message)
-        self.refused = refused
 
 
 def split_method(method: str) -> tuple[str, str]:

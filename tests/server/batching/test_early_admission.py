@@ -344,3 +344,57 @@ def test_a_held_body_is_sent_without_a_verdict_from_a_server_that_gives_none():
                                                             timeout=30, metadata=declared)
 
         assert asyncio.run(run()).request_id == "old-server"
+
+
+def test_an_undecodable_body_after_the_metadata_is_refused_as_without_it(busy_server, caplog):
+    """Issue 53, item 6: the same INVALID_ARGUMENT and message on both paths, no traceback logged."""
+    handle, registry = busy_server
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        forward = channel.unary_unary("/expertd.v1.ExpertService/Forward")  # raw bytes in, raw bytes out
+        answers = []
+        for metadata in ((), ((KEY, "1,2"),)):
+            with pytest.raises(grpc.RpcError) as refused:
+                forward(b"\xff\xff\xff not a protobuf", metadata=metadata, timeout=30)
+            answers.append((refused.value.code(), refused.value.details()))
+    assert answers[0] == answers[1] == (grpc.StatusCode.INVALID_ARGUMENT,
+                                        "request is not a valid expertd.v1.ForwardRequest message")
+    assert not [r for r in caplog.records if r.exc_info or "internal error" in r.getMessage()]
+    poll(lambda: registry.get_sample_value("expertd_pending_requests") == 0)  # its place given back
+
+
+def test_declarations_whose_bodies_are_withheld_cost_other_callers_nothing(busy_server):
+    """Issue 53, item 5: eight calls declaring the largest request and never sending it hold no place
+    (the server has one): a plain call is admitted and answered beside them."""
+    handle, registry = busy_server
+    release = threading.Event()
+    x = np.random.default_rng(4).standard_normal((8, 64)).astype(np.float32)  # a full step: no gather
+
+    def withheld():
+        release.wait(60)
+        return
+        yield
+
+    labels = {"grpc_type": "unary", "grpc_service": "expertd.v1.ExpertService", "grpc_method": "Forward"}
+    started = registry.get_sample_value("grpc_server_started_total", labels) or 0.0
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        declare = channel.stream_unary("/expertd.v1.ExpertService/Forward",
+                                       request_serializer=lambda m: m.SerializeToString())
+        pending = [declare.future(withheld(), metadata=((KEY, f"1,{handle.model.max_request_tokens}"),), timeout=60)
+                   for _ in range(8)]
+        try:
+            poll(lambda: registry.get_sample_value("grpc_server_started_total", labels) >= started + 8)
+            answer = expert_pb2_grpc.ExpertServiceStub(channel).Forward(messages.forward_request(x, 1, False),
+                                                                        timeout=30)
+            np.testing.assert_array_equal(messages.forward_result(answer, None).output,
+                                          reference_forward_output(handle, x))
+        finally:
+            release.set()
+        for call in pending:
+            with pytest.raises(grpc.RpcError):
+                call.result(timeout=60)
+    assert registry.get_sample_value("expertd_pending_requests") == 0
+
+
+def reference_forward_output(handle, x):
+    with ExpertClient(f"127.0.0.1:{handle.port}", timeout=30, retries=0) as client:
+        return client.forward(x, layer=1)

@@ -351,3 +351,31 @@ def test_kserve_bf16_and_token_ids_from_shared_memory_and_streams(server, client
         np.testing.assert_array_equal(results[0].output, expected)
         np.testing.assert_array_equal(results[1].output, expected)
         del inp, ids, tensor, results
+
+
+def test_expertd_token_ids_may_lie_in_shared_memory_and_are_checked_there(server, client):
+    """expertd.v1 reads ``token_ids`` from a region as it reads hidden states (issue 53: it ignored them)."""
+    x = tokens(3)
+    ids = np.array([5, 0, 7], np.int32)
+    with SharedMemoryRegion("ids", 64, key=key("ids")) as region:
+        client.register_shared_memory(region)
+        region.tensor(0, ids.dtype, ids.shape).array[...] = ids
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = expert_pb2_grpc.ExpertServiceStub(channel)
+
+            def forward(byte_size, offset=0):
+                ref = expert_pb2.SharedMemoryRef(region="ids", offset=offset, byte_size=byte_size)
+                shared_ids = expert_pb2.Tensor(dtype=expert_pb2.DTYPE_INT32, shape=[3], shared_memory=ref)
+                message = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(x), token_ids=shared_ids)
+                return stub.Forward(message, timeout=60)
+
+            inline = stub.Forward(expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(x),
+                                                            token_ids=codec.encode(ids)), timeout=60)
+            assert forward(12).output == inline.output
+            for byte_size, offset, field in ((8, 0, "token_ids.shared_memory.byte_size"),
+                                             (12, 60, "token_ids.shared_memory.offset")):
+                with pytest.raises(grpc.RpcError) as excinfo:
+                    forward(byte_size, offset)
+                assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert excinfo.value.details().startswith(field + ":"), excinfo.value.details()
+        client.unregister_shared_memory()
