@@ -8,9 +8,12 @@ Rules:
 - Only ``GET /metrics`` (a query string is ignored): other paths 404, other methods 405 (``Allow:
   GET``), a malformed request or one with a body 400, a request head over ``max_request_bytes`` 431.
   Connections are kept alive as HTTP/1.1 says (HTTP/1.0: closed unless asked).
-- Bounded: at most ``max_connections`` open connections (the next ones get 503 and are closed); a
-  request head must be complete within ``read_timeout_s`` of connecting or of the previous answer,
-  else the connection is closed (idle keep-alive connections included); TLS handshakes likewise.
+- Bounded, and idle connections never cost a scrape: a new connection's first request head (and
+  its TLS handshake) must be complete within ``header_timeout_s``, a kept-alive connection's next
+  one within ``read_timeout_s`` of the previous answer, else the connection is closed. At most
+  ``max_connections`` connections wait for a request head at once; a connection arriving beyond
+  that closes the one that has waited longest, so a scraper that sends its request gets an answer
+  whatever number of idle connections others hold open.
 - With a token: ``Authorization: Bearer <token>`` (compared in constant time), else 401 with
   ``WWW-Authenticate: Bearer``. With an ``ssl.SSLContext``: HTTPS (mutual TLS if the context
   requires client certificates).
@@ -36,7 +39,8 @@ if typing.TYPE_CHECKING:
 
 PATH = "/metrics"
 MAX_CONNECTIONS = 64
-READ_TIMEOUT_S = 30.0
+HEADER_TIMEOUT_S = 2.0  # a new connection's first request head
+READ_TIMEOUT_S = 30.0   # a kept-alive connection's next one (scrapers keep connections between scrapes)
 MAX_REQUEST_BYTES = 8192
 CLOSE_LINGER_S = 1.0  # a closing connection reads (and drops) what the client still sends, this long at most
 
@@ -49,7 +53,8 @@ class MetricsEndpoint:
 
     def __init__(self, registry: CollectorRegistry, *, token: str | None = None,
                  ssl_context: ssl.SSLContext | None = None, max_connections: int = MAX_CONNECTIONS,
-                 read_timeout_s: float = READ_TIMEOUT_S, max_request_bytes: int = MAX_REQUEST_BYTES):
+                 read_timeout_s: float = READ_TIMEOUT_S, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
         if token is not None and not token:
             raise ValueError("token must not be empty")
         self._registry = registry
@@ -57,10 +62,12 @@ class MetricsEndpoint:
         self._ssl = ssl_context
         self._max_connections = max_connections
         self._read_timeout = read_timeout_s
+        self._header_timeout = min(header_timeout_s, read_timeout_s)
         self._max_request_bytes = max_request_bytes
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expertd-metrics")
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
+        self._waiting: dict[asyncio.Task, asyncio.StreamWriter] = {}  # waiting for a request head, oldest first
         self.port = 0
         self.scheme = "https" if ssl_context is not None else "http"
 
@@ -74,7 +81,7 @@ class MetricsEndpoint:
         sock = _listening_socket(host, port)
         self._server = await asyncio.start_server(
             self._serve, sock=sock, ssl=self._ssl, limit=self._max_request_bytes,
-            ssl_handshake_timeout=self._read_timeout if self._ssl is not None else None)
+            ssl_handshake_timeout=self._header_timeout if self._ssl is not None else None)
         self.port = sock.getsockname()[1]
         return self.port
 
@@ -90,28 +97,38 @@ class MetricsEndpoint:
     # -- one connection -------------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        self._connections.add(task)
         try:
-            if len(self._connections) >= self._max_connections:
-                await _send(writer, HTTPStatus.SERVICE_UNAVAILABLE, b"too many connections\n", keep_alive=False)
-                return
-            self._connections.add(task)
-            keep_alive = True
+            keep_alive, timeout = True, self._header_timeout
             while keep_alive:
+                self._wait_for_head(task, writer)
                 try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._read_timeout)
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
                 except asyncio.LimitOverrunError:
                     await _send(writer, HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, b"request too large\n",
                                 keep_alive=False)
                     return
                 except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
-                    return  # idle past the timeout, or the peer went away
+                    return  # idle past the timeout, closed for a newer connection, or the peer went away
+                finally:
+                    self._waiting.pop(task, None)
                 status, body, headers, keep_alive = await self._answer(head)
                 await _send(writer, status, body, keep_alive=keep_alive, headers=headers)
+                timeout = self._read_timeout
         except (ConnectionError, ssl.SSLError):
             pass
         finally:
+            self._waiting.pop(task, None)
             self._connections.discard(task)
             await _close(reader, writer)
+
+    def _wait_for_head(self, task: asyncio.Task, writer: asyncio.StreamWriter) -> None:
+        """Count ``task``'s connection among those waiting for a request head, first closing the one
+        that has waited longest when ``max_connections`` already wait."""
+        while len(self._waiting) >= self._max_connections:
+            oldest = next(iter(self._waiting))
+            self._waiting.pop(oldest).close()  # its read ends (EOF): that connection returns
+        self._waiting[task] = writer
 
     async def _answer(self, head: bytes) -> tuple[HTTPStatus, bytes, dict[str, str], bool]:
         """(status, body, extra headers, keep the connection) for one request head."""

@@ -138,32 +138,44 @@ def test_the_token_is_required_when_configured(running):
     assert response.status == 200 and b"demo_requests_total" in body
 
 
-def test_idle_connections_are_closed_after_the_read_timeout(running):
-    endpoint = running(read_timeout_s=0.3)
+def test_idle_connections_are_closed_after_the_header_and_read_timeouts(running):
+    endpoint = running(read_timeout_s=0.6, header_timeout_s=0.3)
     with socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) as sock:
         started = time.monotonic()
-        assert sock.recv(1) == b""  # closed by the server
+        assert sock.recv(1) == b""  # no request head: closed after the header timeout
         assert 0.2 < time.monotonic() - started < 3
     with socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) as sock:
         sock.sendall(b"GET /metr")  # a request head that never completes
         assert sock.recv(1) == b""
+    with socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        time.sleep(0.45)  # past the header timeout, within the read timeout: kept alive
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+        answers = b""
+        while chunk := sock.recv(65536):
+            answers += chunk
+        assert answers.count(b"HTTP/1.1 200 ") == 2
 
 
-def test_connections_beyond_the_cap_get_503(running):
+def test_idle_connections_never_cost_a_scrape(running):
+    """Issue 53, item 7: connections that send nothing fill the cap, then a scraper still gets its
+    answer at once (the longest-waiting idle connection is closed for it)."""
     endpoint = running(max_connections=3)
     idle = [socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) for _ in range(3)]
     try:
         deadline = time.monotonic() + 5
         while endpoint.connections() < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert raw(endpoint.port, b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 503 ")
+        for _ in range(3):
+            started = time.monotonic()
+            answer = raw(endpoint.port, b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            assert time.monotonic() - started < 2
+        assert idle[0].recv(1) == b""  # the oldest idle connection was closed for a scraper
+        assert endpoint.connections() <= 3
     finally:
         for sock in idle:
             sock.close()
-    deadline = time.monotonic() + 5
-    while endpoint.connections() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert get(endpoint.port)[0].status == 200
 
 
 def _threads_for_idle_connections(port: int, count: int, wait_for) -> int:
