@@ -40,6 +40,8 @@ def register() -> None:
     """
     target = env_target()
     try:
+        # Imported here, not at the top: they import vLLM and torch, whose failure must become the
+        # refusal below (vLLM would only log a failed import of this module).
         from expertd.client.vllm import engine, layers, loading
         layers.install()
         loading.install()

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from expertd.client.client import ExpertClient
-from expertd.client.errors import ExpertError
+from expertd.client.errors import ExpertError, UnavailableError
 from expertd.client.transformers.families import FAMILIES, Family, expected_layer
 from expertd.client.transformers.offload import check_layers
 from expertd.client.transformers.remote import from_wire, to_wire
@@ -95,6 +95,8 @@ class ExpertdSession:
         try:
             y = self.client.forward(to_wire(x), layer=layer)
         except ExpertError as error:
+            if isinstance(error, UnavailableError):
+                self.close()  # the next step connects afresh, not after the old channel's reconnect backoff
             raise ExpertdStepError(f"expertd Forward of layer {layer} ({x.shape[0]} tokens, {x.dtype}) at "
                                    f"{self.target.address} failed: {error}") from None
         return from_wire(y, like=x)

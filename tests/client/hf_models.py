@@ -108,10 +108,12 @@ def prompts(batch: int = 2, length: int = 5, seed: int = 0) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def expertd_serve(checkpoint, dtype: str, cache_dir, *, ready_timeout: float = 300.0, native: bool = False):
+def expertd_serve(checkpoint, dtype: str, cache_dir, *, ready_timeout: float = 300.0, native: bool = False,
+                  port: int = 0):
     """``expertd serve --checkpoint`` on loopback in a subprocess; yields its ``host:port`` once ready and
-    stops it (SIGTERM, then kill) on exit. ``native``: with ``--native-port 0``, yielding that port's target."""
-    command = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+    stops it (SIGTERM, then kill) on exit. ``native``: with ``--native-port 0``, yielding that port's target.
+    ``port``: the gRPC port (0: one the system picks)."""
+    command = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", "0", "--checkpoint", str(checkpoint), "--dtype", dtype, "--num-devices", "1",
                "--bucket-sizes", "1,4,16", "--max-queue-delay-ms", "0", "--drain-grace-s", "5",
                "--compile-cache-dir", str(cache_dir), *(["--native-port", "0"] if native else [])]
