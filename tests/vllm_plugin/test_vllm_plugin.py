@@ -20,7 +20,7 @@ import pytest
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process: a fraction of the start-up
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-vllm = pytest.importorskip("vllm", reason="the vLLM plugin's tests need vLLM (make test builds .venv-vllm)")
+vllm = pytest.importorskip("vllm", reason="the vLLM plugin's tests need vLLM (make test runs this file in .venv-vllm)")
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "client"))
