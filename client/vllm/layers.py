@@ -20,6 +20,7 @@ method is vLLM's.
 from __future__ import annotations
 
 import torch
+import vllm
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -155,13 +156,18 @@ def _expertd_moe_forward_fake(hidden_states: torch.Tensor, layer_name: str) -> t
 
 
 _INSTALLED = False
+SUPPORTED_VLLM = "0.32."  # the MoE layer structure these classes replace
 
 
 def install() -> None:
-    """Register the custom op and the out-of-tree layer classes (idempotent)."""
+    """Register the custom op and the out-of-tree layer classes (idempotent); RuntimeError for a vLLM
+    other than 0.32."""
     global _INSTALLED
     if _INSTALLED:
         return
+    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+        raise RuntimeError(f"vLLM {vllm.__version__} is installed; the expertd plugin replaces the MoE layer classes "
+                           f"of vLLM {SUPPORTED_VLLM}x")
     direct_register_custom_op(op_name="expertd_moe_forward", op_func=_expertd_moe_forward,
                               fake_impl=_expertd_moe_forward_fake)
     RoutedExperts.register_oot(ExpertdRoutedExperts)

@@ -31,7 +31,8 @@ from expertd.client.transformers import LayerMismatchError  # noqa: E402
 
 # family -> (hf_models overrides for vLLM's CPU kernels, dtype, engine arguments)
 FAMILIES = {
-    "qwen2_moe": (dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32), torch.float32, {}),  # vLLM: H / heads
+    # vLLM's Qwen2-MoE takes its head size as H / heads
+    "qwen2_moe": (dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32), torch.float32, {}),
     # CPU_MLA has a kernel for DeepSeek's latent cache size only (kv_lora_rank 512 + rope 64) and is
     # deterministic run to run (the default AMX MLA is not). topk_method and scoring_func as DeepSeek-V3's
     # own config.json has them: transformers' config omits them, and vLLM then routes by softmax without
