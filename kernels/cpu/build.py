@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 
 CSRC_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCE = CSRC_DIR / "grouped_matmul_cpu.cc"
-# One library: the grouped matmul, the dispatch passes (layout, combine) and the host copy the
-# checkpoint loader transposes weights with, and their headers.
-SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc")
+# One library: the grouped matmul, the dispatch passes (layout, combine), the host copy the
+# checkpoint loader transposes weights with, the library's C entry points, and their headers.
+SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc", CSRC_DIR / "library.cc")
 HEADERS = tuple(sorted(CSRC_DIR.glob("*.h")))  # every one is in the build key
 TARGET = "expertd_grouped_matmul"
 # XLA FFI targets registered from the library: name -> exported handler symbol.
@@ -204,7 +204,7 @@ def _load(opts: BuildOptions) -> tuple[ctypes.CDLL | None, str]:
             cxx = find_compiler(opts)
             if cxx is None:
                 return None, f"no C++ compiler found (none of {', '.join(COMPILERS)} on PATH; BuildOptions.compiler)"
-            log.info("building %s with %s into %s", SOURCE.name, cxx, path)
+            log.info("building %s with %s into %s", ", ".join(s.name for s in SOURCES), cxx, path)
             _build_log = compile_library(cxx, path, flags=cxxflags(opts))
             if _build_log.strip():
                 log.warning("native CPU library built with compiler messages:\n%s", _build_log[-4000:])
