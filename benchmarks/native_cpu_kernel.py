@@ -19,12 +19,12 @@ pages faster). "pan ms" / "pan/rm" time the same call on the weights panel-major
 
 The rows are bf16 values where the weights are bf16 (x rounded to the weights' dtype, as the layer's
 rows are), so AVX512_BF16 CPUs run the panels on the bf16 dot product. `--isa-ab` also times the
-panel-major call at every lower instruction-set level this CPU runs (cpu.limit_isa), each on
+panel-major call at every lower instruction-set level this CPU runs (diagnostics.limit_isa), each on
 the panel width the engine makes for that level, interleaved: "<level>/top" > 1 means the top level
 is faster. `--width-ab` also times the panel-major call on the other panel width (16 or 64 columns,
 `cpu.to_panels`), interleaved: "pan/W<other>" > 1 means the width prepare_params picks for this
 CPU is faster. The "path" column names the kernel
-path the panel-major call took (cpu.path_items).
+path the panel-major call took (diagnostics.path_items).
 
 `--variant other.cc` also builds a modified copy of the kernel source and times it interleaved
 with the committed one (the A/B that picked the kernel's parameters): "variant/base" > 1 means the
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import cpu
-from expertd.kernels.cpu import build
+from expertd.kernels.cpu import build, diagnostics
 from expertd.server import host_allocator, host_memory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +86,7 @@ def weight_copies(w0, dtype):
 def at_isa(fn, level):
     """`fn` run with the kernels limited to instruction-set `level`."""
     def call(*args):
-        with cpu.limit_isa(level):
+        with diagnostics.limit_isa(level):
             return jax.block_until_ready(fn(*args))
     return call
 
@@ -103,7 +103,7 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     host_memory.advise_huge_pages(weights)  # as the engine places them
     weight_panels = [cpu.to_panels(w) for w in weights]  # the layout prepare_params makes on CPU
     host_memory.advise_huge_pages(jax.tree.leaves(weight_panels))
-    lower_isas = cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
+    lower_isas = diagnostics.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
     # Each level on the panel width the engine would make for it (16 columns below AVX-512).
     width_of = {level: cpu.panel_columns(level) for level in lower_isas}
     panels_of_width = {width: [cpu.to_panels(w, width) for w in weights] for width in set(width_of.values())
@@ -134,9 +134,9 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
         fns["native_4k"] = fns["native"]
         weights_of["native_4k"] = weights_4k
     want = np.asarray(fns["xla"](x, group_sizes, w0))
-    before = cpu.path_items()
+    before = diagnostics.path_items()
     jax.block_until_ready(fns["panels"](x, group_sizes, weight_panels[0]))
-    path = ",".join(name for name, n in cpu.path_items().items() if n > before[name])
+    path = ",".join(name for name, n in diagnostics.path_items().items() if n > before[name])
     for name, fn in fns.items():  # compile, and check they compute the same product
         got = np.asarray(fn(x, group_sizes, cpu.to_panels(w0) if name in on_panels else w0))
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
@@ -217,7 +217,7 @@ def main(argv=None):
           + (f" {'var ms':>8} {'var/base':>6}" if variant else "")
           + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else "")
           + (f" {'pan/W' + str(80 - cpu.panel_columns()):>7}" if args.width_ab else "")
-          + ("".join(f" {level + '/top':>8}" for level in cpu.supported_isas()[1:-1]) if args.isa_ab else ""))
+          + ("".join(f" {level + '/top':>8}" for level in diagnostics.supported_isas()[1:-1]) if args.isa_ab else ""))
     rows = []
     for e, k, c in SHAPES:
         if e not in args.experts:

@@ -12,7 +12,7 @@ Public modules:
   experts   the grouped expert FFN by backend (grouped_ffn, choose_backend, compiler_options)
   ep        the expert-parallel layer over a mesh axis (shard_params, ep_moe_layer)
   cpu       the native CPU backend behind one door (build options, custom calls, weight layout,
-            CPU backend policy)
+            CPU backend policy); its tests' and benchmarks' look inside in cpu.diagnostics
 Supporting modules: config (MoEConfig), params (MoEParams, RouterParams), ffn (the grouped-FFN
 contract and reference), experts_xla / experts_pallas (backends), ragged (the ragged exchange),
 router_reference / router_xla / router_pallas (router backends).

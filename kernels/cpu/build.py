@@ -76,7 +76,7 @@ class BuildOptions:
     isa_cap: the highest instruction-set level the kernels may run (one of ISA_LEVELS; None: the
       best this CPU runs). A run-time setting, not part of the build.
     trace: build (and load) the library that records every ParallelFor call
-      (`library.parallel_for_trace`); a separate build with its own cache key.
+      (`diagnostics.parallel_for_trace`); a separate build with its own cache key.
     compiler: the C++ compiler to build with (None: the first of COMPILERS on PATH).
     """
 
