@@ -13,6 +13,8 @@ Public modules:
   ep        the expert-parallel layer over a mesh axis (shard_params, ep_moe_layer)
   cpu       the native CPU backend behind one door (build options, custom calls, weight layout,
             CPU backend policy); its tests' and benchmarks' look inside in cpu.diagnostics
+  names     the expert backends and the native CPU ISA levels, JAX-free (what a server's config
+            checks its flags against; experts.BACKENDS and cpu.ISA_LEVELS are these)
 Supporting modules: config (MoEConfig), params (MoEParams, RouterParams), ffn (the grouped-FFN
 contract and reference), experts_xla / experts_pallas (backends), ragged (the ragged exchange),
 router_reference / router_xla / router_pallas (router backends).

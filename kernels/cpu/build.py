@@ -31,6 +31,8 @@ import threading
 import jax
 import jaxlib
 
+from expertd.kernels.names import NATIVE_CPU_ISA_LEVELS
+
 log = logging.getLogger(__name__)
 
 CSRC_DIR = pathlib.Path(__file__).with_name("csrc")
@@ -64,7 +66,7 @@ C_SIGNATURES = {
     "expertd_strided_copy_2d": (ctypes.c_int, (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64)),
     "expertd_block_lookup": (ctypes.c_int, (_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64)),
 }
-ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")  # csrc/simd.h Isa, lowest first
+ISA_LEVELS = NATIVE_CPU_ISA_LEVELS  # csrc/simd.h Isa, lowest first (kernels/names.py, JAX-free)
 BUILD_TIMEOUT_S = 300
 
 
