@@ -36,6 +36,7 @@ import numpy as np
 
 from expertd.kernels import experts
 from expertd.kernels.experts_pallas import PallasTiles, default_tiles, gpu_compute_capability, grouped_ffn_pallas
+from expertd.kernels.moe_reference import tolerance
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import dense_matmul_rate, write_results  # noqa: E402
@@ -44,7 +45,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "p
 SHAPES = ((8, 2, 1024, 2048, "mixtral"), (64, 8, 1024, 512, "qwen3_moe"))  # (E, k, H, I), as moe_layer.py
 TOKENS = (4096, 256)
 LAUNCH = ((4, 2), (4, 3), (8, 3), (8, 4))  # (num_warps, num_stages)
-BF16_TOLERANCE = 3e-2  # of the output's scale, as tests/kernels/oracle.tolerance(bf16)
+BF16_TOLERANCE = tolerance(jnp.bfloat16)  # of the output's scale (kernels/moe_reference.py)
 
 
 def tilings(rows_per_expert: float, quick: bool) -> list[tuple[int, PallasTiles]]:

@@ -1,13 +1,17 @@
-"""kernels/names.py: the backend names and ISA levels a server's config checks its flags against,
-defined once, importable without JAX, and the very tuples the kernels use."""
+"""The kernels' JAX-free modules: kernels/names.py (the backend names and ISA levels a server's
+config checks its flags against, defined once, the very tuples the kernels use) and
+kernels/moe_reference.py (the float64 whole-layer reference, numpy only)."""
 import subprocess
 import sys
+
+import pytest
 
 from expertd.kernels import cpu, experts, names
 
 
-def test_importing_names_loads_no_jax():
-    code = ("import sys, expertd.kernels.names; "
+@pytest.mark.parametrize("module", ["expertd.kernels.names", "expertd.kernels.moe_reference"])
+def test_importing_loads_no_jax(module):
+    code = (f"import sys, {module}; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
