@@ -12,7 +12,11 @@ Public modules:
   experts   the grouped expert FFN by backend (grouped_ffn, choose_backend, compiler_options)
   ep        the expert-parallel layer over a mesh axis (shard_params, ep_moe_layer)
   cpu       the native CPU backend behind one door (build options, custom calls, weight layout,
-            CPU backend policy)
+            CPU backend policy); its tests' and benchmarks' look inside in cpu.diagnostics
+  names     the expert backends and the native CPU ISA levels, JAX-free (what a server's config
+            checks its flags against; experts.BACKENDS and cpu.ISA_LEVELS are these)
+  moe_reference  the float64 whole-layer reference, numpy only (moe_oracle, family_config,
+            tolerance): what the backends, the expert-parallel layer and GPU runs are checked against
 Supporting modules: config (MoEConfig), params (MoEParams, RouterParams), ffn (the grouped-FFN
 contract and reference), experts_xla / experts_pallas (backends), ragged (the ragged exchange),
 router_reference / router_xla / router_pallas (router backends).

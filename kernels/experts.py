@@ -64,9 +64,10 @@ from expertd.kernels.ffn import (
     matmul_precision,
     row_experts,
 )
+from expertd.kernels.names import EXPERT_BACKENDS
 from expertd.kernels.params import logical_shape
 
-BACKENDS = ("reference", "ragged_dot", "capacity", "expert_loop", "native_cpu", "pallas")
+BACKENDS = EXPERT_BACKENDS  # kernels/names.py, JAX-free
 # GPU, bf16 weights: from this many rows (T*k) on, the Pallas grouped GEMM beats ragged_dot
 # (BENCHMARKS.md, GPU section); below it ragged_dot is faster.
 GPU_PALLAS_MIN_ROWS = 2048

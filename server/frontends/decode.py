@@ -226,21 +226,26 @@ def check_shape(tokens: int, columns: int, field: str, width: int, width_name: s
 
 
 def _shared_tensor(tensor: expert_pb2.Tensor, field: str, shared_memory: SharedMemoryRegistry | None) -> np.ndarray:
-    """A float ``[T, W]`` tensor whose bytes are in a registered region (read-only view)."""
+    """A float ``[T, W]`` tensor whose bytes are in a registered region (read-only, the server's copy)."""
+    if tensor.dtype not in codec.FLOAT_DTYPES:
+        expected = ", ".join(codec.dtype_name(d) for d in codec.FLOAT_DTYPES)
+        raise InvalidRequest(f"{field}.dtype", f"expected one of {expected}, got {codec.dtype_name(tensor.dtype)}")
+    if len(tensor.shape) != 2 or min(tensor.shape) < 0:
+        raise InvalidRequest(f"{field}.shape", f"expected 2 dimensions >= 0, got {shown_shape(tensor.shape)}")
+    shape = (int(tensor.shape[0]), int(tensor.shape[1]))
+    return _shared_input(tensor, field, shared_memory, codec.numpy_dtype(tensor.dtype), shape)
+
+
+def _shared_input(tensor, field: str, shared_memory: SharedMemoryRegistry | None, dtype, shape) -> np.ndarray:
+    """The ``shape`` ``dtype`` array a tensor's ``shared_memory`` reference names (InvalidRequest when
+    shared memory is off, or the tensor carries bytes too)."""
     if shared_memory is None:
         raise InvalidRequest(f"{field}.shared_memory", "shared memory is off on this server "
                                                        "(--shared-memory-regions 0)")
     if tensor.data:
         raise InvalidRequest(f"{field}.data", "must be empty when shared_memory names the bytes")
-    if tensor.dtype not in codec.FLOAT_DTYPES:
-        expected = ", ".join(codec.dtype_name(d) for d in codec.FLOAT_DTYPES)
-        raise InvalidRequest(f"{field}.dtype", f"expected one of {expected}, got {codec.dtype_name(tensor.dtype)}")
-    shape = tuple(int(d) for d in tensor.shape)
-    if len(shape) != 2 or min(shape) < 0:
-        raise InvalidRequest(f"{field}.shape", f"expected 2 dimensions >= 0, got {list(shape)}")
     ref = tensor.shared_memory
-    return shared_memory.input_array(ref.region, ref.offset, ref.byte_size, codec.numpy_dtype(tensor.dtype), shape,
-                                     f"{field}.shared_memory")
+    return shared_memory.input_array(ref.region, ref.offset, ref.byte_size, dtype, shape, f"{field}.shared_memory")
 
 
 def _token_ids(message, num_tokens: int, cfg, shared_memory: SharedMemoryRegistry | None) -> np.ndarray | None:
@@ -256,14 +261,7 @@ def _token_ids(message, num_tokens: int, cfg, shared_memory: SharedMemoryRegistr
         raise InvalidRequest("token_ids.shape", f"expected [T={num_tokens}] (one id per token), got "
                                                 f"{shown_shape(tensor.shape)}")
     if tensor.HasField("shared_memory"):
-        if shared_memory is None:
-            raise InvalidRequest("token_ids.shared_memory", "shared memory is off on this server "
-                                                            "(--shared-memory-regions 0)")
-        if tensor.data:
-            raise InvalidRequest("token_ids.data", "must be empty when shared_memory names the bytes")
-        ref = tensor.shared_memory
-        array = shared_memory.input_array(ref.region, ref.offset, ref.byte_size, np.dtype(np.int32), (num_tokens,),
-                                          "token_ids.shared_memory")
+        array = _shared_input(tensor, "token_ids", shared_memory, np.dtype(np.int32), (num_tokens,))
     else:
         try:
             array = codec.decode(tensor, field="token_ids", dtypes=(expert_pb2.DTYPE_INT32,), ndim=1)
