@@ -4,6 +4,7 @@ wire format, and cast once to the engine's dtype.
 | wire message | decoder | request |
 |---|---|---|
 | expertd.v1 ForwardRequest (Forward, each ForwardStream message) | ``decode_forward`` | ForwardRequest |
+| expertd.v1 ForwardRequest, each call of a batch the native port took | ``decode_plain_forward`` | ForwardRequest |
 | expertd.v1 RouteRequest | ``decode_route`` | RouteRequest |
 | KServe v2 ModelInferRequest | ``kserve_requests.decode_model_infer`` | ForwardRequest (+ the outputs asked for) |
 
@@ -156,6 +157,23 @@ def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, 
                         shared_memory)
     return ForwardRequest(message.layer, api.cast(wire, model.dtype), wire.dtype, deadline,
                           token_ids=_token_ids(message, len(wire), model.layer(message.layer), shared_memory))
+
+
+def decode_plain_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, deadline: float | None,
+                         elsewhere: str) -> ForwardRequest:
+    """A Forward message for a transport that serves its tensors in the message only and no routing
+    (the native port): checked and decoded as Forward is (``forward_header``, ``decode_forward``),
+    ``return_routing`` and shared-memory tensors refused naming the field and ``elsewhere`` (where
+    they are served)."""
+    header = forward_header(message, model)
+    if message.return_routing:
+        raise InvalidRequest("return_routing", f"routing is returned on {elsewhere}")
+    for field, tensor in (("hidden_states", message.hidden_states), ("token_ids", message.token_ids)):
+        if tensor.HasField("shared_memory"):
+            raise InvalidRequest(f"{field}.shared_memory", f"shared memory is served on {elsewhere}")
+    if message.HasField("output_shared_memory"):
+        raise InvalidRequest("output_shared_memory", f"shared memory is served on {elsewhere}")
+    return decode_forward(message, model, deadline, None, header)
 
 
 def route_header(message: expert_pb2.RouteRequest, model: ModelDescription) -> Header:
