@@ -222,3 +222,63 @@ def test_the_cpp_sources_hold_no_request_rule_text():
     assert sum(map(len, literals.values())) > 20, "the sources' literals read"
     wrong = [(name, text) for name, texts in literals.items() for text in texts if RULE_TEXT.search(text)]
     assert not wrong, wrong
+
+
+def _overflowing(tokens: int = 2) -> np.ndarray:
+    """Finite fp32 hidden states whose layer result is not: 3e38 overflows the layer's arithmetic."""
+    return np.full((tokens, 64), 3e38, np.float32)
+
+
+def test_a_call_that_overflows_the_layer_fails_alone_in_a_merged_batch(server):
+    """Issue 53, item 1: one call whose finite input overflows the layer, merged with good calls
+    behind a held step: it gets the main port's answer for itself alone (its own row numbers), the
+    good calls their rows."""
+    good = {i: rows(1 + i % 2, 50 + i) for i in (0, 2, 4, 5)}
+    requests = {i: expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(x)) for i, x in good.items()}
+    requests[3] = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(_overflowing()))
+    main_target, native_target = ports(server)
+    expected = {i: answer(main_target, requests[i]) for i in sorted(requests)}
+    assert expected[3][0] == grpc.StatusCode.INVALID_ARGUMENT and "token 0" in expected[3][1]
+    gate = server.runner
+    gate.hold, gate.entered = threading.Event(), threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(len(requests) + 2) as pool:
+        try:
+            held = pool.submit(answer, native_target, requests[0])
+            assert gate.entered.wait(30)
+            behind = pool.submit(answer, native_target, requests[2])
+            poll(lambda: server.batcher.pending == 2)
+            queued = {i: pool.submit(answer, native_target, requests[i]) for i in (3, 4, 5)}
+            poll(lambda: server._parts.native.stats()["queued_calls"] == len(queued))
+        finally:
+            gate.hold.set()
+        got = {0: held.result(60), 2: behind.result(60)} | {i: call.result(60) for i, call in queued.items()}
+    assert got[3] == expected[3]
+    for i in good:
+        np.testing.assert_allclose(got[i], expected[i], rtol=1e-6, atol=1e-6)
+
+
+def test_a_call_that_overflows_the_layer_fails_alone_on_the_direct_runner(tmp_path_factory):
+    require_native_front()
+    config = server_config(tmp_path_factory, model=ModelConfig(preset="tiny", num_layers=1, dtype="float32",
+                                                               num_devices=1))
+    handle = create_server(dataclasses.replace(config, native_port=0))
+    try:
+        handle.wait_ready(timeout=300)
+        good = {0: rows(2, 11), 1: rows(1, 12), 3: rows(3, 13)}
+        requests = {i: expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(x)) for i, x in good.items()}
+        requests[2] = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(_overflowing(1)))
+        main_target, native_target = ports(handle)
+        expected = {i: answer(main_target, requests[i]) for i in sorted(requests)}
+        native = handle._parts.native
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            with handle.engine.lock:  # the first call's direct step waits: the others queue behind it
+                first = pool.submit(answer, native_target, requests[0])
+                poll(lambda: native.stats()["batches_in_flight"] == 1)
+                queued = {i: pool.submit(answer, native_target, requests[i]) for i in (1, 2, 3)}
+                poll(lambda: native.stats()["queued_calls"] == len(queued))
+            got = {0: first.result(60)} | {i: call.result(60) for i, call in queued.items()}
+        assert got[2] == expected[2] and got[2][0] == grpc.StatusCode.INVALID_ARGUMENT
+        for i in good:
+            np.testing.assert_allclose(got[i], expected[i], rtol=1e-6, atol=1e-6)
+    finally:
+        handle.stop(grace=5)
