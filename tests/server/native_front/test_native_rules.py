@@ -149,44 +149,58 @@ def test_a_bad_call_merged_with_good_ones_fails_alone(server, monkeypatch):
     assert batches == [len(good[0]), len(good[2]), len(good[4]) + len(good[5])]
 
 
-def test_a_bad_call_merged_into_a_direct_step_fails_alone(tmp_path_factory, monkeypatch):
-    """The same through the direct runner: calls queued behind a direct step are its next batch."""
+@pytest.fixture(scope="module")
+def direct_server(tmp_path_factory):
+    """fp32 tiny, one layer, the native port with its direct runner (the default), no Gate."""
     require_native_front()
     config = server_config(tmp_path_factory, model=ModelConfig(preset="tiny", num_layers=1, dtype="float32",
                                                                num_devices=1))
     handle = create_server(dataclasses.replace(config, native_port=0))
     try:
         handle.wait_ready(timeout=300)
-        good = {0: rows(2, 1), 2: rows(1, 2), 4: rows(3, 3)}
-        bad = {1: BAD["Inf bf16"], 3: BAD["token_ids negative"]}  # the latter: a batch of its own (token ids)
-        bad[5] = {"hidden_states": non_finite(np.float32, np.inf, (0, 1), tokens=1)}
-        requests = {i: expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(x)) for i, x in good.items()}
-        requests |= {i: expert_pb2.ForwardRequest(layer=0, **fields) for i, fields in bad.items()}
-        main_target, native_target = ports(handle)
-        expected = {i: answer(main_target, requests[i]) for i in sorted(requests)}
-        computed = []
-        forward_now = handle.batcher.direct.forward_now
-
-        def noting(request, respond):
-            computed.append(len(request.tokens))
-            return forward_now(request, respond)
-
-        monkeypatch.setattr(handle.batcher.direct, "forward_now", noting)
-        native = handle._parts.native
-        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-            with handle.engine.lock:  # the first call's direct step waits for it
-                first = pool.submit(answer, native_target, requests[0])
-                poll(lambda: native.stats()["batches_in_flight"] == 1)
-                queued = {i: pool.submit(answer, native_target, requests[i]) for i in (1, 2, 3, 4, 5)}
-                poll(lambda: native.stats()["queued_calls"] == len(queued))
-            got = {0: first.result(60)} | {i: call.result(60) for i, call in queued.items()}
-        for i in bad:
-            assert got[i] == expected[i]
-        for i in good:
-            np.testing.assert_allclose(got[i], expected[i], rtol=1e-6, atol=1e-6)
-        assert computed[0] == len(good[0]) and len(good[2]) + len(good[4]) in computed[1:]
+        yield handle
     finally:
         handle.stop(grace=5)
+
+
+def _behind_a_direct_step(handle, target: str, requests: dict) -> dict:
+    """Every answer of ``requests`` sent to the native port, the first alone in a direct step held
+    by the engine's lock, the others queued behind it (the runner's next batch)."""
+    first, *rest = sorted(requests)
+    native = handle._parts.native
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        with handle.engine.lock:  # the first call's direct step waits for it
+            lone = pool.submit(answer, target, requests[first])
+            poll(lambda: native.stats()["batches_in_flight"] == 1)
+            queued = {i: pool.submit(answer, target, requests[i]) for i in rest}
+            poll(lambda: native.stats()["queued_calls"] == len(queued))
+        return {first: lone.result(60)} | {i: call.result(60) for i, call in queued.items()}
+
+
+def test_a_bad_call_merged_into_a_direct_step_fails_alone(direct_server, monkeypatch):
+    """The same through the direct runner: calls queued behind a direct step are its next batch."""
+    handle = direct_server
+    good = {0: rows(2, 1), 2: rows(1, 2), 4: rows(3, 3)}
+    bad = {1: BAD["Inf bf16"], 3: BAD["token_ids negative"]}  # the latter: a batch of its own (token ids)
+    bad[5] = {"hidden_states": non_finite(np.float32, np.inf, (0, 1), tokens=1)}
+    requests = {i: expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(x)) for i, x in good.items()}
+    requests |= {i: expert_pb2.ForwardRequest(layer=0, **fields) for i, fields in bad.items()}
+    main_target, native_target = ports(handle)
+    expected = {i: answer(main_target, requests[i]) for i in sorted(requests)}
+    computed = []
+    forward_now = handle.batcher.direct.forward_now
+
+    def noting(request, respond):
+        computed.append(len(request.tokens))
+        return forward_now(request, respond)
+
+    monkeypatch.setattr(handle.batcher.direct, "forward_now", noting)
+    got = _behind_a_direct_step(handle, native_target, requests)
+    for i in bad:
+        assert got[i] == expected[i]
+    for i in good:
+        np.testing.assert_allclose(got[i], expected[i], rtol=1e-6, atol=1e-6)
+    assert computed[0] == len(good[0]) and len(good[2]) + len(good[4]) in computed[1:]
 
 
 def test_the_transports_own_refusals_carry_the_messages_python_gave():
@@ -257,28 +271,13 @@ def test_a_call_that_overflows_the_layer_fails_alone_in_a_merged_batch(server):
         np.testing.assert_allclose(got[i], expected[i], rtol=1e-6, atol=1e-6)
 
 
-def test_a_call_that_overflows_the_layer_fails_alone_on_the_direct_runner(tmp_path_factory):
-    require_native_front()
-    config = server_config(tmp_path_factory, model=ModelConfig(preset="tiny", num_layers=1, dtype="float32",
-                                                               num_devices=1))
-    handle = create_server(dataclasses.replace(config, native_port=0))
-    try:
-        handle.wait_ready(timeout=300)
-        good = {0: rows(2, 11), 1: rows(1, 12), 3: rows(3, 13)}
-        requests = {i: expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(x)) for i, x in good.items()}
-        requests[2] = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(_overflowing(1)))
-        main_target, native_target = ports(handle)
-        expected = {i: answer(main_target, requests[i]) for i in sorted(requests)}
-        native = handle._parts.native
-        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-            with handle.engine.lock:  # the first call's direct step waits: the others queue behind it
-                first = pool.submit(answer, native_target, requests[0])
-                poll(lambda: native.stats()["batches_in_flight"] == 1)
-                queued = {i: pool.submit(answer, native_target, requests[i]) for i in (1, 2, 3)}
-                poll(lambda: native.stats()["queued_calls"] == len(queued))
-            got = {0: first.result(60)} | {i: call.result(60) for i, call in queued.items()}
-        assert got[2] == expected[2] and got[2][0] == grpc.StatusCode.INVALID_ARGUMENT
-        for i in good:
-            np.testing.assert_allclose(got[i], expected[i], rtol=1e-6, atol=1e-6)
-    finally:
-        handle.stop(grace=5)
+def test_a_call_that_overflows_the_layer_fails_alone_on_the_direct_runner(direct_server):
+    good = {0: rows(2, 11), 1: rows(1, 12), 3: rows(3, 13)}
+    requests = {i: expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(x)) for i, x in good.items()}
+    requests[2] = expert_pb2.ForwardRequest(layer=0, hidden_states=codec.encode(_overflowing(1)))
+    main_target, native_target = ports(direct_server)
+    expected = {i: answer(main_target, requests[i]) for i in sorted(requests)}
+    got = _behind_a_direct_step(direct_server, native_target, requests)
+    assert got[2] == expected[2] and got[2][0] == grpc.StatusCode.INVALID_ARGUMENT
+    for i in good:
+        np.testing.assert_allclose(got[i], expected[i], rtol=1e-6, atol=1e-6)
