@@ -40,7 +40,7 @@ def register() -> None:
     """
     target = env_target()
     try:
-        from expertd.client.vllm import engine, layers, loading
+        from expertd.client.vllm import engine, layers, loading  # here: they import vllm and torch
         layers.install()
         loading.install()
         engine.install()
