@@ -7,8 +7,8 @@ grouped GEMM and router kernels through Triton, `ragged_dot` on XLA's grouped GE
 Qwen2-MoE, DeepSeek-V3 router settings at POINTS; the layer semantics of issue 25 at
 SEMANTIC_POINTS: gpt-oss, DeepSeek-V4 and its hash-routed layers, GLM-5 Next, Step-3.7, ERNIE 4.5,
 Llama 4, Mistral 4, Gemma 4, see docs/semantics.md), dtype and (E, k, T) it compares the layer's output with
-tests/kernels/oracle.py (token by token in float64; near-tie tokens left out) and reports the
-largest error per unit of output scale against oracle.tolerance(dtype) (bf16 3e-2, fp32 2e-5; an
+kernels/moe_reference.py (token by token in float64; near-tie tokens left out) and reports the
+largest error per unit of output scale against moe_reference.tolerance(dtype) (bf16 3e-2, fp32 2e-5; an
 fp32 layer whose matmuls run in TF32 on the GPU would show it here as ~1e-3). Where some experts
 get no tokens, the layer runs again with those experts' weights set to NaN: "reads unused" says
 whether NaN reached the output, i.e. whether the backend touches the weights of experts without
@@ -33,9 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import experts, moe, router
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels"))
-from oracle import (  # noqa: E402
+from expertd.kernels.moe_reference import (
     FAMILIES,
     HASH_VOCAB,
     SEMANTIC_FAMILIES,

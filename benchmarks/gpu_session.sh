@@ -103,8 +103,8 @@ step() {
 # work; the GPU's memory is allocated as needed, not preallocated by each process).
 semantics() {
   local families jobs=${SEMANTICS_JOBS:-3} i pids=() status=0
-  families=${SEMANTICS_FAMILIES:-$($PY -c 'import sys; sys.path.insert(0, "tests/kernels"); import oracle
-print(" ".join(oracle.SEMANTIC_FAMILIES))')}
+  families=${SEMANTICS_FAMILIES:-$($PY -c 'from expertd.kernels import moe_reference
+print(" ".join(moe_reference.SEMANTIC_FAMILIES))')}
   read -ra families <<< "$families"
   for ((i = 0; i < jobs; i++)); do
     local mine=() j

@@ -31,7 +31,7 @@ import jax  # noqa: E402  (after host_allocator: see main)
 import jax.numpy as jnp  # noqa: E402
 
 from expertd.kernels import moe  # noqa: E402
-from expertd.server.host import allocator, huge_pages
+from expertd.server.host import allocator, memory
 
 SHAPES, DTYPES = harness.LAYER_SHAPES, harness.LAYER_DTYPES
 TOKENS = (1024, 4096)
@@ -62,7 +62,7 @@ def layer_case(e, k, h, i, family, t, dtype_name, rounds, give_back) -> dict:
     dtype = jnp.dtype(dtype_name)
     cfg = harness.layer_config(e, k, h, i, family)
     params = moe.prepare_params(moe.init_params(cfg, jax.random.key(0), dtype), cfg)  # as the server serves them
-    huge_pages.advise_huge_pages(jax.tree.leaves(params))
+    memory.advise_huge_pages(jax.tree.leaves(params))
     x = jax.random.normal(jax.random.key(1), (t, h), jnp.float32).astype(dtype)
     options = moe.compiler_options(cfg, t, dtype=dtype) or None  # as the server compiles it
     fn = jax.jit(lambda p, v: moe.moe_layer(p, v, cfg), compiler_options=options)

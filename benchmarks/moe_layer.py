@@ -33,7 +33,7 @@ the copy and read probes instead (bursts of back-to-back layer calls between the
 their (c) and (c') ratios (T=16's target) are the median over the rounds of each round's burst
 against that round's floors ("paired floors": a shared VM's bandwidth drifts between runs and
 within one, so a layer call is compared with the bandwidth of its own minute). The weights are
-moved onto huge pages as the engine places them (expertd.server.host.huge_pages); (d) keeps torch's
+moved onto huge pages as the engine places them (expertd.server.host.memory); (d) keeps torch's
 defaults.
 `auto` runs on `moe.prepare_params(params, cfg)`, as a library user following `moe_layer`'s
 docstring and the engine do (on CPU where the native kernel runs: its prepared layout, panels of 64
@@ -65,7 +65,7 @@ import numpy as np
 
 from expertd.kernels import cpu, experts, moe
 from expertd.kernels.cpu import policy as cpu_policy
-from expertd.server.host import allocator, huge_pages
+from expertd.server.host import allocator, memory
 
 SHAPES = harness.LAYER_SHAPES
 TOKENS = (16, 256, 4096)
@@ -209,7 +209,7 @@ def run_case(e, k, h, i, family, t, dtype_name, bandwidth, read_rate, only_backe
         row["panel_columns"] = cpu.describe(served)["panel_columns"]
         other = served.replace(**{name: cpu.to_panels(getattr(params, name), 80 - row["panel_columns"])
                                   for name in moe.EXPERT_WEIGHTS})  # the other panel width (16 <-> 64)
-        huge_pages.advise_huge_pages(jax.tree.leaves(other))
+        memory.advise_huge_pages(jax.tree.leaves(other))
         row["layout_ab_s"] = harness.interleaved_medians({
             "panels": lambda: jax.block_until_ready(compiled["auto"](served, x)),
             "row_major": lambda: jax.block_until_ready(compiled["auto"](params, x)),

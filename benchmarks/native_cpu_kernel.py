@@ -11,7 +11,7 @@ after the kernel, not interleaved with it: its bf16 einsum writes a widened fp32
 weights, which slows the kernel call after it. Reports median ms, GB/s of
 weights, GFLOP/s, and the ratios; writes benchmarks/results/native_cpu_kernel.json.
 
-The weights are moved onto huge pages, as the engine places them (expertd.server.host.huge_pages);
+The weights are moved onto huge pages, as the engine places them (expertd.server.host.memory);
 `--pages-ab` also times the kernel on copies left on 4 KiB pages, interleaved ("2M/4k" > 1: huge
 pages faster). "pan ms" / "pan/rm" time the same call on the weights panel-major
 (`cpu.to_panels`, as `moe.prepare_params` lays them out on CPU), interleaved with the row-major call
@@ -19,12 +19,12 @@ pages faster). "pan ms" / "pan/rm" time the same call on the weights panel-major
 
 The rows are bf16 values where the weights are bf16 (x rounded to the weights' dtype, as the layer's
 rows are), so AVX512_BF16 CPUs run the panels on the bf16 dot product. `--isa-ab` also times the
-panel-major call at every lower instruction-set level this CPU runs (cpu.limit_isa), each on
+panel-major call at every lower instruction-set level this CPU runs (diagnostics.limit_isa), each on
 the panel width the engine makes for that level, interleaved: "<level>/top" > 1 means the top level
 is faster. `--width-ab` also times the panel-major call on the other panel width (16 or 64 columns,
 `cpu.to_panels`), interleaved: "pan/W<other>" > 1 means the width prepare_params picks for this
 CPU is faster. The "path" column names the kernel
-path the panel-major call took (cpu.path_items).
+path the panel-major call took (diagnostics.path_items).
 
 `--variant other.cc` also builds a modified copy of the kernel source and times it interleaved
 with the committed one (the A/B that picked the kernel's parameters): "variant/base" > 1 means the
@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import cpu
-from expertd.kernels.cpu import build
-from expertd.server.host import allocator, huge_pages
+from expertd.kernels.cpu import build, diagnostics
+from expertd.server.host import allocator, memory
 
 # Projections of the two moe_layer.py shapes: Mixtral-style E=8 [1024, 2048] (gate / up) and
 # [2048, 1024] (down); Qwen3-MoE-style E=64 [1024, 512] and [512, 1024].
@@ -84,7 +84,7 @@ def weight_copies(w0, dtype):
 def at_isa(fn, level):
     """`fn` run with the kernels limited to instruction-set `level`."""
     def call(*args):
-        with cpu.limit_isa(level):
+        with diagnostics.limit_isa(level):
             return jax.block_until_ready(fn(*args))
     return call
 
@@ -98,15 +98,15 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     w0 = jnp.asarray(rng.standard_normal((e, k, c)) * 0.02, dtype)
     weights_4k = weight_copies(w0, dtype) if pages_ab else None  # made first: fresh 4 KiB mappings
     weights = weight_copies(w0, dtype)
-    huge_pages.advise_huge_pages(weights)  # as the engine places them
+    memory.advise_huge_pages(weights)  # as the engine places them
     weight_panels = [cpu.to_panels(w) for w in weights]  # the layout prepare_params makes on CPU
-    huge_pages.advise_huge_pages(jax.tree.leaves(weight_panels))
-    lower_isas = cpu.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
+    memory.advise_huge_pages(jax.tree.leaves(weight_panels))
+    lower_isas = diagnostics.supported_isas()[1:-1] if isa_ab else ()  # AVX2 and up, below the top level
     # Each level on the panel width the engine would make for it (16 columns below AVX-512).
     width_of = {level: cpu.panel_columns(level) for level in lower_isas}
     panels_of_width = {width: [cpu.to_panels(w, width) for w in weights] for width in set(width_of.values())
                        if width != weight_panels[0].panel_columns}
-    huge_pages.advise_huge_pages(jax.tree.leaves(panels_of_width))
+    memory.advise_huge_pages(jax.tree.leaves(panels_of_width))
     fns = {"native": jax.jit(cpu.grouped_matmul), "panels": jax.jit(cpu.grouped_matmul),
            "xla": jax.jit(lambda v, g, w: jnp.einsum("emk,ekc->emc", v.reshape(e, m, k), w.astype(jnp.float32),
                                                      precision=jax.lax.Precision.DEFAULT).reshape(e * m, c))}
@@ -126,15 +126,15 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
     if width_ab:
         fns["panels_other_width"] = fns["panels"]
         weights_of["panels_other_width"] = [cpu.to_panels(w, other_width) for w in weights]
-        huge_pages.advise_huge_pages(jax.tree.leaves(weights_of["panels_other_width"]))
+        memory.advise_huge_pages(jax.tree.leaves(weights_of["panels_other_width"]))
         on_panels.add("panels_other_width")
     if pages_ab:  # the same kernel on copies left on 4 KiB pages
         fns["native_4k"] = fns["native"]
         weights_of["native_4k"] = weights_4k
     want = np.asarray(fns["xla"](x, group_sizes, w0))
-    before = cpu.path_items()
+    before = diagnostics.path_items()
     jax.block_until_ready(fns["panels"](x, group_sizes, weight_panels[0]))
-    path = ",".join(name for name, n in cpu.path_items().items() if n > before[name])
+    path = ",".join(name for name, n in diagnostics.path_items().items() if n > before[name])
     for name, fn in fns.items():  # compile, and check they compute the same product
         got = np.asarray(fn(x, group_sizes, cpu.to_panels(w0) if name in on_panels else w0))
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.sqrt(k), err_msg=name)
@@ -163,8 +163,8 @@ def run_case(e, k, c, m, dtype_name, bandwidth, read_rate, variant=None, reps=15
         row["variant_vs_base"] = med["panels" if variant_on_panels else "native"] / med["variant"]
     if pages_ab:
         row["huge_vs_4k"] = med["native_4k"] / med["native"]
-        ranges = [(p, p + n) for p, n in huge_pages.cpu_buffer_ranges(weights_4k)]
-        row["huge_bytes_of_4k_copies"] = huge_pages.huge_page_bytes(ranges)  # 0 unless THP is "always"
+        ranges = [(p, p + n) for p, n in memory.cpu_buffer_ranges(weights_4k)]
+        row["huge_bytes_of_4k_copies"] = memory.huge_page_bytes(ranges)  # 0 unless THP is "always"
     return row
 
 
@@ -215,7 +215,7 @@ def main(argv=None):
           + (f" {'var ms':>8} {'var/base':>6}" if variant else "")
           + (f" {'4k ms':>8} {'2M/4k':>6}" if args.pages_ab else "")
           + (f" {'pan/W' + str(80 - cpu.panel_columns()):>7}" if args.width_ab else "")
-          + ("".join(f" {level + '/top':>8}" for level in cpu.supported_isas()[1:-1]) if args.isa_ab else ""))
+          + ("".join(f" {level + '/top':>8}" for level in diagnostics.supported_isas()[1:-1]) if args.isa_ab else ""))
     rows = []
     for e, k, c in SHAPES:
         if e not in args.experts:

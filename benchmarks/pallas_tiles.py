@@ -2,7 +2,7 @@
 per shape (meant for a lent GPU; `bash benchmarks/gpu_session.sh tiles`).
 
 For each layer shape (E, k, H, I) and tokens T, the routed rows (T*k, bf16, expert sizes from a
-random routing) go through `experts_pallas.grouped_ffn_pallas` under every tiling of the grid:
+random routing) go through `experts.pallas.grouped_ffn_pallas` under every tiling of the grid:
 rows per tile `block_m`, and `PallasTiles` (column tile `block_n`, contraction step `block_k`,
 `num_warps`, `num_stages`). Each tiling's output is checked against the default tiling's (bf16
 tolerance, every row); its median time per call is reported with its active TFLOP/s
@@ -35,13 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import experts
-from expertd.kernels.experts_pallas import PallasTiles, default_tiles, gpu_compute_capability, grouped_ffn_pallas
+from expertd.kernels.experts.pallas import PallasTiles, default_tiles, gpu_compute_capability, grouped_ffn_pallas
+from expertd.kernels.moe_reference import tolerance
 
 RESULTS = os.path.join(harness.RESULTS, "pallas_tiles.json")
 SHAPES = harness.LAYER_SHAPES  # (E, k, H, I), as moe_layer.py
 TOKENS = (4096, 256)
 LAUNCH = ((4, 2), (4, 3), (8, 3), (8, 4))  # (num_warps, num_stages)
-BF16_TOLERANCE = 3e-2  # of the output's scale, as tests/kernels/oracle.tolerance(bf16)
+BF16_TOLERANCE = tolerance(jnp.bfloat16)  # of the output's scale (kernels/moe_reference.py)
 
 
 def tilings(rows_per_expert: float, quick: bool) -> list[tuple[int, PallasTiles]]:

@@ -3,7 +3,7 @@
 `kernels/cpu/csrc/parallel.h`: a call of at most `kCallerOnlyWork` multiply-adds runs on the calling
 thread alone; a bigger one is shared with XLA:CPU's intra-op pool. This times, in one process, the
 grouped matmul (`cpu.grouped_matmul`, fp32 row-major weights) over a grid of work sizes, each both
-ways (`cpu.caller_only_work`: "alone" every call on the caller, "shared" every call of two or more
+ways (`diagnostics.caller_only_work`: "alone" every call on the caller, "shared" every call of two or more
 tasks shared), and the served `tiny` layer's single-token step (serving.py's layer, `Engine.forward`)
 both ways. Each is timed back to back and after an idle gap (`--gap-ms` of sleep before each call,
 as a lone client's decode steps arrive); modes alternate in rounds. Per case: the median wall time
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import cpu
+from expertd.kernels.cpu import diagnostics
 
 RESULTS = harness.RESULTS / "parallel_for_sharing.json"
 # (rows, K, C) of one grouped matmul; the rows are spread over min(rows, 8) of 8 experts.
@@ -70,11 +71,11 @@ def measure(call, rounds: int, calls: int, gap_s: float) -> dict:
     """Both modes, alternating in ``rounds``: {mode: (median wall us, CPU us per call)}."""
     walls, cpu_s = {m: [] for m in MODES}, dict.fromkeys(MODES, 0.0)
     for bound in MODES.values():  # warm both ways first
-        with cpu.caller_only_work(bound):
+        with diagnostics.caller_only_work(bound):
             time_calls(call, 10, 0.0)
     for round_index in range(rounds):
         for mode in harness.order(MODES, round_index):
-            with cpu.caller_only_work(MODES[mode]):
+            with diagnostics.caller_only_work(MODES[mode]):
                 w, c = time_calls(call, calls, gap_s)
             walls[mode] += w
             cpu_s[mode] += c
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not cpu.available():
         sys.exit(f"the native CPU kernel is unavailable: {cpu.unavailable_reason()}")
-    bound = cpu.caller_only_work_now()
+    bound = diagnostics.caller_only_work_now()
     cases = [(f"matmul {r}x{k}x{c}", r * k * c, matmul_case(r, k, c)) for r, k, c in SHAPES]
     cases.append(("tiny layer, T=1", None, tiny_layer_step()))
     print(f"kCallerOnlyWork {bound} multiply-adds; {args.rounds} rounds x {args.calls} calls per mode; "

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import cpu, moe
+from expertd.kernels.cpu import diagnostics
 
 SHAPES = {shape[0]: shape for shape in harness.LAYER_SHAPES}  # by E
 CALLS_PER_ROUND = 20
@@ -58,7 +59,7 @@ def run_rounds(calls: dict, total_calls: int) -> dict:
     per call, trace records)}."""
     for call in calls.values():
         jax.block_until_ready(call())
-    cpu.parallel_for_trace()
+    diagnostics.parallel_for_trace()
     walls, records = {name: [] for name in calls}, {name: [] for name in calls}
     for _ in range(max(1, total_calls // CALLS_PER_ROUND)):
         for name, call in calls.items():
@@ -66,13 +67,13 @@ def run_rounds(calls: dict, total_calls: int) -> dict:
                 start = time.perf_counter()
                 jax.block_until_ready(call())
                 walls[name].append(time.perf_counter() - start)
-            records[name].append(cpu.parallel_for_trace())
+            records[name].append(diagnostics.parallel_for_trace())
     return {name: (np.array(walls[name]), np.concatenate(records[name])) for name in calls}
 
 
 def summarize(wall: np.ndarray, records: np.ndarray) -> dict:
     """Medians (µs) per ParallelFor position in a program call; see the module docstring."""
-    f = {name: records[:, i].astype(float) for i, name in enumerate(cpu.TRACE_FIELDS)}
+    f = {name: records[:, i].astype(float) for i, name in enumerate(diagnostics.TRACE_FIELDS)}
     per_call = len(records) // len(wall)
     end = np.maximum(f["caller_done"], f["helper_done"])
     nan = np.full(len(records), np.nan)

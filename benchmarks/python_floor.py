@@ -19,9 +19,9 @@ against three servers, each in its own process, all on grpc.aio with uvloop and 
   server idle is computed on its gRPC thread (``--native-direct``).
 - ``expertd-native-queued``: the same with ``--no-native-direct``: every call goes through the
   event loop.
-- ``native-echo``: the native port's C++ (the same checks, queue and direct runner) whose direct
-  callable answers each batch with its own rows: the GIL and one Python call a batch, no step, no
-  batcher. Not a server: the 64-caller rate the native port would reach if its step and
+- ``native-echo``: the native port's C++ (its parse, queue and direct runner) whose direct callable
+  parses each call of a batch and answers the batch with its own rows: the GIL and one Python call
+  a batch, no checks, no step, no batcher. Not a server: the 64-caller rate the native port would reach if its step and
   bookkeeping cost nothing on this host, so the ceiling of any step-side change.
 
 Load (``harness.measure_load``): one process per measurement, C callers on one channel sending a
@@ -152,16 +152,22 @@ def _serve_native_echo(port: int) -> None:
     import numpy as np
 
     from expertd.client import codec
-    from expertd.client.pb.v1.expert_pb2 import GetModelInfoResponse
+    from expertd.client.pb.v1.expert_pb2 import ForwardRequest, GetModelInfoResponse
     from expertd.server.metrics.families import LATENCY_BUCKETS
     from expertd.server.native_front import load
+    from expertd.server.native_front.front import UNDECODABLE
+    from expertd.server.transport.auth import UNAUTHENTICATED_MESSAGE
 
     module = load()
-    handle, _, _ = module.start(f"127.0.0.1:{port}", {0: 64}, 256, 256, 1 << 20, 1 << 16, 64 << 20,
-                                GetModelInfoResponse().SerializeToString(), None, None, LATENCY_BUCKETS, "starting")
+    itemsizes = {dtype: codec.numpy_dtype(dtype).itemsize for dtype in codec.FLOAT_DTYPES}
+    handle, _, _ = module.start(f"127.0.0.1:{port}", {0: 64}, itemsizes, 256, 256, 1 << 20, 1 << 16, 64 << 20,
+                                GetModelInfoResponse().SerializeToString(), None, None, LATENCY_BUCKETS, "starting",
+                                UNAUTHENTICATED_MESSAGE, UNDECODABLE)
 
-    def echo(batch: int, layer: int, dtype: int, rows: bytes, token_ids, remaining_s) -> None:
-        module.finish(handle, batch, np.frombuffer(rows, codec.numpy_dtype(dtype)))
+    def echo(batch: int, bodies: tuple[bytes, ...], remaining_s) -> None:
+        calls = [ForwardRequest.FromString(body).hidden_states for body in bodies]
+        rows = b"".join(tensor.data for tensor in calls)
+        module.finish(handle, batch, np.frombuffer(rows, codec.numpy_dtype(calls[0].dtype)))
 
     module.set_direct(handle, echo)
     module.set_accepting(handle, True, "")

@@ -40,7 +40,7 @@ from expertd.kernels.config import MoEConfig
 from expertd.kernels.ffn import rms_norm
 from expertd.kernels.params import MoEParams, RouterParams
 from expertd.kernels.router import fused_topk_with_score_function, topk_ids_and_weights
-from expertd.kernels.router_reference import NORMALISATION_EPS
+from expertd.kernels.router.reference import NORMALISATION_EPS
 
 __all__ = ["TokenIdsError", "check_token_ids", "hash_token_rows", "route", "route_from_logits", "router_logits"]
 

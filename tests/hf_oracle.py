@@ -1,6 +1,6 @@
 """The float64 oracle of the fixture families' MoE blocks (tests/hf_fixtures.py), restated from each
 family's transformers modelling code, token by token, independently of expertd's kernels and of
-tests/kernels/oracle.py.
+kernels/moe_reference.py.
 
 `moe_block(family, routing, c, p, x, layer, token_ids=None) -> out [T, H]` float64, where `c` is the
 decoder's config.json keys (text_config for nested configs), `p` the layer's params in expertd's

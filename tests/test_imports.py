@@ -116,7 +116,8 @@ ROOMS = sorted(p.name for p in SERVER.iterdir() if (p / "__init__.py").exists())
 ARROWS = {
     "frontends": {"batching", "engine.api", "engine.description", "metrics", "errors", "config"},
     "batching": {"engine.api", "engine.description", "metrics", "errors", "config"},
-    "native_front": {"batching", "engine.api", "engine.description", "frontends", "metrics", "errors", "config"},
+    "native_front": {"batching", "engine.api", "engine.description", "frontends", "transport.auth",
+                     "transport.interceptors", "metrics", "errors", "config"},
     "transport": {"metrics", "errors", "config"},
     "metrics": {"errors", "config"},
     "config": set(),

@@ -9,18 +9,20 @@ What the rest of expertd may use is imported here; the modules behind it:
 
   build     BuildOptions, configure(options): cache folder, compiler, trace build, instruction-set
             cap, passed in explicitly (the server's config reads its flags and calls configure
-            once, before the first use); available(), unavailable_reason(), build_log()
-  library   isa(), supported_isas(), limit_isa(level), vectorized(), path_items(),
-            parallel_for_trace(), caller_only_work(work), caller_only_work_now(): what the loaded
-            library reports and its run-time controls
+            once, before the first use); available(), unavailable_reason(); ISA_LEVELS
+  library   isa(): the instruction-set level the kernels run at
   ffi       grouped_matmul, layout, combine: the custom calls, with grouped_matmul_reference
             beside them (layout's and combine's twins are dispatch.layout / dispatch.unpermute)
-  panels    the panel-major weight layout (PanelWeights, to_panels, dense, panel_columns)
+  panels    the panel-major weight layout (PanelWeights, to_panels, panel_columns, PANEL_WIDTHS)
   host_copy copy_2d: a 2-D copy from a strided (transposed) view, the checkpoint loader's transpose;
             block_lookup: 8-bit codes decoded through per-block tables (FP8 block-scaled weights)
   policy    which backend "auto" runs on CPU and the XLA:CPU options it compiles with
   layer     grouped_ffn (the "native_cpu" backend), routed_experts (the layer's CPU pass),
             prepare_params, dense_weights, describe
+
+Not behind this door: `diagnostics`, the tests' and benchmarks' look inside the library and their
+knobs (path_items, parallel_for_trace, caller_only_work, limit_isa, supported_isas, vectorized,
+build_log, options): `from expertd.kernels.cpu import diagnostics`.
 
 Imports point one way: this package uses the generic pieces it needs (config, params, ffn,
 dispatch) and nothing that uses it; `expertd.kernels.experts` and `expertd.kernels.moe` import
@@ -29,15 +31,7 @@ this door at the top of their modules (the backend table's "native_cpu" entry, t
 a panel is: prepared weights are not arrays, and the other backends read them through
 `dense_weights`.
 """
-from expertd.kernels.cpu.build import (
-    ISA_LEVELS,
-    BuildOptions,
-    available,
-    build_log,
-    configure,
-    options,
-    unavailable_reason,
-)
+from expertd.kernels.cpu.build import ISA_LEVELS, BuildOptions, available, configure, unavailable_reason
 from expertd.kernels.cpu.ffi import combine, grouped_matmul, grouped_matmul_reference, layout
 from expertd.kernels.cpu.host_copy import (
     block_lookup,
@@ -54,26 +48,14 @@ from expertd.kernels.cpu.layer import (
     prepare_params,
     routed_experts,
 )
-from expertd.kernels.cpu.library import (
-    PATHS,
-    TRACE_FIELDS,
-    caller_only_work,
-    caller_only_work_now,
-    isa,
-    limit_isa,
-    parallel_for_trace,
-    path_items,
-    supported_isas,
-    vectorized,
-)
+from expertd.kernels.cpu.library import isa
 from expertd.kernels.cpu.panels import PANEL_WIDTHS, PanelWeights, panel_columns, to_panels
 from expertd.kernels.cpu.policy import choose_backend, compiler_options
 
 __all__ = [
-    "BuildOptions", "ISA_LEVELS", "PANEL_WIDTHS", "PATHS", "PREPARING_BACKENDS", "PanelWeights", "TRACE_FIELDS",
-    "available", "block_lookup", "block_lookup_reference", "build_log", "caller_only_work", "caller_only_work_now",
-    "choose_backend", "combine", "compiler_options", "configure", "copy_2d", "copy_2d_numpy", "copy_2d_reference",
-    "dense_weights", "describe", "grouped_ffn", "grouped_matmul", "grouped_matmul_reference", "isa", "layout",
-    "limit_isa", "options", "panel_columns", "parallel_for_trace", "path_items", "prepare_params", "routed_experts",
-    "supported_isas", "to_panels", "unavailable_reason", "vectorized",
+    "BuildOptions", "ISA_LEVELS", "PANEL_WIDTHS", "PREPARING_BACKENDS", "PanelWeights", "available", "block_lookup",
+    "block_lookup_reference", "choose_backend", "combine", "compiler_options", "configure", "copy_2d",
+    "copy_2d_numpy", "copy_2d_reference", "dense_weights", "describe", "grouped_ffn", "grouped_matmul",
+    "grouped_matmul_reference", "isa", "layout", "panel_columns", "prepare_params", "routed_experts", "to_panels",
+    "unavailable_reason",
 ]

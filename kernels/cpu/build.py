@@ -31,13 +31,15 @@ import threading
 import jax
 import jaxlib
 
+from expertd.kernels.names import NATIVE_CPU_ISA_LEVELS
+
 log = logging.getLogger(__name__)
 
 CSRC_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCE = CSRC_DIR / "grouped_matmul_cpu.cc"
-# One library: the grouped matmul, the dispatch passes (layout, combine) and the host copy the
-# checkpoint loader transposes weights with, and their headers.
-SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc")
+# One library: the grouped matmul, the dispatch passes (layout, combine), the host copy the
+# checkpoint loader transposes weights with, the library's C entry points, and their headers.
+SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc", CSRC_DIR / "library.cc")
 HEADERS = tuple(sorted(CSRC_DIR.glob("*.h")))  # every one is in the build key
 TARGET = "expertd_grouped_matmul"
 # XLA FFI targets registered from the library: name -> exported handler symbol.
@@ -64,7 +66,7 @@ C_SIGNATURES = {
     "expertd_strided_copy_2d": (ctypes.c_int, (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64)),
     "expertd_block_lookup": (ctypes.c_int, (_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64)),
 }
-ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")  # csrc/simd.h Isa, lowest first
+ISA_LEVELS = NATIVE_CPU_ISA_LEVELS  # csrc/simd.h Isa, lowest first (kernels/names.py, JAX-free)
 BUILD_TIMEOUT_S = 300
 
 
@@ -76,7 +78,7 @@ class BuildOptions:
     isa_cap: the highest instruction-set level the kernels may run (one of ISA_LEVELS; None: the
       best this CPU runs). A run-time setting, not part of the build.
     trace: build (and load) the library that records every ParallelFor call
-      (`library.parallel_for_trace`); a separate build with its own cache key.
+      (`diagnostics.parallel_for_trace`); a separate build with its own cache key.
     compiler: the C++ compiler to build with (None: the first of COMPILERS on PATH).
     """
 
@@ -204,7 +206,7 @@ def _load(opts: BuildOptions) -> tuple[ctypes.CDLL | None, str]:
             cxx = find_compiler(opts)
             if cxx is None:
                 return None, f"no C++ compiler found (none of {', '.join(COMPILERS)} on PATH; BuildOptions.compiler)"
-            log.info("building %s with %s into %s", SOURCE.name, cxx, path)
+            log.info("building %s with %s into %s", ", ".join(s.name for s in SOURCES), cxx, path)
             _build_log = compile_library(cxx, path, flags=cxxflags(opts))
             if _build_log.strip():
                 log.warning("native CPU library built with compiler messages:\n%s", _build_log[-4000:])

@@ -12,7 +12,7 @@
   combine(rows f32|bf16 [N, H], perm, topk_weights=None) -> f32 [T, H]
       `dispatch.unpermute(..., out_dtype=float32)` reading each routed row once.
 
-Paths of the grouped matmul (`library.PATHS`; `library.path_items()` counts the work items each ran):
+Paths of the grouped matmul (`diagnostics.PATHS`; `diagnostics.path_items()` counts the work items each ran):
 - AVX-512 CPUs, panel-major weights ("avx512_fma", csrc/panel_stream_avx512.h): one zmm per 16
   columns of a panel row; up to 6 rows per expert x 4 such strips keep their sums in registers over
   all of K, more go in 6-row blocks plus one of the rest, each streaming 4 strips over all of K.

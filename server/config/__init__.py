@@ -4,16 +4,15 @@ Frozen dataclasses, one module per section (``model``, ``batching``, ``security`
 ``native_cpu``; ``server`` holds the top level and the section table), declared with ``fields``;
 parsed once at the entry point from flags, an optional TOML file and the environment
 (``sources``, the only module of the server that reads any of them); the security files they name
-read and checked once (``credentials``: fail closed). Imports: the kernels' names, transport's
-event-loop names; nothing else of the server.
+read and checked once (``credentials``: fail closed). Imports: the kernels' names
+(``expertd.kernels.names``, JAX-free); nothing else of the server or the kernels.
 """
+from expertd.kernels.names import EXPERT_BACKENDS, NATIVE_CPU_ISA_LEVELS
 from expertd.server.config.batching import BatchingConfig
 from expertd.server.config.fields import (
     AUTH_TOKEN_ENV,
     DEFAULT_COORDINATOR_PORT,
     DTYPES,
-    EXPERT_BACKENDS,
-    NATIVE_CPU_ISA_LEVELS,
 )
 from expertd.server.config.model import ModelConfig
 from expertd.server.config.multihost import MultihostConfig

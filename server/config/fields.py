@@ -20,10 +20,6 @@ AUTH_TOKEN_ENV = "EXPERTD_AUTH_TOKEN"
 DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_COORDINATOR_PORT = 8476
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # --event-loop (expertd.server.transport.event_loop)
-# The expert FFN backends (expertd.kernels.experts.BACKENDS) and the native CPU kernel's
-# instruction-set levels, lowest first (expertd.kernels.cpu.ISA_LEVELS); a test keeps them equal.
-EXPERT_BACKENDS = ("reference", "ragged_dot", "capacity", "expert_loop", "native_cpu", "pallas")
-NATIVE_CPU_ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
 
 
 def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, metavar: str | None = None,

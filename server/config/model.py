@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from expertd.kernels.names import EXPERT_BACKENDS
 from expertd.server.config.fields import (
     DTYPES,
-    EXPERT_BACKENDS,
     option,
     optional_str,
 )

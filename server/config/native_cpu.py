@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from expertd.kernels.names import NATIVE_CPU_ISA_LEVELS
 from expertd.server.config.fields import (
-    NATIVE_CPU_ISA_LEVELS,
     option,
     optional_str,
 )

@@ -26,7 +26,7 @@ class ServerConfig:
                               "(or auth) says otherwise ('127.0.0.1' for loopback only)")
     port: int = option(8001, "gRPC port (0: pick a free port; the bound port is printed)", parse=int)
     metrics_port: int = option(8002, "Prometheus /metrics HTTP port (0: pick a free port)", parse=int)
-    native_port: int | None = option(None, "also serve Forward from gRPC C++ on this port, no Python per call "
+    native_port: int | None = option(None, "also serve Forward from gRPC C++ on this port, Python once per batch "
                                      "(0: a free port; needs the system's libgrpc++: docs/serving.md; "
                                      "$EXPERTD_NATIVE_PORT)", parse=int, metavar="PORT", env="EXPERTD_NATIVE_PORT")
     native_direct: bool = option(True, "on --native-port, a lone call at an idle server, and what queues behind it, "

@@ -17,7 +17,7 @@ Forward port, as the Kubernetes overlay sets it); the LeaderWorkerSet's
 ``LWS_LEADER_ADDRESS`` (with ``--coordinator-port``), ``LWS_GROUP_SIZE`` and ``LWS_WORKER_INDEX``;
 the native CPU kernel's ``EXPERTD_NATIVE_CPU_ISA``, ``EXPERTD_NATIVE_CPU_PORTABLE`` (set: the
 portable level), ``EXPERTD_CACHE_DIR``, ``EXPERTD_TRACE_PARALLEL_FOR`` (``1``: on) and ``CXX``;
-``LD_PRELOAD`` (read, never set: host_allocator's check). Bad values raise ``ValueError`` naming
+``LD_PRELOAD`` (read, never set: host.allocator's check). Bad values raise ``ValueError`` naming
 the option or variable.
 
 Fail closed: a security option (``nonempty``) set to an empty or whitespace-only value is an error

@@ -60,7 +60,7 @@ class Served:
     def info(self) -> dict:
         """Layers (index, source, full config, params), dtype, buckets, mesh, backend, the weights'
         layout, compile counters and options, the native CPU kernel's status, the weights' huge pages
-        and the process's host_allocator state (CPU only)."""
+        and the process's host allocator state (CPU only)."""
         engine, on_cpu = self.engine, self.engine.platform == "cpu"
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),

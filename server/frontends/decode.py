@@ -4,6 +4,7 @@ wire format, and cast once to the engine's dtype.
 | wire message | decoder | request |
 |---|---|---|
 | expertd.v1 ForwardRequest (Forward, each ForwardStream message) | ``decode_forward`` | ForwardRequest |
+| expertd.v1 ForwardRequest, each call of a batch the native port took | ``decode_plain_forward`` | ForwardRequest |
 | expertd.v1 RouteRequest | ``decode_route`` | RouteRequest |
 | KServe v2 ModelInferRequest | ``kserve_requests.decode_model_infer`` | ForwardRequest (+ the outputs asked for) |
 
@@ -158,6 +159,23 @@ def decode_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, 
                           token_ids=_token_ids(message, len(wire), model.layer(message.layer), shared_memory))
 
 
+def decode_plain_forward(message: expert_pb2.ForwardRequest, model: ModelDescription, deadline: float | None,
+                         elsewhere: str) -> ForwardRequest:
+    """A Forward message for a transport that serves its tensors in the message only and no routing
+    (the native port): checked and decoded as Forward is (``forward_header``, ``decode_forward``),
+    ``return_routing`` and shared-memory tensors refused naming the field and ``elsewhere`` (where
+    they are served)."""
+    header = forward_header(message, model)
+    if message.return_routing:
+        raise InvalidRequest("return_routing", f"routing is returned on {elsewhere}")
+    for field, tensor in (("hidden_states", message.hidden_states), ("token_ids", message.token_ids)):
+        if tensor.HasField("shared_memory"):
+            raise InvalidRequest(f"{field}.shared_memory", f"shared memory is served on {elsewhere}")
+    if message.HasField("output_shared_memory"):
+        raise InvalidRequest("output_shared_memory", f"shared memory is served on {elsewhere}")
+    return decode_forward(message, model, deadline, None, header)
+
+
 def route_header(message: expert_pb2.RouteRequest, model: ModelDescription) -> Header:
     """A Route message's Header, its tensor body untouched."""
     cfg = model.layer(message.layer)
@@ -226,21 +244,26 @@ def check_shape(tokens: int, columns: int, field: str, width: int, width_name: s
 
 
 def _shared_tensor(tensor: expert_pb2.Tensor, field: str, shared_memory: SharedMemoryRegistry | None) -> np.ndarray:
-    """A float ``[T, W]`` tensor whose bytes are in a registered region (read-only view)."""
+    """A float ``[T, W]`` tensor whose bytes are in a registered region (read-only, the server's copy)."""
+    if tensor.dtype not in codec.FLOAT_DTYPES:
+        expected = ", ".join(codec.dtype_name(d) for d in codec.FLOAT_DTYPES)
+        raise InvalidRequest(f"{field}.dtype", f"expected one of {expected}, got {codec.dtype_name(tensor.dtype)}")
+    if len(tensor.shape) != 2 or min(tensor.shape) < 0:
+        raise InvalidRequest(f"{field}.shape", f"expected 2 dimensions >= 0, got {shown_shape(tensor.shape)}")
+    shape = (int(tensor.shape[0]), int(tensor.shape[1]))
+    return _shared_input(tensor, field, shared_memory, codec.numpy_dtype(tensor.dtype), shape)
+
+
+def _shared_input(tensor, field: str, shared_memory: SharedMemoryRegistry | None, dtype, shape) -> np.ndarray:
+    """The ``shape`` ``dtype`` array a tensor's ``shared_memory`` reference names (InvalidRequest when
+    shared memory is off, or the tensor carries bytes too)."""
     if shared_memory is None:
         raise InvalidRequest(f"{field}.shared_memory", "shared memory is off on this server "
                                                        "(--shared-memory-regions 0)")
     if tensor.data:
         raise InvalidRequest(f"{field}.data", "must be empty when shared_memory names the bytes")
-    if tensor.dtype not in codec.FLOAT_DTYPES:
-        expected = ", ".join(codec.dtype_name(d) for d in codec.FLOAT_DTYPES)
-        raise InvalidRequest(f"{field}.dtype", f"expected one of {expected}, got {codec.dtype_name(tensor.dtype)}")
-    shape = tuple(int(d) for d in tensor.shape)
-    if len(shape) != 2 or min(shape) < 0:
-        raise InvalidRequest(f"{field}.shape", f"expected 2 dimensions >= 0, got {list(shape)}")
     ref = tensor.shared_memory
-    return shared_memory.input_array(ref.region, ref.offset, ref.byte_size, codec.numpy_dtype(tensor.dtype), shape,
-                                     f"{field}.shared_memory")
+    return shared_memory.input_array(ref.region, ref.offset, ref.byte_size, dtype, shape, f"{field}.shared_memory")
 
 
 def _token_ids(message, num_tokens: int, cfg, shared_memory: SharedMemoryRegistry | None) -> np.ndarray | None:
@@ -256,14 +279,7 @@ def _token_ids(message, num_tokens: int, cfg, shared_memory: SharedMemoryRegistr
         raise InvalidRequest("token_ids.shape", f"expected [T={num_tokens}] (one id per token), got "
                                                 f"{shown_shape(tensor.shape)}")
     if tensor.HasField("shared_memory"):
-        if shared_memory is None:
-            raise InvalidRequest("token_ids.shared_memory", "shared memory is off on this server "
-                                                            "(--shared-memory-regions 0)")
-        if tensor.data:
-            raise InvalidRequest("token_ids.data", "must be empty when shared_memory names the bytes")
-        ref = tensor.shared_memory
-        array = shared_memory.input_array(ref.region, ref.offset, ref.byte_size, np.dtype(np.int32), (num_tokens,),
-                                          "token_ids.shared_memory")
+        array = _shared_input(tensor, "token_ids", shared_memory, np.dtype(np.int32), (num_tokens,))
     else:
         try:
             array = codec.decode(tensor, field="token_ids", dtypes=(expert_pb2.DTYPE_INT32,), ndim=1)

@@ -26,8 +26,7 @@ Beyond the router, selection bias, experts and shared expert, a `LayerTensors` n
 of the families' own semantics (docs/semantics.md), each needed when its MoEConfig switch is on:
 `router_bias [E]` (gpt-oss), `tid2eid [V, k]` (DeepSeek-V4 hash layers), `ProjBiases` (gpt-oss's
 `gate_up [E, 2I]` + `down [E, H]` expert biases) and `BranchNorms` (Gemma 4's router scale,
-per-expert scale and branch RMSNorm weights); the loader (`expertd.server.models.checkpoint_layer`) turns
-them into the MoEParams fields.
+per-expert scale and branch RMSNorm weights); the loader (`checkpoint_layer`) makes them MoEParams.
 
 A layout reads through a `reader` (the checkpoint loader's) with one method:
   reader.dense(name, shape, expert=None, num_experts=None, in_out=False) -> array

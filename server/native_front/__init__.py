@@ -1,5 +1,6 @@
-"""The native Forward port (``expertd serve --native-port``): gRPC C++ serves Forward with no Python
-per call (``front.py`` says what it serves; ``build.py`` how it is built)."""
+"""The native Forward port (``expertd serve --native-port``): gRPC C++ parses and answers Forward,
+Python decides on each call once per batch (``front.py`` says what it serves and what is checked
+where; ``build.py`` how it is built)."""
 from expertd.server.native_front.build import NativeUnavailable, build_module, load
 from expertd.server.native_front.front import NativeFront
 

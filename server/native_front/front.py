@@ -1,65 +1,42 @@
-"""The native Forward port (``--native-port``): ``expertd.v1`` Forward with no Python per call.
+"""The native Forward port (``--native-port``): ``expertd.v1`` Forward from gRPC C++, Python once per batch.
 
-gRPC C++ (``csrc/``, built by ``expertd.server.native_front.build``) serves on a port of its own:
+A thin transport: gRPC C++ (``csrc/``, built by ``build``) parses, queues and answers; Python's one
+request path decides. docs/serving.md has the whole picture; the contracts:
 
-- ``ExpertService/Forward``: checks each call where it arrives (bearer token, the body: bytes that
-  do not parse as a ForwardRequest get the main port's INVALID_ARGUMENT; accepting, layer,
-  ``hidden_states`` dtype / shape / token limit / byte length / NaN-Inf, ``token_ids``; the same
-  codes, field names and BadRequest field violations as the main port) and bounds the tokens and
-  calls queued on the port (``BatchingConfig.queue_tokens``, ``max_queue_size``:
-  RESOURCE_EXHAUSTED beyond them, with a RetryInfo delay: the tokens over the bound at the
-  batcher's seconds per token, refreshed at most every RETRY_HINT_INTERVAL_S), then queues it. A
-  call that finds the queue empty signals an eventfd the server's event loop watches; woken, the
-  loop takes the queued batches, one a turn (calls of one layer and dtype, up to the largest
-  bucket's rows, their rows concatenated by C++; with no batch in flight, a call that arrived
-  after the last answer goes alone, so an idle port answers calls that arrive together, such as
-  one client's micro-batches, one by one, as the main port does, while calls that queued behind
-  a batch leave together) and submits each to the server's batcher as
-  one request, so admission, the step-time estimates, the idle fast path, merging with the main
-  port's requests, expert-load counts and the step metrics are the main port's; Python runs once
-  per batch, not once per call, and no thread hand-over is added. A batch the batcher refuses or
-  fails answers each of its calls with that status (details included).
-  The direct path (``direct``, ``--native-direct``, on by default in one process): a call that
-  finds nothing queued or in flight on the port does not wake the event loop. Its gRPC thread
-  takes the GIL and offers the call to ``Batcher.direct.forward_now`` (``batching.direct``), which
-  computes and answers it there when the whole server is idle (nothing admitted, queued or running; one step, expected
-  within the deadline) and records the step as the batcher records every step; otherwise the
-  batch is handed to the event loop as a taken batch. Calls arriving meanwhile queue without
-  waking the loop. When the step is done and nothing else is in flight, the port's runner thread
-  (C++, ``expertd-direct``) takes them as its next batch (all of them merge: they queued behind
-  a batch) and offers it the same way, until the queue is empty or a batch is handed over (then
-  the loop is woken for what is queued). The gRPC thread returns first: gRPC sends what a
-  callback started (the lone call's answer) only once the callback returns. So a steady load on
-  this port alone runs step after step without the event loop, each step what queued during the
-  last (no queue delay). Steps serialize on the engine's lock, so a direct step and the
-  batcher's never overlap.
-- ``ExpertService/GetModelInfo``: the main port's answer (``model_info()``), read at start and
-  again by ``refresh_model_info`` (the server calls it whenever an expert placement is swapped in).
-- ``grpc.health.v1``: SERVING once warm-up is done, NOT_SERVING from the drain on.
-- Not here (UNIMPLEMENTED or INVALID_ARGUMENT naming the field, pointing to ``--port``): Route,
-  ForwardStream, GetExpertLoad, shared memory, ``return_routing``, KServe, reflection.
+- Forward. C++ checks only what a transport must where a call arrives: the bearer token
+  (``transport.auth``'s message), that the body parses (the main port's INVALID_ARGUMENT), that the
+  server accepts, and the bounds on the tokens and calls queued on the port
+  (``BatchingConfig.queue_tokens``, ``max_queue_size``: RESOURCE_EXHAUSTED with a RetryInfo delay
+  from the batcher's seconds per token, refreshed at most every RETRY_HINT_INTERVAL_S). Every call
+  of a batch Python takes is decoded and checked by ``frontends.decode.decode_plain_forward`` (the
+  main port's codes, messages and BadRequest details, ``errors.status_of``); a call that fails is
+  answered alone (``fail_call``), the good calls' rows go to the batcher as one request, so
+  admission, step times, merging with the main port, expert loads and step metrics are the main
+  port's. A merged result that is not finite (one call's input overflowed the layer) is computed
+  again call by call: what one caller does wrong ends that call only.
+- Batches: a call finding the queue empty signals an eventfd the event loop watches; the loop takes
+  the queued calls one batch a turn (one layer, dtype and token-ids presence, up to the largest
+  bucket; a call arriving after the last answer at an idle port goes alone, calls that queued
+  behind a batch leave together). The direct path (``--native-direct``, one process): a call at an
+  idle port is decoded and offered to ``Batcher.direct.forward_now`` on its gRPC thread, and what
+  queues meanwhile on the port's runner thread (``expertd-direct``), until the queue is empty or a
+  batch is handed to the loop; steps serialize on the engine's lock.
+- GetModelInfo: the main port's answer (``refresh_model_info`` after a placement swap); health:
+  SERVING once warm; Route, ForwardStream, GetExpertLoad, shared memory, ``return_routing``, KServe
+  and reflection are the main port's (UNIMPLEMENTED, or INVALID_ARGUMENT naming the field).
 
-Security is the main port's: the same bearer token, the same TLS / mutual-TLS material.
-
-Refused calls are logged as the main port's are (``errors.client_errors``: one rate-limited line per
-status code, never a traceback), read from C++ every REFUSAL_LOG_INTERVAL_S.
-
-Metrics (on the server's registry, defined in ``expertd.server.metrics.native_port``): each
-Forward counts in the main port's ``grpc_server_*`` series of ``expertd.v1.ExpertService/Forward``;
-beside them, the port's own ``expertd_native_forward_handled_total{grpc_code}``,
-``expertd_native_forward_handling_seconds`` (arrival to answer, as ``grpc_server_handling_seconds``
-measures the main port's calls), ``expertd_native_forward_queued_tokens`` and
-``expertd_native_forward_direct_total{outcome}`` (the direct runner's batches: computed on its
-gRPC thread, or handed over to the event loop).
-
-Drain: ``set_accepting(False, ...)`` (new calls UNAVAILABLE, health NOT_SERVING), ``quiesce``
-(the queued calls are run and answered), then ``stop`` (the port closes; calls still unanswered
-after the grace are cancelled).
+Security is the main port's (token, TLS, mutual TLS). Refusals are logged as the main port's
+(``errors.client_errors``), read from C++ every REFUSAL_LOG_INTERVAL_S. Metrics
+(``metrics.native_port``): each Forward counts in the ``grpc_server_*`` series of
+``ExpertService/Forward``, and in the port's ``expertd_native_forward_*``. Drain:
+``set_accepting(False, ...)``, ``quiesce`` (queued calls answered), ``stop`` (the port closes;
+calls unanswered after the grace are cancelled).
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import os
 import time
@@ -67,21 +44,25 @@ from collections.abc import Callable
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from expertd.client import codec
-from expertd.client.pb.v1.expert_pb2 import GetModelInfoResponse
+from expertd.client.pb.v1.expert_pb2 import ForwardRequest, GetModelInfoResponse
 from expertd.server import errors
-from expertd.server.batching import requests
+from expertd.server.batching import offload, requests
 from expertd.server.batching.admission import MIN_RETRY_S
 from expertd.server.batching.batcher import WARMING_UP, Batcher
 from expertd.server.config.credentials import TlsMaterial
 from expertd.server.engine import api
 from expertd.server.engine.api import ModelDescription
+from expertd.server.frontends import decode
 from expertd.server.metrics import native_port
 from expertd.server.metrics.calls import GrpcCallCollector
 from expertd.server.metrics.families import LATENCY_BUCKETS
 from expertd.server.metrics.native_port import NativePortCollector
 from expertd.server.native_front.build import load
+from expertd.server.transport.auth import UNAUTHENTICATED_MESSAGE
+from expertd.server.transport.interceptors import undecodable_message
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +76,25 @@ REFUSAL_LOG_INTERVAL_S = 1.0
 line per status code an interval (its latest message and how many calls it stands for), then the
 log's own rate limit."""
 FORWARD_METHOD = "/expertd.v1.ExpertService/Forward"
+ELSEWHERE = "the main port (--port), not the native port"
+"""Where what the port does not serve is (``decode.decode_plain_forward``'s refusals name it)."""
+UNDECODABLE = undecodable_message(ForwardRequest.DESCRIPTOR.full_name)
 QUIESCE_POLL_S = 0.005
+BODY_BYTES_PER_ELEMENT = 4
+"""A taken batch's elements, for ``offload.run``, counted from its bodies' bytes (float32's size:
+at most as many elements as 16-bit ones would be)."""
 RETRY_HINT_INTERVAL_S = 0.5
 """How often, at most, the port's retry-delay rates are refreshed from the batcher's step times (on
 accepting, then after answered batches)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Calls:
+    """A taken batch's calls that decoded: ``request``, their rows joined in order (one request for
+    the batcher), and ``parts``, each call's (index in the batch, its own request)."""
+
+    request: requests.ForwardRequest
+    parts: list[tuple[int, requests.ForwardRequest]]
 
 
 class NativeFront:
@@ -138,11 +134,12 @@ class NativeFront:
         """
         module = load(cache_dir)
         handle, port, ready_fd = module.start(
-            address, {index: cfg.hidden_size for index, cfg in model.layers.items()}, model.max_request_tokens,
+            address, {index: cfg.hidden_size for index, cfg in model.layers.items()},
+            {dtype: codec.numpy_dtype(dtype).itemsize for dtype in codec.FLOAT_DTYPES}, model.max_request_tokens,
             model.max_batch_tokens, queue_tokens, queue_calls, max_message_bytes, model_info().SerializeToString(),
             None if token is None else token.encode(),
             None if tls is None else (tls.private_key, tls.certificate_chain, tls.client_ca), LATENCY_BUCKETS,
-            WARMING_UP)
+            WARMING_UP, UNAUTHENTICATED_MESSAGE, UNDECODABLE)
         front = cls(module, handle, port, ready_fd, model, model_info, batcher, loop)
         if direct:
             module.set_direct(handle, front._direct)
@@ -218,8 +215,9 @@ class NativeFront:
 
     def _take(self) -> None:
         """Hand one queued batch to the batcher if fewer than BATCHES_IN_FLIGHT are and none was
-        handed over this loop turn; the next one goes on the next turn (``_handed``), after the
-        batch's task has been admitted and its step started. Two batches handed over in one turn
+        handed over this loop turn; the next one goes on the next turn after the batch's calls are
+        decoded (``_serve`` schedules ``_handed``), after its task has been admitted and its step
+        started. Two batches handed over in one turn
         would meet in the batcher's queue and share a step, tying together the answers of calls
         that arrived together (one client's micro-batches), which C++ keeps apart when the port is
         idle. Every path here (the eventfd, an answered batch, the next turn) goes through this
@@ -230,11 +228,10 @@ class NativeFront:
         batch = self._module.take(self._handle)
         if batch is None:
             return
-        task = asyncio.ensure_future(self._serve(batch[0], None, *batch[1:]))  # its first step runs before _handed
+        task = asyncio.ensure_future(self._serve(batch[0], None, *batch[1:]))
         self._batches.add(task)
         task.add_done_callback(self._answered)
         self._handing = True
-        self._loop.call_soon(self._handed)
 
     def _handed(self) -> None:
         """The turn after a hand-over: the batch is in the batcher (its step started, or queued with
@@ -260,12 +257,12 @@ class NativeFront:
             self._refresh_retry_hint()
         self._take()
 
-    def _direct(self, batch_id: int, *batch) -> None:
+    def _direct(self, batch_id: int, bodies: tuple[bytes, ...], remaining_s: float | None) -> None:
         """One of the direct runner's batches (a lone call on an idle port, on its gRPC thread, or the
         calls queued behind the last, on the runner thread) with the GIL held (C++'s ``set_direct``;
-        ``batch`` as ``take`` gives it): computed and answered here where the batcher is idle too
-        (``Batcher.direct.forward_now``, which records the step after the answer), else handed to the
-        event loop as a taken batch."""
+        the arguments as ``take`` gives them): its calls decoded (``_request``), then computed and
+        answered here where the batcher is idle too (``Batcher.direct.forward_now``, which records
+        the step after the answer), else handed to the event loop as a taken batch."""
         answered = False
 
         def answer(output: np.ndarray) -> None:
@@ -274,13 +271,21 @@ class NativeFront:
             self._answer(self._module.finish, batch_id, np.ascontiguousarray(output))
 
         try:
-            request = self._request(*batch)
+            calls = self._request(batch_id, bodies, remaining_s)
         except Exception as exc:  # noqa: BLE001 - every failure answers the call
             self._fail(batch_id, exc)
             return
+        if calls is None:  # every call refused
+            return
         try:
-            computed = self._batcher.direct.forward_now(request, answer)
-        except Exception as exc:  # noqa: BLE001 - its step ran: a non-finite result, or recording failed
+            computed = self._batcher.direct.forward_now(calls.request, answer)
+        except errors.InvalidRequest as exc:  # its step ran: a result not finite
+            computed = True
+            if len(calls.parts) > 1:  # one call's input overflowed the layer: each call alone, on the loop
+                self._loop.call_soon_threadsafe(self._adopt, batch_id, calls, True)
+            elif not answered:
+                self._fail(batch_id, exc)
+        except Exception as exc:  # noqa: BLE001 - its step failed, or recording it did
             computed = True
             if not answered:
                 self._fail(batch_id, exc)
@@ -288,51 +293,105 @@ class NativeFront:
                 log.exception("native Forward port: recording a direct step failed")
         self.direct_calls["computed" if computed else "handed_over"] += 1  # one runner at a time
         if not computed:
-            self._loop.call_soon_threadsafe(self._adopt, batch_id, request)
+            self._loop.call_soon_threadsafe(self._adopt, batch_id, calls)
 
-    def _adopt(self, batch_id: int, request: requests.ForwardRequest) -> None:
-        """Serve on the loop a batch C++ took for ``_direct`` (counted among the batches in flight)."""
-        task = asyncio.ensure_future(self._serve(batch_id, request))
+    def _adopt(self, batch_id: int, calls: _Calls, one_by_one: bool = False) -> None:
+        """Serve on the loop a batch C++ took for ``_direct`` (counted among the batches in flight);
+        ``one_by_one``: its merged step's result was not finite, so each call runs alone."""
+        work = self._one_by_one(batch_id, calls.parts) if one_by_one else self._serve(batch_id, calls)
+        task = asyncio.ensure_future(work)
         self._batches.add(task)
         task.add_done_callback(self._answered)
 
-    def _request(self, layer: int, dtype: int, rows: bytes, token_ids: bytes | None,
-                 remaining_s: float | None) -> requests.ForwardRequest:
-        """A taken batch (``take``'s tuple after the batch id) as one ForwardRequest."""
-        wire = codec.numpy_dtype(dtype)
-        tokens = np.frombuffer(rows, wire).reshape(-1, self._model.layers[layer].hidden_size)
-        return requests.ForwardRequest(
-            layer, api.cast(tokens, self._model.dtype), wire,
-            deadline=None if remaining_s is None else time.monotonic() + remaining_s,
-            token_ids=None if token_ids is None else np.frombuffer(token_ids, np.int32))
+    def _request(self, batch_id: int, bodies: tuple[bytes, ...], remaining_s: float | None) -> _Calls | None:
+        """A taken batch (``take``'s tuple: each call's ForwardRequest as bytes) as one ForwardRequest:
+        each call decoded and checked as the main port does (``decode.decode_plain_forward``), a call
+        that fails answered alone with its status (``fail_call``), the others' rows joined in order
+        (C++ batches calls of one layer, dtype and token-ids presence); None when none is left."""
+        deadline = None if remaining_s is None else time.monotonic() + remaining_s
+        parts = []
+        for index, body in enumerate(bodies):
+            try:
+                parts.append((index, decode.decode_plain_forward(_parsed(body), self._model, deadline, ELSEWHERE)))
+            except Exception as exc:  # noqa: BLE001 - every failure answers its call
+                self._answer(self._module.fail_call, batch_id, index, *self._status(exc))
+        if len(parts) <= 1:
+            return _Calls(parts[0][1], parts) if parts else None
+        good = [r for _, r in parts]
+        first = good[0]
+        return _Calls(requests.ForwardRequest(
+            first.layer, np.concatenate([r.tokens for r in good]), first.out_dtype, deadline,
+            token_ids=None if first.token_ids is None else np.concatenate([r.token_ids for r in good])), parts)
 
-    async def _serve(self, batch_id: int, request: requests.ForwardRequest | None, *batch) -> None:
-        """Compute one batch (``request``, or None and ``take``'s tuple after the batch id) and answer
-        its calls (each failure answers them all with its status); the batcher drops it when its
-        last caller's deadline passes first."""
+    async def _serve(self, batch_id: int, calls: _Calls | None, *batch) -> None:
+        """Compute one batch (``calls``, or None and ``take``'s tuple after the batch id: decoded
+        here, off the loop when large) and answer its calls (each failure answers those left with its
+        status; a result not finite, each call alone); the batcher drops it when its last caller's
+        deadline passes first."""
         try:
-            result, _timing = await self._batcher.forward(request or self._request(*batch))
+            if calls is None:  # a taken batch: the next may follow once this one is in the batcher
+                try:
+                    calls = await offload.run(self._request, batch_id, *batch,
+                                              elements=sum(map(len, batch[0])) // BODY_BYTES_PER_ELEMENT)
+                finally:
+                    self._loop.call_soon(self._handed)  # runs when this step yields: in the forward below
+                if calls is None:  # every call refused
+                    return
+            result, _timing = await self._batcher.forward(calls.request)
             output = np.ascontiguousarray(result.output)
+        except errors.InvalidRequest as exc:  # a result not finite: one call's input overflowed the layer
+            if calls is not None and len(calls.parts) > 1:
+                await self._one_by_one(batch_id, calls.parts)
+            else:
+                self._fail(batch_id, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - every failure answers the batch's calls
             self._fail(batch_id, exc)
             return
         self._answer(self._module.finish, batch_id, output)
 
-    def _fail(self, batch_id: int, exc: Exception) -> None:
+    async def _one_by_one(self, batch_id: int, parts: list[tuple[int, requests.ForwardRequest]]) -> None:
+        """Each call of a batch whose merged result was not finite, computed alone: a call that fails
+        is answered with its own status (its own row numbers), the others with their rows (what one
+        bad caller does ends that call only, as on the main port)."""
+        outputs = []
+        for index, call in parts:
+            try:
+                result, _timing = await self._batcher.forward(call)
+                outputs.append(np.ascontiguousarray(result.output))
+            except Exception as exc:  # noqa: BLE001 - every failure answers its call
+                self._answer(self._module.fail_call, batch_id, index, *self._status(exc))
+        if outputs:  # the calls not answered yet, in order: the ones that computed
+            self._answer(self._module.finish, batch_id, np.concatenate(outputs))
+
+    @staticmethod
+    def _status(exc: Exception) -> tuple[int, str, bytes]:
+        """(code, message, google.rpc.Status bytes) for ``exc`` (``errors.status_of``: the main port's)."""
         status = errors.status_of(exc)
-        self._answer(self._module.fail, batch_id, status[0].value[0], status[1],
-                     errors.rich_status(status).SerializeToString())
+        return status[0].value[0], status[1], errors.rich_status(status).SerializeToString()
+
+    def _fail(self, batch_id: int, exc: Exception) -> None:
+        self._answer(self._module.fail, batch_id, *self._status(exc))
 
     def _answer(self, answer: Callable, batch_id: int, *args) -> None:
-        """``answer(handle, batch_id, *args)`` (C++ ``finish`` or ``fail``). Its ValueError is a server
-        bug (an output of the wrong size: C++ has answered the batch's calls INTERNAL) or, once
-        ``stop``'s grace has passed, a batch the port already cancelled: logged, never raised out of
-        the batch's task."""
+        """``answer(handle, batch_id, *args)`` (C++ ``finish``, ``fail``, ``fail_call``). Its ValueError
+        is a server bug (an output of the wrong size: C++ has answered the batch's calls INTERNAL)
+        or, once ``stop``'s grace has passed, a batch the port already cancelled: logged, never
+        raised out of the batch's task or the direct runner."""
         try:
             answer(self._handle, batch_id, *args)
         except ValueError:
             if not self._stopped:
                 log.exception("native Forward port: batch %d could not be answered", batch_id)
+
+
+def _parsed(body: bytes) -> ForwardRequest:
+    """A call's ForwardRequest from the bytes C++ parsed it from and hands over (its parser took
+    them, so this one refusing them, a difference between the two, is the main port's refusal)."""
+    try:
+        return ForwardRequest.FromString(body)
+    except DecodeError:
+        raise ValueError(UNDECODABLE) from None
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}

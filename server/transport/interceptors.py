@@ -81,6 +81,12 @@ def _original(handler: grpc.RpcMethodHandler):
     return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
 
+def undecodable_message(type_name: str) -> str:
+    """The status message of a call whose bytes do not parse as its ``type_name`` message (every
+    transport's: the native port's C++ is given it at start)."""
+    return f"request is not a valid {type_name} message"
+
+
 def guarded(deserializer, limit: int | None):
     """``deserializer`` that refuses (never raises): over ``limit`` bytes unparsed, or bytes that do not parse."""
     type_name = getattr(getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None), "full_name", "request")
@@ -94,8 +100,7 @@ def guarded(deserializer, limit: int | None):
         try:
             return deserializer(raw)
         except Exception:  # noqa: BLE001 - any parse failure is the client's bytes, answered as such
-            return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {type_name} message",
-                           "undecodable")
+            return Refused(grpc.StatusCode.INVALID_ARGUMENT, undecodable_message(type_name), "undecodable")
 
     return deserialize
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from expertd.kernels import cpu
-from expertd.kernels.cpu import build
+from expertd.kernels.cpu import build, diagnostics
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no native kernel: {cpu.unavailable_reason()}")
 
@@ -28,11 +28,12 @@ def test_builds_into_the_cache_dir_without_warnings_and_the_next_process_loads_i
     code = """
         import json, jax.numpy as jnp, numpy as np
         from expertd.kernels import cpu
+        from expertd.kernels.cpu import diagnostics
         cpu.configure(cpu.BuildOptions(cache_dir={cache!r}, compiler={compiler!r}))
         ok = cpu.available()
         y = cpu.grouped_matmul(jnp.ones((3, 16), jnp.float32), jnp.asarray([2, 1], jnp.int32),
                                jnp.ones((2, 16, 32), jnp.bfloat16))
-        print(json.dumps({{"ok": ok, "sum": float(np.asarray(y).sum()), "log": cpu.build_log()}}))
+        print(json.dumps({{"ok": ok, "sum": float(np.asarray(y).sum()), "log": diagnostics.build_log()}}))
     """
     got = _fresh_process(code.format(cache=str(tmp_path), compiler=None))
     assert got == {"ok": True, "sum": 3 * 16 * 32, "log": ""}  # -Wall -Wextra report nothing
@@ -46,31 +47,32 @@ def test_trace_build_records_every_parallel_for_call_and_computes_the_same(tmp_p
     """BuildOptions(trace=True) builds a separate library whose ParallelFor calls leave records
     (benchmarks/parallel_for_trace.py); the plain build has none to give. A call of at most
     kCallerOnlyWork multiply-adds (parallel.h) runs on the caller alone: no helper ever starts."""
-    assert cpu.parallel_for_trace() is None
+    assert diagnostics.parallel_for_trace() is None
     code = f"""
         import json, os, jax.numpy as jnp, numpy as np
         from expertd.kernels import cpu
+        from expertd.kernels.cpu import diagnostics
         cpu.configure(cpu.BuildOptions(cache_dir={str(tmp_path)!r}, trace=True))
         x = jnp.asarray(np.random.default_rng(0).standard_normal((40, 64)), jnp.float32)
         gs, w = jnp.asarray([10, 0, 30], jnp.int32), jnp.ones((3, 64, 256), jnp.bfloat16)
-        cpu.parallel_for_trace()
+        diagnostics.parallel_for_trace()
         ys = [np.asarray(cpu.grouped_matmul(x, gs, w)) for _ in range(5)]
-        records = cpu.parallel_for_trace()
+        records = diagnostics.parallel_for_trace()
         want = np.asarray(cpu.grouped_matmul_reference(x, gs, w))
         small = (x[:2], jnp.asarray([1, 0, 1], jnp.int32), w)  # 2 x 64 x 256 multiply-adds
         small_ys = [np.asarray(cpu.grouped_matmul(*small)) for _ in range(5)]
-        small_records = cpu.parallel_for_trace()
-        with cpu.caller_only_work(0):  # every call of two or more tasks shared
+        small_records = diagnostics.parallel_for_trace()
+        with diagnostics.caller_only_work(0):  # every call of two or more tasks shared
             np.asarray(cpu.grouped_matmul(*small))
-        forced = cpu.parallel_for_trace().tolist()
+        forced = diagnostics.parallel_for_trace().tolist()
         small_err = max(float(np.max(np.abs(y - np.asarray(cpu.grouped_matmul_reference(*small)))))
                         for y in small_ys)
         print(json.dumps({{"records": records.tolist(), "small_records": small_records.tolist(),
-                          "small_err": small_err, "forced": forced, "bound": cpu.caller_only_work_now(),
-                          "again": len(cpu.parallel_for_trace()),
+                          "small_err": small_err, "forced": forced, "bound": diagnostics.caller_only_work_now(),
+                          "again": len(diagnostics.parallel_for_trace()),
                           "cpus": len(os.sched_getaffinity(0)),
                           "err": max(float(np.max(np.abs(y - want))) for y in ys),
-                          "fields": list(cpu.TRACE_FIELDS), "log": cpu.build_log()}}))
+                          "fields": list(diagnostics.TRACE_FIELDS), "log": diagnostics.build_log()}}))
     """
     got = _fresh_process(code)
     assert got["err"] < 1e-3 and got["again"] == 0 and got["log"] == ""
@@ -132,6 +134,7 @@ def test_isa_cap_runs_the_portable_loops_and_they_match_the_reference():
     code = """
         import json, jax.numpy as jnp, numpy as np
         from expertd.kernels import cpu, dispatch
+        from expertd.kernels.cpu import diagnostics
         cpu.configure(cpu.BuildOptions(isa_cap="portable"))
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.standard_normal((9, 40)), jnp.float32)
@@ -149,10 +152,10 @@ def test_isa_cap_runs_the_portable_loops_and_they_match_the_reference():
             got = np.asarray(cpu.combine(rows, perm, weights))
             want = np.asarray(dispatch.unpermute(rows, perm, weights, out_dtype=jnp.float32))
             err.append(float(np.max(np.abs(got - want))))
-        with cpu.limit_isa("avx2"):  # a limit above the cap changes nothing
+        with diagnostics.limit_isa("avx2"):  # a limit above the cap changes nothing
             capped = cpu.isa()
-        print(json.dumps({"vectorized": cpu.vectorized(), "isa": cpu.isa(), "capped": capped,
-                          "supported": list(cpu.supported_isas()), "err": err}))
+        print(json.dumps({"vectorized": diagnostics.vectorized(), "isa": cpu.isa(), "capped": capped,
+                          "supported": list(diagnostics.supported_isas()), "err": err}))
     """
     got = _fresh_process(code)
     assert got["vectorized"] is False and got["isa"] == got["capped"] == "portable"
@@ -173,7 +176,7 @@ def test_options_are_explicit_checked_and_fixed_once_loaded(tmp_path):
     assert build.TRACE_DEFINE not in build.cxxflags(cpu.BuildOptions())
     assert {"-Wall", "-Wextra"} <= set(build.CXXFLAGS)
     assert build.library_path(cpu.BuildOptions(trace=True)) != build.library_path(cpu.BuildOptions())
-    cpu.configure(cpu.options())  # the library is loaded: the same options are fine ...
+    cpu.configure(diagnostics.options())  # the library is loaded: the same options are fine ...
     with pytest.raises(RuntimeError, match="call configure"):  # ... others come too late
         cpu.configure(cpu.BuildOptions(cache_dir=tmp_path))
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from expertd.kernels import cpu
+from expertd.kernels.cpu import diagnostics
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no native kernel: {cpu.unavailable_reason()}")
 
@@ -102,8 +103,8 @@ def test_every_path_layout_and_instruction_set_gives_the_same_bits(sizes, k, c):
         for bf16_rows in (False, True):
             x, gs, w = case_arrays(sizes, k, c, dtype, bf16_rows)
             want = np.asarray(call(x, gs, w))
-            for level in cpu.supported_isas():
-                with cpu.limit_isa(level):
+            for level in diagnostics.supported_isas():
+                with diagnostics.limit_isa(level):
                     assert cpu.isa() == level
                     for weights in (w, *(cpu.to_panels(w, width) for width in cpu.PANEL_WIDTHS)):
                         np.testing.assert_array_equal(np.asarray(call(x, gs, weights)), want,
@@ -111,41 +112,41 @@ def test_every_path_layout_and_instruction_set_gives_the_same_bits(sizes, k, c):
 
 
 def _paths_taken(call) -> dict[str, int]:
-    before = cpu.path_items()
+    before = diagnostics.path_items()
     jax.block_until_ready(call())
-    return {name: n - before[name] for name, n in cpu.path_items().items() if n > before[name]}
+    return {name: n - before[name] for name, n in diagnostics.path_items().items() if n > before[name]}
 
 
 def test_each_level_runs_its_own_path():
-    """Which path an item takes (cpu.path_items): bf16 panels times bf16-valued rows run the
+    """Which path an item takes (diagnostics.path_items): bf16 panels times bf16-valued rows run the
     bf16 dot product where the CPU has it; a row with one value that is not bf16 keeps the whole
     item on the FMA path; row-major weights and AVX2 CPUs stream below 32 rows and pack above."""
     x, gs, w = case_arrays([3, 40], 64, 32, jnp.bfloat16, bf16_rows=True)
     x = x[:43]
     pw = cpu.to_panels(w)
     call = lambda x, w: cpu.grouped_matmul(x, gs, w)  # noqa: E731
-    levels = cpu.supported_isas()
+    levels = diagnostics.supported_isas()
     if "avx512_bf16" in levels:
         assert _paths_taken(lambda: call(x, pw)) == {"avx512_bf16_dot": 2}
         assert _paths_taken(lambda: call(x.at[1, 5].add(2.0 ** -20), pw)) == {"avx512_fma": 1, "avx512_bf16_dot": 1}
     if "avx512" in levels:
-        with cpu.limit_isa("avx512"):
+        with diagnostics.limit_isa("avx512"):
             assert _paths_taken(lambda: call(x, pw)) == {"avx512_fma": 2}
             assert _paths_taken(lambda: call(x, w)) == {"avx2_stream": 1, "avx2_packed": 1}
-    with cpu.limit_isa("avx2"):
+    with diagnostics.limit_isa("avx2"):
         assert _paths_taken(lambda: call(x, pw)) == {"avx2_stream": 1, "avx2_packed": 1}
-    with cpu.limit_isa("portable"):
+    with diagnostics.limit_isa("portable"):
         assert _paths_taken(lambda: call(x, pw)) == {"portable": 2}
 
 
 def test_limit_isa_names_the_levels_and_restores_the_top_one():
     top = cpu.isa()
-    assert top == cpu.supported_isas()[-1] and top in cpu.ISA_LEVELS
-    with cpu.limit_isa("portable"):
-        assert cpu.isa() == "portable" and not cpu.vectorized()
+    assert top == diagnostics.supported_isas()[-1] and top in cpu.ISA_LEVELS
+    with diagnostics.limit_isa("portable"):
+        assert cpu.isa() == "portable" and not diagnostics.vectorized()
     assert cpu.isa() == top
     with pytest.raises(ValueError, match="level must be one of"):
-        with cpu.limit_isa("sse2"):
+        with diagnostics.limit_isa("sse2"):
             pass
 
 
@@ -156,18 +157,18 @@ def test_sharing_with_the_pool_or_not_gives_the_same_bits_and_the_bound_comes_ba
     after the block, an exception included."""
     x, gs, w = case_arrays(sizes, k, c, jnp.bfloat16)
     call = jax.jit(cpu.grouped_matmul)
-    bound = cpu.caller_only_work_now()
+    bound = diagnostics.caller_only_work_now()
     assert bound == 1 << 18
-    with cpu.caller_only_work(1 << 62):
+    with diagnostics.caller_only_work(1 << 62):
         alone = np.asarray(call(x, gs, w))
-    with pytest.raises(RuntimeError), cpu.caller_only_work(0):
-        assert cpu.caller_only_work_now() == 0
+    with pytest.raises(RuntimeError), diagnostics.caller_only_work(0):
+        assert diagnostics.caller_only_work_now() == 0
         shared = np.asarray(call(x, gs, w))
         raise RuntimeError("leaves the block")
-    assert cpu.caller_only_work_now() == bound
+    assert diagnostics.caller_only_work_now() == bound
     np.testing.assert_array_equal(shared, alone)
     with pytest.raises(ValueError, match="work must be >= 0"):
-        with cpu.caller_only_work(-1):
+        with diagnostics.caller_only_work(-1):
             pass
 
 

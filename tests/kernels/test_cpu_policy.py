@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from expertd.kernels import cpu, experts
-from expertd.kernels.cpu import policy
+from expertd.kernels.cpu import diagnostics, policy
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -46,7 +46,7 @@ def test_compiler_options_turn_ynn_off_only_for_few_rows_per_large_expert():
 
 @pytest.mark.skipif(not cpu.available(), reason=f"no native kernel: {cpu.unavailable_reason()}")
 def test_cpu_auto_picks_native_at_every_batch_size():
-    assert cpu.vectorized()  # the dev box and CI have AVX2 + FMA
+    assert diagnostics.vectorized()  # the dev box and CI have AVX2 + FMA
     for e, h, i in ((8, 1024, 2048), (64, 1024, 512), (4, 64, 128)):
         for dtype in DTYPES:
             for rows in (1, 31 * e, 32 * e, 1024 * e):

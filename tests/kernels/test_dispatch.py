@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import compile_all, compile_fast
+from fast_compile import compile_all, compile_fast
 
 from expertd.kernels import dispatch
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import compile_all, compile_fast
+from fast_compile import compile_all, compile_fast
 
 from expertd.kernels import dispatch, experts
 from expertd.kernels.cpu import policy as cpu
@@ -229,7 +229,7 @@ def test_pallas_kernel_lowers_to_triton_for_gpu():
     """No GPU here: lower the compiled (non-interpret) kernel for CUDA, which runs the
     Pallas-Triton lowering and so checks block shapes and ops. PTX compilation is unverified."""
     pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
-    from expertd.kernels.experts_pallas import grouped_ffn_pallas
+    from expertd.kernels.experts.pallas import grouped_ffn_pallas
 
     xs, gs, wg, wu, wd = make_inputs(5, np.array([3, 0, 10, 7, 12]), jnp.bfloat16)
     fn = jax.jit(lambda *a: grouped_ffn_pallas(*a, interpret=False))
@@ -246,7 +246,7 @@ def test_pallas_kernel_lowers_to_triton_for_gpu():
                                              (32, dict(block_n=32, block_k=32, num_warps=4, num_stages=4)),
                                              (64, dict(block_n=256, block_k=64, num_warps=8, num_stages=3))])
 def test_every_pallas_tiling_computes_the_same_function(block_m, tiles):
-    from expertd.kernels.experts_pallas import PallasTiles, grouped_ffn_pallas
+    from expertd.kernels.experts.pallas import PallasTiles, grouped_ffn_pallas
 
     sizes = np.array([3, 0, 10, 7, 12])
     for dtype in DTYPES:
@@ -262,7 +262,7 @@ def test_every_pallas_tiling_computes_the_same_function(block_m, tiles):
 
 def test_pallas_tiles_are_checked_and_lower_to_triton():
     pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
-    from expertd.kernels.experts_pallas import PallasTiles, grouped_ffn_pallas
+    from expertd.kernels.experts.pallas import PallasTiles, grouped_ffn_pallas
 
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 48"):
         PallasTiles(block_n=48)
@@ -280,7 +280,7 @@ def test_pallas_tiles_are_checked_and_lower_to_triton():
 
 
 def test_default_tiles_are_hoppers_only_on_hopper_with_64_row_tiles_of_two_byte_elements():
-    from expertd.kernels.experts_pallas import HOPPER_TILES, PallasTiles, default_tiles
+    from expertd.kernels.experts.pallas import HOPPER_TILES, PallasTiles, default_tiles
 
     assert HOPPER_TILES != PallasTiles()
     assert default_tiles(64, 2, "9.0") == HOPPER_TILES
@@ -295,7 +295,7 @@ def test_the_default_tiles_reach_triton():
     """With no tiles given, the kernels lower with default_tiles' launch parameters for the device
     compiled for (here no GPU: PallasTiles())."""
     pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
-    from expertd.kernels.experts_pallas import PallasTiles, gpu_compute_capability, grouped_ffn_pallas
+    from expertd.kernels.experts.pallas import PallasTiles, gpu_compute_capability, grouped_ffn_pallas
 
     assert gpu_compute_capability() is None  # the suite runs on CPU
     xs, gs, wg, wu, wd = make_inputs(5, np.array([30, 0, 100, 70, 120]), jnp.bfloat16)

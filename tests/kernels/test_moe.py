@@ -15,10 +15,11 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import FAMILIES, assert_close_to_oracle, compile_all, compile_fast, family_config, moe_oracle
+from fast_compile import compile_all, compile_fast
 
 from expertd.kernels import cpu, experts, moe
 from expertd.kernels.experts import BACKENDS
+from expertd.kernels.moe_reference import FAMILIES, assert_close_to_oracle, family_config, moe_oracle
 
 H, I = 16, 32
 DTYPES = (jnp.float32, jnp.bfloat16)

@@ -9,9 +9,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from router_cases import np_aux_scores, np_router, np_router_grad, te_bias, tie_free_logits
 
-from expertd.kernels import router_pallas
-from expertd.kernels.router import fused_topk_with_score_function
-from expertd.kernels.router_reference import RouterConfig
+from expertd.kernels.router import RouterConfig, fused_topk_with_score_function
+from expertd.kernels.router import pallas as router_pallas
 
 BACKENDS = ("reference", "xla", "pallas")
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 grads vs the float64 formulas (TE: 1e-5)

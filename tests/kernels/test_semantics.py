@@ -16,19 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import (
-    HASH_VOCAB,
-    SEMANTIC_FAMILIES,
-    assert_close_to_oracle,
-    compile_all,
-    compile_fast,
-    family_config,
-    moe_oracle,
-)
+from fast_compile import compile_all, compile_fast
 from test_moe import check_routing
 
 from expertd.kernels import cpu, moe
 from expertd.kernels.experts import BACKENDS
+from expertd.kernels.moe_reference import (
+    HASH_VOCAB,
+    SEMANTIC_FAMILIES,
+    assert_close_to_oracle,
+    family_config,
+    moe_oracle,
+)
 from expertd.kernels.routing import TokenIdsError, check_token_ids
 
 H, I = 16, 32

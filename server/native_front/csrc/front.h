@@ -1,31 +1,34 @@
 // expertd's native Forward port: the declarations its sources share (README.md beside this file says
 // which source holds what). gRPC C++ serves expertd.v1.ExpertService/Forward (and GetModelInfo, and
-// grpc.health.v1) with no Python per call. A Python extension module, `expertd_native_front`
+// grpc.health.v1), Python once per batch. A Python extension module, `expertd_native_front`
 // (module.cc); its one user is expertd/server/native_front/front.py, which says what the port does
 // and does not serve.
 //
-// Per call, on gRPC's own threads: the bearer token (when one is set; constant-time comparison), the
-// body (bytes that do not parse as a ForwardRequest: INVALID_ARGUMENT, as on the main port),
-// whether the server is accepting (else UNAVAILABLE with the reason Python gave), the request's
-// fields (NOT_FOUND for a layer not served, INVALID_ARGUMENT naming the field: dtype, shape, the
-// token limit, byte length, token ids, NaN / Inf), the bounds on queued tokens and calls
-// (RESOURCE_EXHAUSTED). Refusals carry the main port's rich details (google.rpc.Status in
-// grpc-status-details-bin): a BadRequest field violation with INVALID_ARGUMENT, a RetryInfo delay
-// with RESOURCE_EXHAUSTED (the tokens over the bound, or one queued call's tokens for the call
-// bound, at the seconds per token Python last gave; at least its minimum). An accepted call joins
-// one FIFO queue; a call that finds the queue empty signals an eventfd. The server's event loop
-// watches that fd; woken, it reads it and takes batches (one a loop turn) until none is left:
-// calls of one (layer, dtype, with or without token ids), in arrival order, up to
-// `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived after
-// the last batch was answered alone), their rows concatenated. Where Python gave a direct callable
-// (`set_direct`), a call that finds nothing queued or in flight skips the queue and the event loop:
-// it becomes a batch of its own at once, and its gRPC thread calls `direct` with the GIL held (the
-// arguments `take` would return), which answers it. The direct runner is then on: queued calls do
-// not signal the eventfd, and if any queued during that step, the front's runner thread takes them
-// as its next batch, and so on while nothing else is in flight (RunDirect). Python answers a batch with
-// `finish` (the output rows in the callers' dtype, split back per call) or `fail` (one status for
-// each of its calls). Calls cancelled or past their deadline while queued are answered CANCELLED
-// when a take meets them, not run.
+// The port is a transport: it parses and answers, Python's one request path decides. Per call, on
+// gRPC's own threads: the bearer token (when one is set; constant-time comparison), the body (bytes
+// that do not parse as a ForwardRequest: INVALID_ARGUMENT), whether the server is accepting (else
+// UNAVAILABLE with the reason Python gave), the bounds on queued tokens and calls
+// (RESOURCE_EXHAUSTED with a RetryInfo delay: the tokens over the bound, or one queued call's tokens
+// for the call bound, at the seconds per token Python last gave; at least its minimum). Nothing
+// about the request's content is checked here: a call counts in the queue for its declared tokens
+// (hidden_states.shape[0], within [0, max_request_tokens]), and Python decodes and checks each call
+// of a batch it takes (expertd/server/frontends/decode.py, the main port's functions), answering a
+// call that fails alone (`fail_call`, with the status, message and details Python gives) while the
+// others go on. The messages of the token and parse refusals are Python's too, given at start.
+// An accepted call joins one FIFO queue; a call that finds the queue empty signals an eventfd. The
+// server's event loop watches that fd; woken, it reads it and takes batches (one a loop turn)
+// until none is left: calls of one (layer, dtype, with or without token ids), in arrival order, up
+// to `max_batch_tokens` rows (a larger call alone; with no batch in flight, a call that arrived
+// after the last batch was answered alone), each call's message handed over as its bytes. Where
+// Python gave a direct callable (`set_direct`), a call that finds nothing queued or in flight skips
+// the queue and the event loop: it becomes a batch of its own at once, and its gRPC thread calls
+// `direct` with the GIL held (the arguments `take` would return), which answers it. The direct
+// runner is then on: queued calls do not signal the eventfd, and if any queued during that step,
+// the front's runner thread takes them as its next batch, and so on while nothing else is in
+// flight (RunDirect). Python answers a batch's remaining calls with `finish` (the output rows in
+// the callers' dtype, split back per call by their tokens) or `fail` (one status for each). Calls
+// cancelled or past their deadline while queued are answered CANCELLED when a take meets them, not
+// run.
 //
 // Every source includes this header first (it brings Python.h, which must come before the standard
 // headers). Everything here is in namespace expertd::native_front, hidden: of this code, the module
@@ -67,13 +70,10 @@ constexpr int kNumCodes = 17;  // grpc::StatusCode values 0..16
 // checks.cc: RESOURCE_EXHAUSTED with a RetryInfo delay of `seconds` (a google.rpc.Status detail).
 grpc::Status Overloaded(const std::string& message, double seconds);
 
-// checks.cc: the bytes of one element of `dtype` (an expertd.v1.DType) for the hidden-state dtypes
-// the port serves (float32, bfloat16, float16); 0 for any other.
-int ItemSize(int dtype);
-
 // A call accepted onto the queue. The request is parsed here from the call's bytes (so that a body
 // that does not parse gets INVALID_ARGUMENT); the answer is serialized into `response`, gRPC's buffer,
-// which lives until the reactor finishes.
+// which lives until the reactor finishes. `rows`: the tokens it counts for (QueuedRows); `answered`:
+// answered alone (fail_call) while its batch is in flight.
 struct Call {
   grpc::CallbackServerContext* context;
   grpc::ServerUnaryReactor* reactor;
@@ -81,6 +81,7 @@ struct Call {
   grpc::ByteBuffer* response;
   int64_t rows;
   Clock::time_point arrived;
+  bool answered = false;
 };
 
 // One native port. Forward is registered raw (bytes in, bytes out): gRPC C++ answers a body its own
@@ -90,10 +91,11 @@ struct Call {
 class Front final
     : public expertd::v1::ExpertService::WithRawCallbackMethod_Forward<expertd::v1::ExpertService::CallbackService> {
  public:
-  std::unordered_map<uint32_t, int64_t> hidden;  // layer -> H
-  std::string layer_list;                        // "0, 1" for messages
+  std::unordered_map<uint32_t, int64_t> hidden;  // layer -> H: the answers' shape (Python's model description)
+  std::unordered_map<int, int64_t> itemsize;     // expertd.v1.DType -> bytes of one element, the float dtypes
   int64_t max_request_tokens = 0, max_batch_tokens = 0, max_queued_tokens = 0, max_queued_calls = 0;
   std::string token;  // empty: no auth
+  std::string unauthenticated_message, undecodable_message;  // Python's (transport/auth.py, interceptors.py)
   std::vector<double> latency_bounds;
   std::unique_ptr<grpc::Server> server;
   int ready_fd = -1;  // an eventfd: readable while calls may be queued
@@ -115,6 +117,8 @@ class Front final
   std::pair<int64_t, std::vector<Call>> TryTake();
   std::vector<Call> NextBatchLocked(std::unique_lock<std::mutex>& lock, bool behind = false);
   bool Release(int64_t id, std::vector<Call>* calls);
+  bool ReleaseCall(int64_t id, size_t index, Call* call);
+  int64_t QueuedRows(const ForwardRequest& request) const;
   PyObject* BatchArgs(int64_t id, const std::vector<Call>& calls);
   void Wake() const;
 
@@ -133,14 +137,12 @@ class Front final
   void InitStats();
 
  private:
-  // checks.cc: the per-call checks and the refusals they make.
+  // checks.cc: the transport's own checks (token, parse) and its RetryInfo delays.
   bool Authorized(grpc::CallbackServerContext* context) const;
-  static grpc::Status Unauthenticated();
-  static grpc::Status Invalid(const std::string& field, const std::string& description);
+  grpc::Status Unauthenticated() const;
   double RetryDelay(uint32_t layer, int64_t tokens) const;
   grpc::Status Parse(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
                      ForwardRequest* request) const;
-  grpc::Status Check(const ForwardRequest& request) const;
 
   // Guarded by mu_: the queue, the batches in flight, whether calls are accepted (and why not), the
   // retry hint and the direct runner.

@@ -1,28 +1,35 @@
 // The native port's CPython binding: the module `expertd_native_front` and its functions, each
 // parsing its Python arguments, finding the front by its handle and calling it (service.cc, queue.cc,
 // runner.cc, stats.cc), the GIL let go around what may block or take long; `start` builds the
-// front and its gRPC server, `finish` writes each call's answer from the batch's output rows.
+// front and its gRPC server from the tables and messages Python gives, `finish` writes each call's
+// answer from the batch's output rows.
 //
 // Python API (every function takes the handle `start` returned; fronts live until the process ends):
-//   start(address, layers: dict[int, int] (layer -> H), max_request_tokens, max_batch_tokens,
-//         max_queued_tokens, max_queued_calls, max_message_bytes, model_info: bytes (a serialized
-//         GetModelInfoResponse), token: bytes | None, tls: (key, chain, client_ca | None) | None,
-//         latency_bounds: sequence of float, not_ready: str (why calls are refused until
-//         set_accepting)) -> (handle, port, ready_fd)
+//   start(address, layers: dict[int, int] (layer -> H), itemsizes: dict[int, int] (expertd.v1 DType ->
+//         bytes, the dtypes answers come in), max_request_tokens, max_batch_tokens, max_queued_tokens,
+//         max_queued_calls, max_message_bytes, model_info: bytes (a serialized GetModelInfoResponse),
+//         token: bytes | None, tls: (key, chain, client_ca | None) | None, latency_bounds: sequence
+//         of float, not_ready: str (why calls are refused until set_accepting), unauthenticated: str,
+//         undecodable: str (the messages of those refusals)) -> (handle, port, ready_fd)
 //   set_accepting(handle, accepting: bool, reason: str)   also sets health SERVING / NOT_SERVING
 //   set_model_info(handle, model_info: bytes)   GetModelInfo's answer from now on (a serialized
 //                  GetModelInfoResponse: the main port's, when an expert placement changes)
 //   set_retry_hint(handle, seconds_per_token: dict[int, float] (layer -> s), min_s: float)
 //                  what a RESOURCE_EXHAUSTED refusal's RetryInfo delay is computed from
-//   set_direct(handle, direct: callable | None)   direct(batch, layer, dtype, rows, token_ids, remaining_s)
+//   set_direct(handle, direct: callable | None)   direct(batch, bodies, remaining_s)
 //                  for the direct runner's batches (RunDirect), called on a gRPC thread; it must
 //                  answer the batch (finish, fail, or later from the event loop); None: every call
 //                  is queued
-//   take(handle) -> (batch, layer, dtype, rows: bytes, token_ids: bytes | None,
-//                    seconds to the latest caller's deadline | None) | None
+//   take(handle) -> (batch, bodies: tuple of bytes (each call's ForwardRequest, in arrival order: one
+//                    layer, dtype and token-ids presence), seconds to the latest caller's deadline
+//                    | None) | None
 //                  never waits: None when nothing is queued, or once stopped
-//   finish(handle, batch, output: buffer)   [rows, H] in the batch's dtype
-//   fail(handle, batch, code: int, message: str, details: bytes)   details: a google.rpc.Status
+//   fail_call(handle, batch, index, code: int, message: str, details: bytes)   answers the batch's
+//                  call `index` alone (its content refused); the others stay in flight
+//   finish(handle, batch, output: buffer)   [rows, H] in the batch's dtype, for its calls not
+//                  answered by fail_call (their declared tokens, in order)
+//   fail(handle, batch, code: int, message: str, details: bytes)   the same status for each of its
+//                  calls not answered yet; details: a google.rpc.Status
 //   stats(handle) -> dict   {"handled": {code: n}, "latency": ([counts], sum), "queued_tokens": n,
 //                            "queued_calls": n, "batches_in_flight": n}
 //   refusals(handle) -> {code: (n, last message: bytes)}   the calls answered with each error code since
@@ -66,30 +73,33 @@ bool BytesOf(PyObject* object, std::string* out, const char* what) {
   return true;
 }
 
+// Each key and value of `dict` as C++ integers into `out`; false with a Python error.
+template <typename Key>
+bool IntTable(PyObject* dict, std::unordered_map<Key, int64_t>* out) {
+  PyObject *key, *value;
+  Py_ssize_t position = 0;
+  while (PyDict_Next(dict, &position, &key, &value)) {
+    const long long k = PyLong_AsLongLong(key), v = PyLong_AsLongLong(value);
+    if (PyErr_Occurred()) return false;
+    (*out)[static_cast<Key>(k)] = v;
+  }
+  return true;
+}
+
 PyObject* Start(PyObject*, PyObject* args) {
-  const char *address, *not_ready;
-  PyObject *layers, *model_info, *token, *tls, *bounds;
+  const char *address, *not_ready, *unauthenticated, *undecodable;
+  PyObject *layers, *itemsizes, *model_info, *token, *tls, *bounds;
   long long max_request_tokens, max_batch_tokens, max_queued_tokens, max_queued_calls, max_message_bytes;
-  if (!PyArg_ParseTuple(args, "sO!LLLLLSOOOs", &address, &PyDict_Type, &layers, &max_request_tokens,
-                        &max_batch_tokens, &max_queued_tokens, &max_queued_calls, &max_message_bytes, &model_info,
-                        &token, &tls, &bounds, &not_ready)) {
+  if (!PyArg_ParseTuple(args, "sO!O!LLLLLSOOOsss", &address, &PyDict_Type, &layers, &PyDict_Type, &itemsizes,
+                        &max_request_tokens, &max_batch_tokens, &max_queued_tokens, &max_queued_calls,
+                        &max_message_bytes, &model_info, &token, &tls, &bounds, &not_ready, &unauthenticated,
+                        &undecodable)) {
     return nullptr;
   }
   auto front = std::make_unique<Front>();
-  PyObject *key, *value;
-  Py_ssize_t position = 0;
-  std::vector<long> layer_ids;
-  while (PyDict_Next(layers, &position, &key, &value)) {
-    const long layer = PyLong_AsLong(key);
-    const long long width = PyLong_AsLongLong(value);
-    if (PyErr_Occurred()) return nullptr;
-    front->hidden[static_cast<uint32_t>(layer)] = width;
-    layer_ids.push_back(layer);
-  }
-  std::sort(layer_ids.begin(), layer_ids.end());
-  for (size_t i = 0; i < layer_ids.size(); ++i) {
-    front->layer_list += (i ? ", " : "") + std::to_string(layer_ids[i]);
-  }
+  if (!IntTable(layers, &front->hidden) || !IntTable(itemsizes, &front->itemsize)) return nullptr;
+  front->unauthenticated_message = unauthenticated;
+  front->undecodable_message = undecodable;
   front->max_request_tokens = max_request_tokens;
   front->max_batch_tokens = std::max<long long>(max_batch_tokens, 1);
   front->max_queued_tokens = max_queued_tokens;
@@ -207,13 +217,19 @@ PyObject* Finish(PyObject*, PyObject* args) {
     if (front != nullptr) PyErr_Format(PyExc_ValueError, "batch %lld is not in flight", id);
     return nullptr;
   }
+  if (calls.empty()) {  // never: the last call answered alone ends its batch (ReleaseCall)
+    PyBuffer_Release(&output);
+    Py_RETURN_NONE;
+  }
   const ForwardRequest& first = *calls.front().request;
-  const int64_t width = front->hidden.at(first.layer());
+  const auto width_of = front->hidden.find(first.layer());
+  const auto itemsize_of = front->itemsize.find(first.hidden_states().dtype());
+  const int64_t width = width_of == front->hidden.end() ? 0 : width_of->second;
+  const int64_t itemsize = itemsize_of == front->itemsize.end() ? 0 : itemsize_of->second;
   const int dtype = first.hidden_states().dtype();
-  const int64_t itemsize = ItemSize(dtype);
   int64_t rows = 0;
   for (const Call& call : calls) rows += call.rows;
-  if (output.len != rows * width * itemsize) {
+  if (width == 0 || itemsize == 0 || output.len != rows * width * itemsize) {  // a server bug: Python decided
     for (const Call& call : calls) {
       front->Complete(call.reactor, grpc::Status(grpc::StatusCode::INTERNAL, "internal error (output size)"),
                       call.arrived);
@@ -263,6 +279,28 @@ PyObject* Fail(PyObject*, PyObject* args) {
   const grpc::Status status(static_cast<grpc::StatusCode>(code), message, packed);
   Py_BEGIN_ALLOW_THREADS
   for (const Call& call : calls) front->Complete(call.reactor, status, call.arrived);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* FailCall(PyObject*, PyObject* args) {
+  long long handle, id;
+  Py_ssize_t index;
+  int code;
+  const char* message;
+  PyObject* details;
+  if (!PyArg_ParseTuple(args, "LLnisS", &handle, &id, &index, &code, &message, &details)) return nullptr;
+  Front* front = Lookup(handle);
+  Call call{};
+  if (front == nullptr || index < 0 || !front->ReleaseCall(id, static_cast<size_t>(index), &call)) {
+    if (front != nullptr) PyErr_Format(PyExc_ValueError, "batch %lld has no call %zd in flight", id, index);
+    return nullptr;
+  }
+  std::string packed;
+  BytesOf(details, &packed, "details");
+  const grpc::Status status(static_cast<grpc::StatusCode>(code), message, packed);
+  Py_BEGIN_ALLOW_THREADS
+  front->Complete(call.reactor, status, call.arrived);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
@@ -324,14 +362,16 @@ PyObject* Stop(PyObject*, PyObject* args) {
 }
 
 PyMethodDef kMethods[] = {
-    {"start", Start, METH_VARARGS, "start(address, layers, max_request_tokens, max_batch_tokens, max_queued_tokens, "
-                                   "max_queued_calls, max_message_bytes, model_info, token, tls, latency_bounds, "
-                                   "not_ready) -> (handle, port, ready_fd)"},
+    {"start", Start, METH_VARARGS, "start(address, layers, itemsizes, max_request_tokens, max_batch_tokens, "
+                                   "max_queued_tokens, max_queued_calls, max_message_bytes, model_info, token, tls, "
+                                   "latency_bounds, not_ready, unauthenticated, undecodable) -> (handle, port, "
+                                   "ready_fd)"},
     {"set_accepting", SetAccepting, METH_VARARGS, "set_accepting(handle, accepting, reason)"},
     {"set_model_info", SetModelInfo, METH_VARARGS, "set_model_info(handle, model_info)"},
     {"set_retry_hint", SetRetryHint, METH_VARARGS, "set_retry_hint(handle, seconds_per_token, min_s)"},
     {"set_direct", SetDirect, METH_VARARGS, "set_direct(handle, direct)"},
-    {"take", Take, METH_VARARGS, "take(handle) -> (batch, layer, dtype, rows, token_ids, remaining_s) | None"},
+    {"take", Take, METH_VARARGS, "take(handle) -> (batch, bodies, remaining_s) | None"},
+    {"fail_call", FailCall, METH_VARARGS, "fail_call(handle, batch, index, code, message, details)"},
     {"finish", Finish, METH_VARARGS, "finish(handle, batch, output)"},
     {"fail", Fail, METH_VARARGS, "fail(handle, batch, code, message, details)"},
     {"stats", Stats, METH_VARARGS, "stats(handle) -> dict"},

@@ -1,14 +1,14 @@
 // The native port's call queue and its batches: which queued calls make the next batch (one key:
 // layer, dtype, token ids or none; up to max_batch_tokens rows; a lone call at an idle port alone),
-// the batches in flight until finish or fail releases them, take's tuple of a batch (its rows and
-// token ids concatenated, the latest caller's deadline), and the eventfd that wakes Python's event
-// loop. TryTake, NextBatchLocked and Release hold mu_ (NextBatchLocked lets it go while it answers
+// the batches in flight until finish or fail releases them (or fail_call each of their calls),
+// take's tuple of a batch (each call's message as bytes, the latest caller's deadline), the tokens a
+// call counts for, and the eventfd that wakes Python's event loop. TryTake, NextBatchLocked, Release
+// and ReleaseCall hold mu_ (NextBatchLocked lets it go while it answers
 // the cancelled calls it met); BatchArgs is called with the GIL held, Wake with neither.
 #include "front.h"
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 
 #include <unistd.h>
 
@@ -90,36 +90,62 @@ std::vector<Call> Front::NextBatchLocked(std::unique_lock<std::mutex>& lock, boo
   return calls;
 }
 
-// The calls of batch `id` (removed from the batches in flight), or false if there is none.
+// The calls of batch `id` not answered yet (the batch removed from the batches in flight), or
+// false if there is none.
 bool Front::Release(int64_t id, std::vector<Call>* calls) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = in_flight_.find(id);
   if (it == in_flight_.end()) return false;
-  *calls = std::move(it->second);
+  calls->clear();
+  for (Call& call : it->second) {
+    if (!call.answered) calls->push_back(std::move(call));
+  }
   in_flight_.erase(it);
   last_answered_ = Clock::now();
   return true;
 }
 
-// take's answer for batch `id` (its `calls`, in flight): (batch, layer, dtype, rows: bytes,
-// token_ids: bytes | None, seconds to the latest caller's deadline | None). Called with the GIL
-// held; nullptr with a Python error (the batch then answered RESOURCE_EXHAUSTED).
-PyObject* Front::BatchArgs(int64_t id, const std::vector<Call>& calls) {
-  const ForwardRequest& first = *calls.front().request;
-  const int64_t width = hidden.at(first.layer());
-  const int itemsize = ItemSize(first.hidden_states().dtype());
-  int64_t rows = 0;
-  for (const Call& call : calls) rows += call.rows;
-  PyObject* rows_bytes = PyBytes_FromStringAndSize(nullptr, rows * width * itemsize);
-  PyObject* ids_bytes = Py_None;
-  Py_INCREF(Py_None);
-  if (first.has_token_ids()) {
-    Py_DECREF(Py_None);
-    ids_bytes = PyBytes_FromStringAndSize(nullptr, rows * 4);
+// Call `index` of batch `id` (in arrival order, as `take` gave it), marked answered for its
+// caller to answer alone; the batch leaves the batches in flight when it was its last. False if
+// there is no such call, or it was answered already.
+bool Front::ReleaseCall(int64_t id, size_t index, Call* call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = in_flight_.find(id);
+  if (it == in_flight_.end() || index >= it->second.size() || it->second[index].answered) return false;
+  it->second[index].answered = true;
+  *call = it->second[index];
+  if (std::all_of(it->second.begin(), it->second.end(), [](const Call& c) { return c.answered; })) {
+    in_flight_.erase(it);
+    last_answered_ = Clock::now();
   }
-  if (rows_bytes == nullptr || ids_bytes == nullptr) {
-    Py_XDECREF(rows_bytes);
-    Py_XDECREF(ids_bytes);
+  return true;
+}
+
+// The tokens a call counts for in the queue and its batches: its declared T (hidden_states.shape[0]),
+// within [0, max_request_tokens], whatever its content (Python refuses a call outside the limit
+// when it is taken).
+int64_t Front::QueuedRows(const ForwardRequest& request) const {
+  const auto& shape = request.hidden_states().shape();
+  return shape.empty() ? 0 : std::clamp<int64_t>(shape.Get(0), 0, max_request_tokens);
+}
+
+// take's answer for batch `id` (its `calls`, in flight): (batch, bodies: each call's ForwardRequest
+// serialized, in arrival order, seconds to the latest caller's deadline | None). Called with the
+// GIL held; nullptr with a Python error (the batch then answered RESOURCE_EXHAUSTED).
+PyObject* Front::BatchArgs(int64_t id, const std::vector<Call>& calls) {
+  PyObject* bodies = PyTuple_New(static_cast<Py_ssize_t>(calls.size()));
+  std::vector<std::pair<char*, size_t>> to;
+  for (size_t i = 0; bodies != nullptr && i < calls.size(); ++i) {
+    const size_t size = calls[i].request->ByteSizeLong();
+    PyObject* body = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
+    if (body == nullptr) {
+      Py_CLEAR(bodies);
+      break;
+    }
+    PyTuple_SET_ITEM(bodies, static_cast<Py_ssize_t>(i), body);
+    to.emplace_back(PyBytes_AS_STRING(body), size);
+  }
+  if (bodies == nullptr) {
     std::vector<Call> lost;
     if (Release(id, &lost)) {
       for (const Call& call : lost) {
@@ -128,18 +154,9 @@ PyObject* Front::BatchArgs(int64_t id, const std::vector<Call>& calls) {
     }
     return nullptr;
   }
-  char* to = PyBytes_AS_STRING(rows_bytes);
-  char* ids_to = ids_bytes == Py_None ? nullptr : PyBytes_AS_STRING(ids_bytes);
   Py_BEGIN_ALLOW_THREADS
-  for (const Call& call : calls) {
-    const std::string& data = call.request->hidden_states().data();
-    std::memcpy(to, data.data(), data.size());
-    to += data.size();
-    if (ids_to != nullptr) {
-      const std::string& ids = call.request->token_ids().data();
-      std::memcpy(ids_to, ids.data(), ids.size());
-      ids_to += ids.size();
-    }
+  for (size_t i = 0; i < calls.size(); ++i) {
+    calls[i].request->SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(to[i].first));
   }
   Py_END_ALLOW_THREADS
   // The batch is worth computing until its last caller's deadline; None: a caller set none.
@@ -153,8 +170,7 @@ PyObject* Front::BatchArgs(int64_t id, const std::vector<Call>& calls) {
   } else {
     remaining = PyFloat_FromDouble(std::chrono::duration<double>(latest - std::chrono::system_clock::now()).count());
   }
-  return Py_BuildValue("(LIiNNN)", static_cast<long long>(id), first.layer(),
-                       first.hidden_states().dtype(), rows_bytes, ids_bytes, remaining);
+  return Py_BuildValue("(LNN)", static_cast<long long>(id), bodies, remaining);
 }
 
 // Signals `ready_fd` (Python's event loop reads it, then takes every queued batch).

@@ -1,5 +1,5 @@
-// The native port's gRPC service: Forward (checked, then refused, queued, or run at once by the
-// direct runner on an idle port) and GetModelInfo, on gRPC's callback threads (only the direct
+// The native port's gRPC service: Forward (its token and parse checked, then refused, queued, or
+// run at once by the direct runner on an idle port; its content is checked by Python when taken) and GetModelInfo, on gRPC's callback threads (only the direct
 // runner takes the GIL, runner.cc); and the port's state that Python sets (accepting and why not,
 // the model description, the retry hint, health) and its shutdown, called from module.cc
 // (SetAccepting and Stop with the GIL let go).
@@ -17,14 +17,13 @@ grpc::ServerUnaryReactor* Front::Forward(grpc::CallbackServerContext* context, c
   auto* reactor = context->DefaultReactor();
   auto request = std::make_shared<ForwardRequest>();
   grpc::Status refusal = Parse(context, body, request.get());
-  if (refusal.ok()) refusal = Check(*request);
   bool notify = false;
   int64_t direct = 0;
   if (!refusal.ok()) {
     Complete(reactor, refusal, arrived);
     return reactor;
   }
-  const int64_t rows = request->hidden_states().shape(0);
+  const int64_t rows = QueuedRows(*request);  // its content is Python's to check, once taken
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) {

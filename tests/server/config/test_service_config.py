@@ -163,7 +163,7 @@ def test_multihost_and_native_options_come_from_flags_toml_and_the_old_variables
 def test_the_configs_lists_match_the_kernels():
     from expertd.kernels import cpu, experts
 
-    assert cfg.EXPERT_BACKENDS == experts.BACKENDS and cfg.NATIVE_CPU_ISA_LEVELS == cpu.ISA_LEVELS
+    assert cfg.EXPERT_BACKENDS is experts.BACKENDS and cfg.NATIVE_CPU_ISA_LEVELS is cpu.ISA_LEVELS  # one definition
 
 
 def test_native_options_are_applied_to_the_process(monkeypatch):

@@ -149,9 +149,9 @@ def test_calls_that_queued_behind_a_batch_leave_together_even_once_it_is_answere
     alone again."""
     require_native_front()
     module = native_front.load()
-    handle, port, _ = module.start("127.0.0.1:0", {0: H}, MAX_REQUEST_TOKENS, 256, 1024, 64, 1 << 22,
-                                   expert_pb2.GetModelInfoResponse().SerializeToString(), None, None,
-                                   LATENCY_BUCKETS, "warming up")
+    handle, port, _ = module.start("127.0.0.1:0", {0: H}, {expert_pb2.DTYPE_FLOAT32: 4}, MAX_REQUEST_TOKENS, 256,
+                                   1024, 64, 1 << 22, expert_pb2.GetModelInfoResponse().SerializeToString(), None, None,
+                                   LATENCY_BUCKETS, "warming up", "unauthenticated", "undecodable")
     module.set_accepting(handle, True, "")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = expert_pb2_grpc.ExpertServiceStub(channel)
@@ -165,7 +165,7 @@ def test_calls_that_queued_behind_a_batch_leave_together_even_once_it_is_answere
 
     def take() -> tuple[int, int]:
         batch = module.take(handle)
-        taken[batch[0]] = len(batch[3]) // (4 * H)  # its calls: one row each
+        taken[batch[0]] = len(batch[1])  # its calls (their bodies): one row each
         return batch[0], taken[batch[0]]
 
     def finish(batch: int) -> None:

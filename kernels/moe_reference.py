@@ -1,26 +1,38 @@
-"""Float64 numpy oracle of the MoE layer, written token by token from the Hugging Face models'
-semantics, independent of the JAX code under test: Mixtral, Qwen2/3-MoE, DeepSeek-V3, and the
-families of docs/semantics.md (gpt-oss, DeepSeek-V4 and its hash-routed layers, GLM-5 Next,
-Step-3.7, ERNIE 4.5, Llama 4, Mistral 4, Gemma 4).
+"""The float64 whole-layer reference of the MoE layer (numpy, no JAX): what every backend, the
+expert-parallel layer and a GPU run are checked against.
 
-`moe_oracle(params, x, cfg, valid, token_ids)` loops over tokens: router (input norm, logits and
-their bias, scores, group-limited top-k with selection bias, or the hash table, weights,
-normalisation, scaling, per-expert scale), each chosen expert's gated MLP (clamps, gpt-oss's
-activation, biases, the weight on the input), the weighted sum, its norm and the (optionally gated)
-shared expert. Near-ties at the top-k boundary are flagged, since fp32 and fp64 logits may
-legitimately pick different experts there; tests compare the other tokens.
+Written token by token from the Hugging Face models' semantics, independent of the JAX code it
+checks: Mixtral, Qwen2/3-MoE, DeepSeek-V3, and the families of docs/semantics.md (gpt-oss,
+DeepSeek-V4 and its hash-routed layers, GLM-5 Next, Step-3.7, ERNIE 4.5, Llama 4, Mistral 4,
+Gemma 4). It loops over tokens: router (input norm, logits and their bias, scores, group-limited
+top-k with selection bias, or the hash table, weights, normalisation, scaling, per-expert scale),
+each chosen expert's gated MLP (clamps, gpt-oss's activation, biases, the weight on the input), the
+weighted sum, its norm and the (optionally gated) shared expert. Near-ties at the top-k boundary
+are flagged, since fp32 and fp64 logits may legitimately pick different experts there; comparisons
+keep to the other tokens.
+
+  moe_oracle(params, x [T, H], cfg, valid=None, token_ids=None) -> OracleResult (out [T, H]
+      float64, ids / weights [T, k] by descending weight, tokens_per_expert [E], near_tie [T]);
+      params a dict of the layer's arrays (jax or numpy, any float dtype) by MoEParams field name.
+  route_token(logits [E] float64, cfg, bias, table_row=None) -> OracleRoute: one token's routing.
+  family_config(family, num_experts, topk, hidden, intermediate) -> MoEConfig with the router
+      settings of one of FAMILIES or SEMANTIC_FAMILIES at a test shape (HASH_VOCAB: the vocabulary
+      of the test hash tables).
+  tolerance(dtype), max_error(out, ref), assert_close_to_oracle(out, ref, dtype): the comparison
+      (error per unit of output scale, near-tie tokens left out).
+
+Imports only numpy and `expertd.kernels.config` (`import expertd.kernels.moe_reference` loads no
+JAX), so tests, benchmarks and tools can use it without the kernels' runtime.
 """
 from __future__ import annotations
 
 import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
-from expertd.kernels.moe import MoEConfig
+from expertd.kernels.config import MoEConfig
 
 # Selection scores whose boundary gap is below REL * magnitude + ABS count as a near-tie (fp32 vs
 # fp64 logits differ by ~1e-7 relative).
@@ -292,18 +304,3 @@ def assert_close_to_oracle(out, ref: OracleResult, dtype, *, what: str = "output
     assert np.isfinite(out).all(), f"{what}: non-finite values"
     err, scale = max_error(out, ref)
     assert err <= tolerance(dtype) * scale, f"{what}: max abs error {err:.3g} > {tolerance(dtype) * scale:.3g}"
-
-
-# Test programs are tiny, so XLA's backend optimisation is wasted time: compile at level 0.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def compile_fast(fn, *args):
-    """jit-compile fn for args with FAST_COMPILE; returns the compiled executable."""
-    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)
-
-
-def compile_all(build, points):
-    """{point: build(point)} built on two threads (XLA compiles outside the GIL)."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(points, pool.map(build, points)))

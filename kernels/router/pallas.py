@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from expertd.kernels.router_reference import NORMALISATION_EPS, RouterConfig, activation
+from expertd.kernels.router.reference import NORMALISATION_EPS, RouterConfig, activation
 
 # fp32 elements per block: GPU keeps a block in registers (a few live [BT, Ep] temporaries per
 # thread); interpret mode loops over blocks, so fewer, larger blocks are faster there.

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from expertd.kernels.router_reference import RouterConfig, group_mask, normalise, selection_scores
+from expertd.kernels.router.reference import RouterConfig, group_mask, normalise, selection_scores
 
 
 def _scatter_rows(columns, values, shape):

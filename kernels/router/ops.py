@@ -1,18 +1,6 @@
-"""Top-k MoE routing with TransformerEngine's semantics (see reference/moe-semantics.md, 1 and 2).
-
-Public API (names and parameters follow TE's JAX router):
-
-  fused_topk_with_score_function(logits [..., E], topk, ...) -> (probs [..., E], routing_map [..., E])
-  fused_moe_aux_loss(probs [T, C], tokens_per_expert [C], topk, coeff) -> fp32 scalar
-  topk_ids_and_weights(probs [..., E], routing_map [..., E], topk) -> (ids int32 [..., k], weights fp32 [..., k])
-
-Backends (`backend=`): "reference" (plain jnp, the oracle), "xla" (plain jnp arranged for speed),
-"pallas" (one fused Pallas kernel per token block; compiled on GPU, interpret mode on CPU) and
-"auto" (the fastest measured backend for the platform, see `AUTO_BACKEND`). All backends give the
-same routing maps (ties go to the lowest expert index) and the same backward: the gradient of
-`routing_weights` for the chosen map, i.e. moe-semantics.md section 1.6, in fp32.
-
-Config arguments are Python values (static under `jax.jit`); arrays may be token-sharded.
+"""The router's public ops (the door, `expertd.kernels.router`, re-exports them): argument
+checks, the static RouterConfig they make, the backend choice ("auto" per platform) and the custom
+VJP the fast backends share (the reference's weights differentiated for the chosen map).
 """
 from __future__ import annotations
 
@@ -24,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from expertd.kernels import router_xla
-from expertd.kernels.router_reference import SCORE_FUNCTIONS, RouterConfig, router_reference, routing_weights
+from expertd.kernels.router import xla as router_xla
+from expertd.kernels.router.reference import SCORE_FUNCTIONS, RouterConfig, router_reference, routing_weights
 
 BACKENDS = ("auto", "reference", "xla", "pallas")
 # Chosen from benchmarks/router.py (BENCHMARKS.md, "Router"). GPU: "xla" until the Pallas router's
@@ -131,7 +119,7 @@ def resolve_backend(backend: str) -> str:
 def _forward_impl(backend: str):
     if backend == "xla":
         return router_xla.router_xla
-    from expertd.kernels import router_pallas  # imported lazily: Pallas is only needed here
+    from expertd.kernels.router import pallas as router_pallas  # imported lazily: Pallas is only needed here
 
     return router_pallas.router_pallas
 
