@@ -25,9 +25,13 @@ logger = logging.getLogger("vllm.plugins.expertd")  # under vLLM's configured "v
 FAMILIES_BY_MODEL_TYPE: dict[str, Family] = {family.model_type: family for family in FAMILIES.values()}
 
 
+STEP_ERROR_PREFIX = "expertd Forward of layer "
+
+
 class ExpertdStepError(RuntimeError):
-    """An expertd call failed during a vLLM forward pass; the message names the layer, the
-    tokens and the server's answer. The plugin fails that step's requests and the engine goes on."""
+    """An expertd call failed during a vLLM forward pass; the message (``STEP_ERROR_PREFIX``...)
+    names the layer, the tokens and the server's answer. The plugin fails that step's requests and
+    the engine goes on."""
 
 
 def family_for(hf_config) -> Family:
@@ -97,7 +101,7 @@ class ExpertdSession:
         except ExpertError as error:
             if isinstance(error, UnavailableError):
                 self.close()  # the next step connects afresh, not after the old channel's reconnect backoff
-            raise ExpertdStepError(f"expertd Forward of layer {layer} ({x.shape[0]} tokens, {x.dtype}) at "
+            raise ExpertdStepError(f"{STEP_ERROR_PREFIX}{layer} ({x.shape[0]} tokens, {x.dtype}) at "
                                    f"{self.target.address} failed: {error}") from None
         return from_wire(y, like=x)
 

