@@ -44,7 +44,6 @@ lint: install
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not exclusive"
 	$(BIN)/python -m pytest -m exclusive
-	$(MAKE) test-vllm
 
 # The vLLM plugin on real engines (tests/vllm_plugin; skipped in .venv, where vLLM is absent).
 test-vllm: $(VLLM_STAMP)
