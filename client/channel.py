@@ -9,6 +9,9 @@ Targets (``resolve_target``), one server or replicas of it:
   ``ipv6:`` lists; host names are resolved once, when the client is made (gRPC has no resolver
   for a list of names), all IPv4 if every name has an IPv4 address, else all IPv6.
 - any other gRPC URI (``ipv4:``, ``ipv6:``, ``unix:``, ...) as it is.
+- ``shm://NAME``: the same-host channel of a server started with ``--shm-channel NAME``
+  (``expertd.client.shm_channel``: a gRPC channel look-alike, the same methods and errors; one
+  server, not replicas).
 
 The channel's service config (``service_config``): gRPC's ``round_robin`` over the replicas
 whose ``grpc.health.v1`` status (service "", Watched by gRPC's client-side health checking) is
@@ -33,7 +36,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from expertd.client import admission, errors
+from expertd.client import admission, errors, shm_channel, shm_frames
 from expertd.client.pb.v1 import expert_pb2, expert_pb2_grpc
 from expertd.client.throttle import AdaptiveThrottle, Throttle
 
@@ -222,7 +225,14 @@ def channel_options(max_message_bytes: int, tls: TlsOptions | None, *, retries: 
 
 def open_channel(target: str, *, aio: bool, tls: TlsOptions | None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  retries: int = 0, backoff: Backoff | None = None, health_checked: bool = True):
-    """A ``grpc.Channel`` (``grpc.aio.Channel`` with ``aio``) to ``target`` (any form of ``resolve_target``)."""
+    """A ``grpc.Channel`` (``grpc.aio.Channel`` with ``aio``) to ``target`` (any form of ``resolve_target``),
+    or for ``shm://NAME`` the same-host channel's look-alike (``tls`` must be off: the channel is local)."""
+    if shm_frames.name_of(target) is not None:
+        if tls is not None:
+            raise ValueError(f"target {target!r}: the same-host channel has no TLS (it never leaves the host); "
+                             "drop tls=")
+        kind = shm_channel.AsyncShmChannel if aio else shm_channel.ShmChannel
+        return kind(target, retries=retries, backoff=backoff or DEFAULT_BACKOFF)
     resolved = resolve_target(target)
     options = channel_options(max_message_bytes, tls, retries=retries, backoff=backoff, authority=resolved.authority,
                               health_checked=health_checked)
@@ -317,16 +327,24 @@ class ClientBase:
         self._probe_channel = None
         self._health: health_pb2_grpc.HealthStub | None = None
 
+    @property
+    def same_host(self) -> bool:
+        """Whether the target is the same-host channel (``shm://NAME``)."""
+        return shm_frames.name_of(self.target) is not None
+
     def probe(self) -> health_pb2_grpc.HealthStub:
         """The health stub on the probe channel (opened now if it is not yet)."""
         if self._health is None:
-            self._probe_channel = open_channel(self.target, aio=self._aio, tls=self._tls, health_checked=False)
+            self._probe_channel = self._channel if self.same_host else \
+                open_channel(self.target, aio=self._aio, tls=self._tls, health_checked=False)
             self._health = health_pb2_grpc.HealthStub(self._probe_channel)
         return self._health
 
     def _forward_call(self, request: expert_pb2.ForwardRequest):
         """(method, metadata) for a Forward: the unary stub with the admission metadata its size calls
         for, or, while the server pushes back, the call that holds its large body until admitted."""
+        if self.same_host:  # the body is in shared memory already: nothing to hold back
+            return self._stub.Forward, ()
         metadata = admission.admission_metadata(request)
         if metadata and self._pushback.active():
             return self._forward_held, metadata
@@ -360,4 +378,5 @@ class ClientBase:
             self._throttle.accepted()
 
     def _channels(self) -> list:
-        return [self._channel] + ([self._probe_channel] if self._probe_channel is not None else [])
+        probe = self._probe_channel is not None and self._probe_channel is not self._channel
+        return [self._channel] + ([self._probe_channel] if probe else [])

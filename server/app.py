@@ -15,8 +15,9 @@ Start-up, in order:
    (``expertd.server.metrics.http``) at ``config.metrics_bind_host`` (loopback by default when auth
    is on), optionally behind TLS and the token. With ``--native-port``, the native Forward port
    (``expertd.server.native_front``: gRPC C++, the same token and TLS, the same batcher; built in
-   ``create_server`` before the model loads), not accepting until SERVING. The start-up log states
-   TLS, mTLS, auth and the metrics endpoint (``security_summary``). Port 0 binds a free port.
+   ``create_server`` before the model loads), not accepting until SERVING. With ``--shm-channel``, the
+   same-host channel (``expertd.server.shm_channel``: the unary handlers, token and limit of the
+   gRPC port). The start-up log states TLS, mTLS, auth and metrics (``security_summary``).
 3. Warm up (``expertd.server.engine.warmup``: compile every bucket) on the device-worker thread while
    health says NOT_SERVING ("liveness" is SERVING from the start); then SERVING and
    ``expertd_model_ready`` 1, and (expert-parallel mesh) the expert load balancer starts
@@ -33,8 +34,8 @@ Drain (``handle.stop()``, SIGTERM in ``expertd serve``), all within the grace:
    ``LINGER_QUIET_S``), up to ``--drain-linger-s`` after the drain began: clients move to other
    replicas before the port closes. (Why: calls that reach grpc's server core after ``stop`` began
    are cancelled by it, CANCELLED, before any handler sees them.)
-4. Watches end; the native Forward port and the gRPC server stop (nothing is left to wait for); the
-   metrics endpoint closes.
+4. Watches end; the native port, the channel (its clients get UNAVAILABLE at once) and the gRPC
+   server stop (nothing is left to wait for); the metrics endpoint closes.
 """
 from __future__ import annotations
 
@@ -56,11 +57,12 @@ from expertd.server.config import ServerConfig
 from expertd.server.config.credentials import Credentials
 from expertd.server.engine import build, rebalancer, warmup
 from expertd.server.frontends import ExpertServicer, SharedMemoryRegistry
-from expertd.server.metrics import http
+from expertd.server.metrics import http, shm_channel
 from expertd.server.metrics.families import Metrics
 from expertd.server.metrics.http import MetricsEndpoint
 from expertd.server.native_front import NativeFront, NativeUnavailable
 from expertd.server.native_front import build_module as build_native_front
+from expertd.server.shm_channel import ShmChannel
 from expertd.server.transport import event_loop, listen
 from expertd.server.transport.drain import HealthServicer, StreamInputs
 from expertd.server.transport.reflection import enable_reflection
@@ -73,6 +75,7 @@ PROBE_SERVICES = ("liveness", "readiness")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+HEALTH_CHECK = f"/{HEALTH_SERVICE}/Check"
 LINGER_QUIET_S = 0.2  # drain step 3: no new call for this long means clients have moved on
 
 
@@ -88,6 +91,7 @@ class _Parts:
     services: tuple[str, ...]
     metrics_endpoint: MetricsEndpoint
     native: NativeFront | None = None
+    channel: ShmChannel | None = None
 
 
 class ServerHandle:
@@ -175,7 +179,8 @@ class ServerHandle:
         """``gRPC listening on 127.0.0.1:8001 (TLS), event loop uvloop 0.23.0``: what ``expertd serve`` says."""
         tls = " (TLS)" if self.credentials.tls else ""
         native = f", native Forward port {self.native_port}{tls}" if self.native_port else ""
-        return f"gRPC listening on {self.config.host}:{self.port}{tls}{native}, event loop {self.event_loop}"
+        channel = f", same-host channel shm://{self.config.shm_channel}" if self.config.shm_channel else ""
+        return f"gRPC listening on {self.config.host}:{self.port}{tls}{native}{channel}, event loop {self.event_loop}"
 
     # -- server thread --------------------------------------------------------------------------
     def _start(self) -> None:
@@ -208,6 +213,8 @@ class ServerHandle:
             await self._parts.metrics_endpoint.close()
             if self._parts.native is not None:  # stopped by the drain; here when start-up failed
                 await self._parts.native.stop(0.0)
+            if self._parts.channel is not None:
+                await self._parts.channel.stop(0.0)
 
     async def _build(self) -> _Parts:
         config, model = self.config, self.model
@@ -234,6 +241,7 @@ class ServerHandle:
         await health.set("liveness", SERVING)
         if config.reflection:
             enable_reflection(registrar, (*services, HEALTH_SERVICE))
+        channel = self._start_channel(servicer, health, credentials, limit) if config.shm_channel else None
         address = f"{config.host}:{config.port}"
         try:
             if credentials.tls:
@@ -254,7 +262,17 @@ class ServerHandle:
         self.metrics_url = http.metrics_url(config, endpoint)
         native = await self._start_native(servicer, credentials, limit, server, endpoint) \
             if config.native_port is not None else None
-        return _Parts(asyncio.get_running_loop(), server, health, streams, batcher, tuple(services), endpoint, native)
+        return _Parts(asyncio.get_running_loop(), server, health, streams, batcher, tuple(services), endpoint, native,
+                      channel)
+
+    def _start_channel(self, servicer: ExpertServicer, health: HealthServicer, credentials: Credentials, limit: int):
+        """The same-host channel (``--shm-channel``): the gRPC port's unary handlers, its token, its limit."""
+        c = self.config
+        handlers = {**servicer.unary_methods(), HEALTH_CHECK: (health_pb2.HealthCheckRequest, health.check)}
+        channel = ShmChannel.start(c.shm_channel, handlers, slots=c.shm_channel_slots, token=credentials.token,
+                                   max_message_bytes=limit, clients=c.shm_channel_clients, group=c.shm_channel_group)
+        shm_channel.register(self.registry, self.metrics.grpc_calls, channel.stats)
+        return channel
 
     async def _start_native(self, servicer: ExpertServicer, credentials: Credentials, limit: int,
                             server: grpc.aio.Server, endpoint: MetricsEndpoint) -> NativeFront:
@@ -324,6 +342,8 @@ class ServerHandle:
         await parts.health.end_watches()
         if parts.native is not None:
             await parts.native.stop(max(0.0, deadline - loop.time()))
+        if parts.channel is not None:
+            await parts.channel.stop(max(0.0, deadline - loop.time()))
         await parts.server.stop(max(0.0, deadline - loop.time()))
         await parts.batcher.close()
 

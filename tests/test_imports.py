@@ -118,6 +118,7 @@ ARROWS = {
     "batching": {"engine.api", "engine.description", "metrics", "errors", "config"},
     "native_front": {"batching", "engine.api", "engine.description", "frontends", "transport.auth",
                      "transport.interceptors", "metrics", "errors", "config"},
+    "shm_channel": {"errors", "metrics", "transport.auth", "transport.interceptors"},
     "transport": {"metrics", "errors", "config"},
     "metrics": {"errors", "config"},
     "config": set(),
@@ -126,7 +127,7 @@ ARROWS = {
     "engine": {"models", "host", "errors", "config"},
     "multihost": None,
 }
-CLIENT_FOR_SERVER = ("codec", "messages", "pb", "admission", "kserve_protos", "kserve_pool")
+CLIENT_FOR_SERVER = ("codec", "messages", "pb", "admission", "kserve_protos", "kserve_pool", "shm_frames")
 PROMETHEUS_FAMILIES = {"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", "CounterMetricFamily",
                        "GaugeMetricFamily", "HistogramMetricFamily", "SummaryMetricFamily", "InfoMetricFamily"}
 

@@ -15,7 +15,7 @@ DEFAULT_TIMEOUT_S = 30.0
 class Target:
     """An expert server and the deadline of each call to it."""
 
-    address: str       # "host:port", "host1:port,host2:port" or "dns:///name:port" (ExpertClient's targets)
+    address: str       # "host:port", "host1:port,host2:port", "dns:///name:port" or "shm://NAME" (ExpertClient's)
     timeout_s: float   # per call (GetModelInfo at start, each layer's Forward)
     source: str        # where it was set, for messages: "EXPERTD_VLLM_TARGET" or "additional_config expertd.target"
 
@@ -50,9 +50,6 @@ def configured_target(additional_config=None) -> Target | None:
     address = (from_config or "").strip() or from_env
     if address is None:
         return None
-    if address.startswith("shm://"):
-        raise ValueError(f"expertd target {address!r}: the same-host shared-memory channel (shm://) is not "
-                         "supported by the vLLM plugin yet; give the server's host:port")
     timeout = section.get("timeout", os.environ.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
     try:
         timeout = float(timeout)

@@ -31,6 +31,17 @@ class ServerConfig:
                                      "$EXPERTD_NATIVE_PORT)", parse=int, metavar="PORT", env="EXPERTD_NATIVE_PORT")
     native_direct: bool = option(True, "on --native-port, a lone call at an idle server, and what queues behind it, "
                                        "run on gRPC C++'s threads, not waking the event loop (one process only)")
+    shm_channel: str | None = option(None, "also serve Forward, Route, GetModelInfo, GetExpertLoad and health to "
+                                     "processes on this host over shared memory, as shm://NAME "
+                                     "(/dev/shm/expertd-NAME.sock, or a path; docs/attention.md)", metavar="NAME",
+                                     parse=optional_str, nonempty=True)
+    shm_channel_group: str | None = option(None, "on --shm-channel: also let this group's members attach (the socket "
+                                           "0660 with this group; default: this user only, 0600)", metavar="GROUP",
+                                           parse=optional_str, nonempty=True)
+    shm_channel_slots: int = option(4, "on --shm-channel: calls each client may have in flight (a slot each)",
+                                    parse=int)
+    shm_channel_clients: int = option(64, "on --shm-channel: clients attached at once (more are refused "
+                                      "RESOURCE_EXHAUSTED)", parse=int)
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
                                       "when auth is on and --metrics-auth is not: unauthenticated metrics of an "
                                       "authenticated server stay local unless asked)", metavar="ADDRESS",
@@ -77,6 +88,11 @@ class ServerConfig:
         for name in ("shared_memory_regions", "drain_grace_s", "drain_linger_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("shm_channel_slots", "shm_channel_clients"):
+            if not 1 <= getattr(self, name) <= 1024:
+                raise ValueError(f"--{name.replace('_', '-')} must be between 1 and 1024, got {getattr(self, name)}")
+        if self.shm_channel_group is not None and self.shm_channel is None:
+            raise ValueError("--shm-channel-group needs --shm-channel NAME")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
         if self.metrics_host is not None and not self.metrics_host.strip():

@@ -5,11 +5,10 @@ for a layer not served, ``INVALID_ARGUMENT`` naming the field) -> the batcher ad
 at once (``UNAVAILABLE`` while warming up or draining, ``RESOURCE_EXHAUSTED`` with a RetryInfo delay
 when the queued work or the call's deadline leaves no room: ``expertd.server.batching.admission``) -> the
 tensor body is decoded and validated (byte length, NaN/Inf) -> the batcher computes it ->
-``expertd.client.messages`` encodes its result. Failures become status codes in
-``expertd.server.errors`` (anything unexpected is ``INTERNAL`` with a generic message; the stack
-trace goes to the server log only). Calls are
-counted by the ``grpc_server_*`` wrapper; ForwardStream's messages, whose failures travel in-band,
-also in ``expertd_stream_messages_total{code}``.
+``expertd.client.messages`` encodes its result. Failures become status codes in ``errors`` (anything
+unexpected is ``INTERNAL`` with a generic message; the trace goes to the server log only). Calls are
+counted by the ``grpc_server_*`` wrapper; ForwardStream's messages also in
+``expertd_stream_messages_total{code}``.
 
 Shared memory (``expertd.server.frontends.shared_memory``, the registry the KServe service shares):
 Register / Unregister / GetSharedMemoryStatus; a Forward's hidden states may name a region
@@ -58,6 +57,14 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self.aux_loss_coeff = aux_loss_coeff
         self.placements = placements  # the layers' current expert placements (expert-parallel mesh)
         self._model_info = model_info(model, version)
+
+    def unary_methods(self) -> dict[str, tuple[type, object]]:
+        """{path: (request class, ``async handler(message, deadline) -> response``)}: the unary methods
+        as another transport (the same-host channel) hands them over, past its own checks (auth)."""
+        return {f"/expertd.v1.ExpertService/{name}": handler for name, handler in {
+            "Forward": (expert_pb2.ForwardRequest, self._forward), "Route": (expert_pb2.RouteRequest, self._route),
+            "GetModelInfo": (expert_pb2.GetModelInfoRequest, self._model_info_now),
+            "GetExpertLoad": (expert_pb2.GetExpertLoadRequest, self._get_expert_load)}.items()}
 
     # -- Forward ---------------------------------------------------------------------------------
     async def Forward(self, request, context):
@@ -215,6 +222,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     async def GetModelInfo(self, request, context):
         return self.current_model_info()
 
+    async def _model_info_now(self, _request, _deadline=None) -> expert_pb2.GetModelInfoResponse:
+        return self.current_model_info()
+
     def current_model_info(self) -> expert_pb2.GetModelInfoResponse:
         """GetModelInfo's answer now: the model's description with each expert-parallel layer's
         current placement (it changes when the rebalancer swaps one in)."""
@@ -230,7 +240,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     async def GetExpertLoad(self, request, context):
         return await run_unary(context, self._get_expert_load(request))
 
-    async def _get_expert_load(self, request) -> expert_pb2.GetExpertLoadResponse:
+    async def _get_expert_load(self, request, _deadline=None) -> expert_pb2.GetExpertLoadResponse:
         """At most one entry per served layer (``len`` first: the loop never grows with the request)."""
         if len(request.layers) > len(self.model.layers):
             raise InvalidRequest("layers", f"at most {len(self.model.layers)} layers (those served), got "
@@ -269,13 +279,9 @@ def placement_message(placements: api.Placements, layer: int) -> expert_pb2.Expe
 def model_info(model: ModelDescription, version: str) -> expert_pb2.GetModelInfoResponse:
     """GetModelInfo's answer: the description's layers, dtype, buckets, limits and mesh."""
     info = expert_pb2.GetModelInfoResponse(
-        model=model.name,
-        dtype=codec.dtype_enum(model.dtype),
-        buckets=list(model.buckets),
-        max_batch_tokens=model.max_batch_tokens,
-        max_request_tokens=model.max_request_tokens,
-        server_version=version,
-        input_dtypes=list(codec.FLOAT_DTYPES),
+        model=model.name, dtype=codec.dtype_enum(model.dtype), buckets=list(model.buckets),
+        max_batch_tokens=model.max_batch_tokens, max_request_tokens=model.max_request_tokens,
+        server_version=version, input_dtypes=list(codec.FLOAT_DTYPES),
         mesh=expert_pb2.Mesh(axis_names=[model.mesh.axis], axis_sizes=[model.mesh.size],
                              platform=model.mesh.platform, num_devices=model.mesh.size),
     )

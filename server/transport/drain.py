@@ -39,7 +39,14 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     async def Check(self, request, context):
         status = self._status.get(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown health service {request.service!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, _unknown(request.service))
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def check(self, request: health_pb2.HealthCheckRequest, _deadline=None) -> health_pb2.HealthCheckResponse:
+        """Check for another transport (the same-host channel): LookupError (NOT_FOUND) for an unknown service."""
+        status = self._status.get(request.service)
+        if status is None:
+            raise LookupError(_unknown(request.service))
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, context):
@@ -75,6 +82,10 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         async with self._changed:
             self._ending = True
             self._changed.notify_all()
+
+
+def _unknown(service: str) -> str:
+    return f"unknown health service {service!r}"
 
 
 class StreamInputs:

@@ -42,7 +42,6 @@ def test_the_target_comes_from_additional_config_or_the_environment(monkeypatch)
     ({"expertd": {"target": "h:1", "timeout": 0}}, "must be a positive number of seconds, got 0"),
     ({"expertd": {"target": "h:1", "timeout": "soon"}}, "must be a positive number of seconds, got 'soon'"),
     ({"expertd": {"target": "h:1", "tiemout": 3}}, r"unknown keys \['tiemout'\]"),
-    ({"expertd": {"target": "shm://io"}}, "shared-memory channel .* not supported by the vLLM plugin yet"),
 ])
 def test_malformed_settings_are_refused_naming_the_field(config, message):
     with pytest.raises(ValueError, match=message):
