@@ -28,7 +28,7 @@ import grpc
 from expertd.client import shm_frames as wire
 from expertd.client.shm_connection import AsyncConnection, Connection, ShmRpcError, error_of
 
-IDEMPOTENT = frozenset(wire.METHODS)  # every unary method the channel carries may run twice
+IDEMPOTENT = frozenset(wire.METHODS[:4])  # Forward, Route, GetModelInfo, GetExpertLoad: may run twice
 MAX_GRPC_RETRIES = 4  # gRPC's own cap (gRFC A6: 5 attempts)
 
 
@@ -58,8 +58,8 @@ class _ChannelBase:
     def _unimplemented(self, path: str):
         def refuse(*_args, **_kwargs):
             raise ShmRpcError(grpc.StatusCode.UNIMPLEMENTED, f"{path} is not carried by the shm channel "
-                                                             "(unary Forward, Route, GetModelInfo, GetExpertLoad and "
-                                                             "health only): call the server's gRPC port")
+                                                             "(its unary methods only: shm_frames.METHODS); call the "
+                                                             "server's gRPC port")
         return refuse
 
     unary_stream = stream_unary = stream_stream = lambda self, path, **_: self._unimplemented(path)

@@ -22,6 +22,7 @@ from google.rpc import status_pb2
 from expertd.client import shm_frames as wire
 
 CONNECT_TIMEOUT_S = 5.0
+CLOSED = "the server closed the connection (it stopped or restarted)"
 
 
 class ShmRpcError(grpc.RpcError):
@@ -198,9 +199,11 @@ class Connection:
                     except BlockingIOError:
                         break
                     if not message:
-                        failure = "the server closed the connection (it stopped or restarted)"
+                        failure = CLOSED
                         break
                     bells.append(message)
+        except ConnectionResetError:
+            failure = CLOSED
         except OSError as exc:
             failure = f"lost ({exc})"
         finally:
@@ -288,10 +291,12 @@ class AsyncConnection:
                 bell = self.sock.recv(wire.DOORBELL.size)
             except BlockingIOError:
                 return
+            except ConnectionResetError:
+                return self._fail(CLOSED)
             except OSError as exc:
                 return self._fail(f"lost ({exc})")
             if not bell:
-                return self._fail("the server closed the connection (it stopped or restarted)")
+                return self._fail(CLOSED)
             kind, slot, call_id = wire.DOORBELL.unpack(bell) if len(bell) == wire.DOORBELL.size else (0, 0, 0)
             waiting = self._waiting.pop(call_id, None)
             if kind != wire.ANSWER or waiting is None or waiting[0] != slot:

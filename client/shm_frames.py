@@ -48,6 +48,9 @@ METHODS = (
     "/expertd.v1.ExpertService/GetModelInfo",
     "/expertd.v1.ExpertService/GetExpertLoad",
     "/grpc.health.v1.Health/Check",
+    "/expertd.v1.ExpertService/RegisterSharedMemory",
+    "/expertd.v1.ExpertService/UnregisterSharedMemory",
+    "/expertd.v1.ExpertService/GetSharedMemoryStatus",
 )
 METHOD_IDS = {path: index + 1 for index, path in enumerate(METHODS)}
 

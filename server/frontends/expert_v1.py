@@ -59,12 +59,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self._model_info = model_info(model, version)
 
     def unary_methods(self) -> dict[str, tuple[type, object]]:
-        """{path: (request class, ``async handler(message, deadline) -> response``)}: the unary methods
-        as another transport (the same-host channel) hands them over, past its own checks (auth)."""
-        return {f"/expertd.v1.ExpertService/{name}": handler for name, handler in {
-            "Forward": (expert_pb2.ForwardRequest, self._forward), "Route": (expert_pb2.RouteRequest, self._route),
-            "GetModelInfo": (expert_pb2.GetModelInfoRequest, self._model_info_now),
-            "GetExpertLoad": (expert_pb2.GetExpertLoadRequest, self._get_expert_load)}.items()}
+        """{path: (request class, ``async handler(message, deadline)``)} for the same-host channel."""
+        handlers = {"Forward": self._forward, "Route": self._route, "GetModelInfo": self._model_info_now,
+                    "GetExpertLoad": self._get_expert_load, "RegisterSharedMemory": self._register,
+                    "UnregisterSharedMemory": self._unregister, "GetSharedMemoryStatus": self._shm_status}
+        return {f"/expertd.v1.ExpertService/{name}": (getattr(expert_pb2, f"{name}Request"), handler)
+                for name, handler in handlers.items()}
 
     # -- Forward ---------------------------------------------------------------------------------
     async def Forward(self, request, context):
@@ -194,21 +194,21 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     async def RegisterSharedMemory(self, request, context):
         return await run_unary(context, self._register(request))
 
-    async def _register(self, request) -> expert_pb2.RegisterSharedMemoryResponse:
+    async def _register(self, request, _deadline=None) -> expert_pb2.RegisterSharedMemoryResponse:
         self._registry().register(request.name, request.key, request.offset, request.byte_size)
         return expert_pb2.RegisterSharedMemoryResponse()
 
     async def UnregisterSharedMemory(self, request, context):
         return await run_unary(context, self._unregister(request))
 
-    async def _unregister(self, request) -> expert_pb2.UnregisterSharedMemoryResponse:
+    async def _unregister(self, request, _deadline=None) -> expert_pb2.UnregisterSharedMemoryResponse:
         self._registry().unregister(request.name)
         return expert_pb2.UnregisterSharedMemoryResponse()
 
     async def GetSharedMemoryStatus(self, request, context):
         return await run_unary(context, self._shm_status(request))
 
-    async def _shm_status(self, request) -> expert_pb2.GetSharedMemoryStatusResponse:
+    async def _shm_status(self, request, _deadline=None) -> expert_pb2.GetSharedMemoryStatusResponse:
         return expert_pb2.GetSharedMemoryStatusResponse(regions=[
             expert_pb2.RegisterSharedMemoryRequest(name=i.name, key=i.key, offset=i.offset, byte_size=i.byte_size)
             for i in self._registry().status(request.name)])

@@ -85,7 +85,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
 
 def _unknown(service: str) -> str:
-    return f"unknown health service {service!r}"
+    return f"health service {service!r} is not one this server reports"
 
 
 class StreamInputs:

@@ -12,10 +12,11 @@ from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
 
 
 @contextlib.contextmanager
-def running_server(tmp_path_factory, **batching):
-    """A started, warmed-up server; stopped on exit. ``batching``: BatchingConfig fields."""
+def running_server(tmp_path_factory, *, shm_channel: str | None = None, **batching):
+    """A started, warmed-up server; stopped on exit. ``batching``: BatchingConfig fields;
+    ``shm_channel``: serve the same-host channel at that socket path too."""
     config = ServerConfig(
-        host="127.0.0.1", port=0, metrics_port=0,
+        host="127.0.0.1", port=0, metrics_port=0, shm_channel=shm_channel,
         compile_cache_dir=str(tmp_path_factory.getbasetemp() / "expertd-jax-cache"),
         model=ModelConfig(preset="tiny", dtype="float32", num_devices=1),
         batching=BatchingConfig(**{"bucket_sizes": (1, 8), **batching}),

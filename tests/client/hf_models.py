@@ -109,14 +109,16 @@ def prompts(batch: int = 2, length: int = 5, seed: int = 0) -> torch.Tensor:
 
 @contextlib.contextmanager
 def expertd_serve(checkpoint, dtype: str, cache_dir, *, ready_timeout: float = 300.0, native: bool = False,
-                  port: int = 0):
+                  port: int = 0, shm_channel: str | None = None):
     """``expertd serve --checkpoint`` on loopback in a subprocess; yields its ``host:port`` once ready and
     stops it (SIGTERM, then kill) on exit. ``native``: with ``--native-port 0``, yielding that port's target.
-    ``port``: the gRPC port (0: one the system picks)."""
+    ``port``: the gRPC port (0: one the system picks). ``shm_channel``: with ``--shm-channel`` at that
+    path, yielding ``shm://<path>``."""
     command = [sys.executable, "-m", "expertd.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", "0", "--checkpoint", str(checkpoint), "--dtype", dtype, "--num-devices", "1",
                "--bucket-sizes", "1,4,16", "--max-queue-delay-ms", "0", "--drain-grace-s", "5",
-               "--compile-cache-dir", str(cache_dir), *(["--native-port", "0"] if native else [])]
+               "--compile-cache-dir", str(cache_dir), *(["--native-port", "0"] if native else []),
+               *(["--shm-channel", shm_channel] if shm_channel else [])]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
@@ -138,7 +140,7 @@ def expertd_serve(checkpoint, dtype: str, cache_dir, *, ready_timeout: float = 3
                 break
             if line.startswith("expertd: error") or server.poll() is not None:
                 raise RuntimeError(f"expertd serve failed:\n{''.join(output)}")
-        yield f"127.0.0.1:{port}"
+        yield f"shm://{shm_channel}" if shm_channel else f"127.0.0.1:{port}"
     finally:
         if server.poll() is None:
             server.terminate()

@@ -33,7 +33,8 @@ def tokens(n: int, seed: int = 0) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(tmp_path_factory, bucket_sizes=(1, 8, 16)) as handle:
+    channel = str(tmp_path_factory.mktemp("channel") / "pipeline.sock")
+    with running_server(tmp_path_factory, bucket_sizes=(1, 8, 16), shm_channel=channel) as handle:
         yield handle
 
 
@@ -66,6 +67,14 @@ async def leftover_tasks(wait: float = 2.0) -> set:
     while (left := {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     return left
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_pipeline_over_the_same_host_channel_gives_the_grpc_outputs(server, reference, micro_batches):
+    x, want = reference
+    got = asyncio.run(run(f"shm://{server.config.shm_channel}", split_micro_batches(x, micro_batches),
+                          transport="unary"))
+    np.testing.assert_array_equal(np.concatenate(got), want)
 
 
 def test_split_micro_batches_keeps_row_order_and_refuses_empty_parts():

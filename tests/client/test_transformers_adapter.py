@@ -203,6 +203,18 @@ def test_greedy_tokens_are_identical_through_the_native_forward_port(tmp_path, c
         assert torch.equal(generate(model, ids), local)
 
 
+def test_greedy_tokens_are_identical_over_the_same_host_channel(tmp_path, cache):
+    """``expertd serve --shm-channel``: the adapter's GetModelInfo check and every Forward over ``shm://``."""
+    path = save_checkpoint("qwen3_moe", "float32", tmp_path / "qwen3_moe")
+    model = from_checkpoint(path)
+    ids = prompts()
+    local = generate(model, ids)
+    channel = str(tmp_path / "adapter.sock")
+    with expertd_serve(path, "float32", cache, shm_channel=channel) as target, offload_moe(model, target) as offload:
+        assert target == f"shm://{channel}" and offload.layers == TINY["qwen3_moe"][3]
+        assert torch.equal(generate(model, ids), local)
+
+
 def test_with_keep_local_false_the_attention_side_holds_no_expert_weight(served):
     model_type, path, target = served
     model = from_checkpoint(path)
