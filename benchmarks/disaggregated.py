@@ -15,7 +15,8 @@ or ``--attention-ms`` when given.
   tokens/s, the expert side's busy fraction, and at m = 1 the per-layer round trip (a step's time
   outside attention / layers) minus the in-process step: what one hop costs. Transport ``native``:
   the pipeline's unary calls to the server's native Forward port (``--native-port``; left out,
-  saying why, where it cannot be built).
+  saying why, where it cannot be built); ``shm``: its unary calls over the same-host channel
+  (``--shm-channel``, ``shm://``).
 
 Reported per T and transport: remote / local tokens/s at m = 1 and at the best m, the gain of m = 2
 and m = 3 over m = 1, busy fractions, round trip and hop. JSON in
@@ -93,12 +94,18 @@ def local_decode(engine, layers: list[int], tokens: int, hidden: int, attention_
 
 NATIVE = "native"
 """A transport of this benchmark: the pipeline's unary calls to the native Forward port."""
+SHM = "shm"
+"""A transport of this benchmark: the pipeline's unary calls over the same-host channel."""
 
 
 def remote_decode(server, tokens: int, layers: int, attention_ms: float, steps: int, transport: str,
                   micro_batches: list[int]) -> dict:
-    port, transport = (server.native_port, "unary") if transport == NATIVE else (server.port, transport)
-    command = [sys.executable, str(EXAMPLE), "--target", f"127.0.0.1:{port}",
+    if transport == SHM:
+        target, transport = f"shm://{server.config.shm_channel}", "unary"
+    else:
+        port, transport = (server.native_port, "unary") if transport == NATIVE else (server.port, transport)
+        target = f"127.0.0.1:{port}"
+    command = [sys.executable, str(EXAMPLE), "--target", target,
                "--metrics", f"http://127.0.0.1:{server.metrics_port}/metrics", "--tokens", str(tokens),
                "--layers", str(layers), "--steps", str(steps), "--warmup", "3", "--attention-ms", f"{attention_ms:.4f}",
                "--micro-batches", ",".join(map(str, micro_batches)), "--transport", transport, "--json"]
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true", help="a small shape, few steps: proves the script runs")
     parser.add_argument("--tokens", default=None, help="tokens a step, comma-separated (1,16,64,256; short: 1,16)")
     parser.add_argument("--transports", default=None,
-                        help="comma-separated: unary, stream, layer-streams, native (the first three; short: "
+                        help="comma-separated: unary, stream, layer-streams, native, shm (the first three; short: "
                         "unary,stream)")
     parser.add_argument("--attention-ratio", type=float, default=1.0,
                         help="attention time per layer / the in-process layer step at the same T (1.0)")
@@ -140,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         except (NativeUnavailable, ImportError) as exc:
             print(f"transport {NATIVE}: left out: {exc}", flush=True)
             transports.remove(NATIVE)
-    config = harness.server_config(dtype, native_port=0 if NATIVE in transports else None,
+    channel = f"/tmp/expertd-disaggregated-{os.getpid()}.sock" if SHM in transports else None
+    config = harness.server_config(dtype, native_port=0 if NATIVE in transports else None, shm_channel=channel,
                                    batching=dict(bucket_sizes=BUCKETS, max_queue_delay_ms=0.0))
     print(f"{shape}: H={hidden} E={experts} k={topk} I={inter}, {num_layers} MoE layers, {dtype}; "
           f"attention = "

@@ -75,7 +75,6 @@ PROBE_SERVICES = ("liveness", "readiness")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-HEALTH_CHECK = f"/{HEALTH_SERVICE}/Check"
 LINGER_QUIET_S = 0.2  # drain step 3: no new call for this long means clients have moved on
 
 
@@ -268,9 +267,10 @@ class ServerHandle:
     def _start_channel(self, servicer: ExpertServicer, health: HealthServicer, credentials: Credentials, limit: int):
         """The same-host channel (``--shm-channel``): the gRPC port's unary handlers, its token, its limit."""
         c = self.config
-        handlers = {**servicer.unary_methods(), HEALTH_CHECK: (health_pb2.HealthCheckRequest, health.check)}
+        handlers = {**servicer.unary_methods(), **health.unary_methods()}
         channel = ShmChannel.start(c.shm_channel, handlers, slots=c.shm_channel_slots, token=credentials.token,
-                                   max_message_bytes=limit, clients=c.shm_channel_clients, group=c.shm_channel_group)
+                                   max_message_bytes=limit, clients=c.shm_channel_clients, group=c.shm_channel_group,
+                                   direct_servicer=servicer if self._step_runner is self.engine else None)
         shm_channel.register(self.registry, self.metrics.grpc_calls, channel.stats)
         return channel
 

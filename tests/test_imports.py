@@ -118,7 +118,7 @@ ARROWS = {
     "batching": {"engine.api", "engine.description", "metrics", "errors", "config"},
     "native_front": {"batching", "engine.api", "engine.description", "frontends", "transport.auth",
                      "transport.interceptors", "metrics", "errors", "config"},
-    "shm_channel": {"errors", "metrics", "transport.auth", "transport.interceptors"},
+    "shm_channel": {"batching", "frontends", "errors", "metrics", "transport.auth", "transport.interceptors"},
     "transport": {"metrics", "errors", "config"},
     "metrics": {"errors", "config"},
     "config": set(),

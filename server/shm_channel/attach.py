@@ -8,6 +8,15 @@ import socket
 import stat
 
 
+class Client:
+    """One attached client: its socket, its mapped segment and the slots with a call in flight."""
+
+    def __init__(self, sock: socket.socket, segment: mmap.mmap, slots: int, slot_bytes: int, pid: int):
+        self.sock, self.segment, self.slots, self.slot_bytes, self.pid = sock, segment, slots, slot_bytes, pid
+        self.busy: set[int] = set()
+        self.gone = False
+
+
 def send_segment(sock: socket.socket, welcome: bytes, size: int) -> mmap.mmap:
     """Create a sealed memfd of ``size`` bytes (it can be neither shrunk nor grown: no access to it
     faults; it has no name to open), send it with ``welcome`` over ``sock`` and return its mapping."""

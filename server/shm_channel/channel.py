@@ -15,9 +15,9 @@ Wire format: ``expertd.client.shm_frames``. What is checked, in order:
   message, handed to the method's handler (``frontends.ExpertServicer.unary_methods``, health):
   the main port's decode, admission, batching, answer, errors (``errors.status_of``) and logs.
 - Deadline: the frame's timeout, from the doorbell, as gRPC's; the handler is cancelled at it.
-- A client gone (its socket closed) frees its connection at once; calls it had in flight finish
-  and their answers are dropped. ``stop`` closes every connection: waiting clients get
-  UNAVAILABLE at once and reattach to the next server on the same name.
+  A lone Forward at an idle server is computed as its doorbell is read (``direct``).
+- A client gone (its socket closed) frees its connection at once; its calls in flight finish, their
+  answers dropped. ``stop`` closes every connection: waiting clients get UNAVAILABLE at once.
 
 Threads: everything here belongs to the server's event loop (``add_reader`` on the sockets).
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import grp
 import logging
 import mmap
@@ -35,31 +36,21 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from expertd.client import shm_frames as wire
 from expertd.server import errors
 from expertd.server.metrics.shm_channel import ShmChannelStats
-from expertd.server.shm_channel import attach
+from expertd.server.shm_channel import attach, direct, frames
 from expertd.server.transport.auth import UNAUTHENTICATED_MESSAGE, authorized
-from expertd.server.transport.interceptors import undecodable_message
 
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 2.0
 QUIESCE_POLL_S = 0.005
 PEERCRED = struct.Struct("3i")  # pid, uid, gid
+FORWARD = wire.METHOD_IDS["/expertd.v1.ExpertService/Forward"]
 Handler = tuple[type, Callable[..., Awaitable]]
 """(request message class, ``async handler(message, deadline) -> response message``)."""
-
-
-class _Client:
-    """One attached client: its socket, its mapped segment and the slots with a call in flight."""
-
-    def __init__(self, sock: socket.socket, segment: mmap.mmap, slots: int, slot_bytes: int, pid: int):
-        self.sock, self.segment, self.slots, self.slot_bytes, self.pid = sock, segment, slots, slot_bytes, pid
-        self.busy: set[int] = set()
-        self.gone = False
 
 
 class ShmChannel:
@@ -67,24 +58,28 @@ class ShmChannel:
 
     def __init__(self, path: str, listener: socket.socket, handlers: dict[int, Handler], *,
                  loop: asyncio.AbstractEventLoop, slots: int, slot_bytes: int, clients: int, group_id: int | None,
-                 token: bytes | None, stats: ShmChannelStats):
+                 token: bytes | None, stats: ShmChannelStats, direct=None):
         self.path, self._listener, self._handlers, self._loop = path, listener, handlers, loop
+        self._direct = direct
         self._slots, self._slot_bytes, self._max_clients, self._group_id = slots, slot_bytes, clients, group_id
         self._token, self.stats = token, stats
-        self._clients: set[_Client] = set()
+        self._clients: set[attach.Client] = set()
         self._calls: set[asyncio.Task] = set()
         self._stopped = False
         loop.add_reader(listener, self._accept)
 
     @classmethod
     def start(cls, name: str, handlers: dict[str, Handler], *, slots: int, max_message_bytes: int, clients: int,
-              group: str | None = None, token: str | None = None) -> ShmChannel:
+              group: str | None = None, token: str | None = None, direct_servicer=None) -> ShmChannel:
         """Listen at ``name``'s socket path (``shm_frames.socket_path``), replacing a stale socket
         there; ValueError naming the flag where a live server holds it, it cannot be bound or the
         group does not exist. ``handlers``: method path -> Handler (paths the wire does not carry are
-        ignored). Each slot holds a frame of ``max_message_bytes`` (the gRPC port's limit)."""
+        ignored). Each slot holds a frame of ``max_message_bytes`` (the gRPC port's limit).
+        ``direct_servicer``: the ExpertServicer whose lone Forwards at an idle server are computed as
+        their doorbell is read (``direct.forward_now``; only where its engine runs in this process)."""
+        served_now = None if direct_servicer is None else functools.partial(direct.forward_now, direct_servicer)
         try:
-            return cls._listen(name, handlers, slots=slots, clients=clients, group=group,
+            return cls._listen(name, handlers, slots=slots, clients=clients, group=group, direct=served_now,
                                token=None if token is None else token.encode(),
                                slot_bytes=-(-(max_message_bytes + wire.FRAME.size) // mmap.PAGESIZE) * mmap.PAGESIZE)
         except KeyError:
@@ -94,13 +89,14 @@ class ShmChannel:
 
     @classmethod
     def _listen(cls, name: str, handlers: dict[str, Handler], *, slots: int, slot_bytes: int, clients: int,
-                group: str | None, token: bytes | None) -> ShmChannel:
+                group: str | None, token: bytes | None, direct) -> ShmChannel:
         path = wire.socket_path(name)
         group_id = grp.getgrnam(group).gr_gid if group is not None else None
         listener = attach.listen(path, group_id)
         by_id = {wire.METHOD_IDS[p]: h for p, h in handlers.items() if p in wire.METHOD_IDS}
         return cls(path, listener, by_id, loop=asyncio.get_running_loop(), slots=slots, slot_bytes=slot_bytes,
-                   clients=clients, group_id=group_id, token=token, stats=ShmChannelStats(wire.METHODS))
+                   clients=clients, group_id=group_id, token=token, stats=ShmChannelStats(wire.METHODS),
+                   direct=direct)
 
     # -- attach ----------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -157,10 +153,10 @@ class ShmChannel:
     def _permitted(self, pid: int, uid: int, gid: int) -> bool:
         return uid == os.geteuid() or self._group_id is not None and attach.in_group(pid, gid, self._group_id)
 
-    def _attach(self, sock: socket.socket, pid: int) -> _Client:
+    def _attach(self, sock: socket.socket, pid: int) -> attach.Client:
         """A sealed memfd of the client's slots, mapped here and passed to it in WELCOME."""
         welcome = wire.WELCOME.pack(wire.MAGIC, wire.VERSION, 0, self._slots, self._slot_bytes)
-        return _Client(sock, attach.send_segment(sock, welcome, self._slots * self._slot_bytes), self._slots,
+        return attach.Client(sock, attach.send_segment(sock, welcome, self._slots * self._slot_bytes), self._slots,
                        self._slot_bytes, pid)
 
     def _refuse(self, sock: socket.socket, reason: str, code: grpc.StatusCode, message: str) -> None:
@@ -173,7 +169,7 @@ class ShmChannel:
         sock.close()
 
     # -- calls -----------------------------------------------------------------------------------
-    def _doorbells(self, client: _Client) -> None:
+    def _doorbells(self, client: attach.Client) -> None:
         while not client.gone:
             try:
                 bell = client.sock.recv(wire.DOORBELL.size + 1)
@@ -190,59 +186,62 @@ class ShmChannel:
                                           f"{slot}, {len(bell)} bytes): disconnected")
                 return self._detach(client)
             client.busy.add(slot)
-            call = self._loop.create_task(self._call(client, slot, call_id, time.perf_counter()))
-            self._calls.add(call)
-            call.add_done_callback(self._calls.discard)
+            self._call(client, slot, call_id, time.perf_counter())
 
-    async def _call(self, client: _Client, slot: int, call_id: int, started: float) -> None:
-        offset = slot * client.slot_bytes
-        magic, version, method, framed_id, timeout_us, length, _ = wire.FRAME.unpack_from(client.segment, offset)
-        handler = self._handlers.get(method)
-        path = wire.METHODS[method - 1] if handler is not None else None
+    def _call(self, client: attach.Client, slot: int, call_id: int, started: float) -> None:
+        """Read the frame in ``slot`` and serve it: answered now where it fails its frame checks or a
+        lone Forward is computed at once (``direct``), else by a task on the loop."""
+        method, timeout_us = frames.header(client.segment, slot * client.slot_bytes)
+        path = wire.METHODS[method - 1] if method in self._handlers else None
         metrics = self.stats.methods.get(path) if path else None
         if metrics is not None:
             metrics.started.inc()
             metrics.received.inc()
         try:
-            capacity = client.slot_bytes - wire.FRAME.size
-            if magic != wire.MAGIC or version != wire.VERSION or framed_id != call_id:
-                raise errors.InvalidRequest("frame", f"expected magic {wire.MAGIC:#x}, version {wire.VERSION} and the "
-                                                     f"doorbell's call id {call_id}, got {magic:#x}, {version}, "
-                                                     f"{framed_id}")
-            if handler is None:
-                raise errors.InvalidRequest("frame.method", f"expected 1..{len(wire.METHODS)} (shm_frames.METHODS), "
-                                                            f"got {method}")
-            if length > capacity:
-                raise errors.InvalidRequest("frame.payload_length", f"expected <= {capacity} bytes (the slot), "
-                                                                    f"got {length}")
-            start = offset + wire.FRAME.size
-            message_class, serve = handler
-            try:
-                message = message_class.FromString(client.segment[start:start + length])
-            except DecodeError:
-                raise errors.InvalidRequest("frame.payload",
-                                            undecodable_message(message_class.DESCRIPTOR.full_name)) from None
+            message_class, serve = self._handlers.get(method, (None, None))
+            message = frames.request(client.segment, slot * client.slot_bytes, client.slot_bytes, call_id,
+                                     message_class)
             deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
-            work = serve(message, deadline)
-            response = await (asyncio.wait_for(work, deadline - time.monotonic()) if deadline else work)
-            code, body, shown = grpc.StatusCode.OK, response.SerializeToString(), ""
+            response = self._direct(message, deadline) if method == FORWARD and self._direct else None
         except Exception as exc:  # noqa: BLE001 - every failure is an answer, as on gRPC
-            status = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", []) if isinstance(exc, TimeoutError) \
-                else errors.status_of(exc)
-            code, body, shown = status[0], errors.rich_status(status).SerializeToString(), status[1]
-        if len(body) > client.slot_bytes - wire.FRAME.size:
-            status = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"the answer is {len(body)} bytes, more than the shm "
-                      f"channel's slot holds ({client.slot_bytes - wire.FRAME.size}); call over gRPC", [])
-            code, body, shown = status[0], errors.rich_status(status).SerializeToString(), status[1]
+            return self._finish(client, slot, call_id, method, metrics, started, exc=exc)
+        if response is not None:
+            return self._finish(client, slot, call_id, method, metrics, started, response=response)
+        call = self._loop.create_task(self._serve(client, slot, call_id, method, metrics, started, serve, message,
+                                                  timeout_us))
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+
+    async def _serve(self, client: attach.Client, slot: int, call_id: int, method: int, metrics, started: float, serve,
+                     message, timeout_us: int) -> None:
+        expiry = None
+        try:
+            deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
+            if deadline is not None:  # cancelled at its deadline, as gRPC cancels a handler (no wait_for task)
+                expiry = self._loop.call_at(self._loop.time() + timeout_us / 1e6, asyncio.current_task().cancel)
+            response = await serve(message, deadline)
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - every failure is an answer
+            if isinstance(exc, asyncio.CancelledError) and (self._stopped or expiry is None):
+                raise  # the channel stops: nobody waits for this answer
+            return self._finish(client, slot, call_id, method, metrics, started, exc=exc)
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+        self._finish(client, slot, call_id, method, metrics, started, response=response)
+
+    def _finish(self, client: attach.Client, slot: int, call_id: int, method: int, metrics, started: float, *,
+                response=None, exc: BaseException | None = None) -> None:
+        """Answer a call with ``response``, or with the status of ``exc`` (a cancellation: its deadline)."""
+        code, body, shown = frames.answer(response, exc, client.slot_bytes)
         if code.name in errors.CLIENT_CODES:
-            errors.client_errors.note(code.name, f"{path or 'shm channel'}: {shown}")
+            errors.client_errors.note(code.name, f"{wire.METHODS[method - 1] if metrics else 'shm channel'}: {shown}")
         if metrics is not None:
             if code == grpc.StatusCode.OK:
                 metrics.sent.inc()
             metrics.handled(code.name, time.perf_counter() - started)
         self._answer(client, slot, call_id, method, code.value[0], body)
 
-    def _answer(self, client: _Client, slot: int, call_id: int, method: int, code: int, body: bytes) -> None:
+    def _answer(self, client: attach.Client, slot: int, call_id: int, method: int, code: int, body: bytes) -> None:
         client.busy.discard(slot)
         if client.gone:
             if not client.busy:
@@ -257,7 +256,7 @@ class ShmChannel:
         except OSError:  # gone, or a client that stopped reading its doorbells (it has slots-many at most)
             self._detach(client)
 
-    def _detach(self, client: _Client) -> None:
+    def _detach(self, client: attach.Client) -> None:
         if client.gone:
             return
         client.gone = True

@@ -42,6 +42,10 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, _unknown(request.service))
         return health_pb2.HealthCheckResponse(status=status)
 
+    def unary_methods(self) -> dict[str, tuple[type, object]]:
+        """{path: (request class, ``async handler(message, deadline)``)}: Check, for the same-host channel."""
+        return {"/grpc.health.v1.Health/Check": (health_pb2.HealthCheckRequest, self.check)}
+
     async def check(self, request: health_pb2.HealthCheckRequest, _deadline=None) -> health_pb2.HealthCheckResponse:
         """Check for another transport (the same-host channel): LookupError (NOT_FOUND) for an unknown service."""
         status = self._status.get(request.service)
