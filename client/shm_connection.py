@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import mmap
+import os
 import select
 import socket
 import threading
@@ -113,6 +114,16 @@ class _Slots:
         start = offset + wire.FRAME.size
         self.segment[start:start + len(payload)] = payload
 
+    def spun(self, slot: int, seconds: float) -> bool:
+        """Spin up to ``seconds`` on ``slot``'s answer (``shm_frames.answered``), yielding the CPU
+        between looks; whether it came."""
+        offset, end = slot * self.slot_bytes, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            if wire.answered(self.segment, offset):
+                return True
+            os.sched_yield()
+        return wire.answered(self.segment, offset)
+
     def read(self, slot: int, call_id: int) -> tuple[int, bytes]:
         """(gRPC code, payload) of the answer in ``slot``."""
         offset = slot * self.slot_bytes
@@ -126,8 +137,10 @@ class _Slots:
 class Connection:
     """One blocking connection (module docstring: any thread calls; one reads at a time)."""
 
-    def __init__(self, path: str, token: bytes):
+    def __init__(self, path: str, token: bytes, spin_s: float = 0.0):
         self.sock, segment, slots, slot_bytes = connect(path, token)
+        self._spin_s = spin_s if wire.SPIN_SAFE else 0.0
+        self._caught: set[int] = set()  # calls answered while their caller spun: their doorbells are dropped
         self._poll = select.poll()
         self._poll.register(self.sock, select.POLLIN)
         self.slots = _Slots(path, segment, slots, slot_bytes)
@@ -152,8 +165,11 @@ class Connection:
         except OSError as exc:
             self._break(f"lost ({exc})")
             raise _unavailable(self.path, self.broken) from None
-        abandoned = False
+        abandoned = caught = False
         try:
+            if self._spin_s and not self._reading and self.slots.spun(slot, self._spin_s):
+                caught = True
+                return self.slots.read(slot, call_id)
             with self._ready:
                 while call_id not in self._answers:
                     if self.broken:
@@ -172,6 +188,9 @@ class Connection:
                 if abandoned and call_id not in self._answers:
                     self._abandoned[call_id] = slot  # its answer frees the slot
                 else:
+                    if caught and call_id not in self._answers:
+                        self._caught.add(call_id)
+                        self._drain()  # its doorbell, and any before it: the socket never fills up
                     self._answers.pop(call_id, None)
                     self._free.append(slot)
                     self._ready.notify_all()
@@ -217,12 +236,29 @@ class Connection:
         if not bells and not failure:
             self._wait(deadline)  # the timeout passed: raises
 
+    def _drain(self) -> None:
+        """Read the doorbells waiting now, without waiting (the condition held; not while a reader reads)."""
+        while not self._reading and not self.broken:
+            try:
+                bell = self.sock.recv(wire.DOORBELL.size)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.broken = CLOSED if isinstance(exc, ConnectionResetError) else f"lost ({exc})"
+                return
+            if not bell:
+                self.broken = CLOSED
+                return
+            self._answered(bell)
+
     def _answered(self, bell: bytes) -> None:
         kind, slot, call_id = wire.DOORBELL.unpack(bell) if len(bell) == wire.DOORBELL.size else (0, 0, 0)
         if kind != wire.ANSWER:
             self.broken = "the server sent a doorbell that is not an answer"
         elif call_id in self._abandoned:
             self._free.append(self._abandoned.pop(call_id))
+        elif call_id in self._caught:
+            self._caught.discard(call_id)
         else:
             self._answers[call_id] = slot
 

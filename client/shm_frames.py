@@ -25,6 +25,7 @@ All integers little-endian.
 from __future__ import annotations
 
 import os
+import platform
 import struct
 
 MAGIC = 0x44505845  # b"EXPD"
@@ -36,6 +37,13 @@ REFUSED = struct.Struct("<IHHI")  # magic, version, reserved, gRPC code; the UTF
 FRAME = struct.Struct("<IHHQQII")  # magic, version, method, call id, timeout us, payload length, gRPC code
 DOORBELL = struct.Struct("<IIQ")  # kind, slot, call id
 CALL, ANSWER = 1, 2
+ANSWERED = 0x8000
+"""Set in an answer's method field, written after the rest of its frame: a waiting client may spin
+on it (``answered``) rather than sleep on the doorbell, which still follows. x86-64 sees stores
+in order; elsewhere a client waits for the doorbell (``SPIN_SAFE``)."""
+METHOD_FIELD = struct.Struct("<H")
+METHOD_OFFSET = 6
+SPIN_SAFE = platform.machine() in ("x86_64", "AMD64")
 
 MAX_TOKEN_BYTES = 4096
 MAX_HELLO_BYTES = HELLO.size + MAX_TOKEN_BYTES
@@ -75,5 +83,11 @@ def name_of(target: str) -> str | None:
     return target[len(SCHEME):] if target.startswith(SCHEME) else None
 
 
-def slot_offset(slot: int, slot_bytes: int) -> int:
-    return slot * slot_bytes
+def mark_answered(segment, offset: int, method: int) -> None:
+    """Set ``ANSWERED`` in the method field of the frame at ``offset`` (its last write)."""
+    METHOD_FIELD.pack_into(segment, offset + METHOD_OFFSET, method | ANSWERED)
+
+
+def answered(segment, offset: int) -> bool:
+    """Whether the frame at ``offset`` is an answer (``ANSWERED`` set)."""
+    return bool(segment[offset + METHOD_OFFSET + 1] & (ANSWERED >> 8))

@@ -266,9 +266,9 @@ class ServerHandle:
 
     def _start_channel(self, servicer: ExpertServicer, health: HealthServicer, credentials: Credentials, limit: int):
         """The same-host channel (``--shm-channel``): the gRPC port's unary handlers, its token, its limit."""
-        c = self.config
-        handlers = {**servicer.unary_methods(), **health.unary_methods()}
+        c, handlers = self.config, {**servicer.unary_methods(), **health.unary_methods()}
         channel = ShmChannel.start(c.shm_channel, handlers, slots=c.shm_channel_slots, token=credentials.token,
+                                   spin_us=c.shm_channel_spin_us,
                                    max_message_bytes=limit, clients=c.shm_channel_clients, group=c.shm_channel_group,
                                    direct_servicer=servicer if self._step_runner is self.engine else None)
         shm_channel.register(self.registry, self.metrics.grpc_calls, channel.stats)

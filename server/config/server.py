@@ -40,6 +40,9 @@ class ServerConfig:
                                            parse=optional_str, nonempty=True)
     shm_channel_slots: int = option(4, "on --shm-channel: calls each client may have in flight (a slot each)",
                                     parse=int)
+    shm_channel_spin_us: float = option(100.0, "on --shm-channel: after each answer the server polls, not sleeps, "
+                                        "this long for the next call (a sleeping CPU's wake-up costs more than the "
+                                        "channel's round trip; 0: never poll)", parse=float, metavar="MICROSECONDS")
     shm_channel_clients: int = option(64, "on --shm-channel: clients attached at once (more are refused "
                                       "RESOURCE_EXHAUSTED)", parse=int)
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "
@@ -88,6 +91,8 @@ class ServerConfig:
         for name in ("shared_memory_regions", "drain_grace_s", "drain_linger_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.shm_channel_spin_us <= 1e6:
+            raise ValueError(f"--shm-channel-spin-us must be between 0 and 1000000, got {self.shm_channel_spin_us}")
         for name in ("shm_channel_slots", "shm_channel_clients"):
             if not 1 <= getattr(self, name) <= 1024:
                 raise ValueError(f"--{name.replace('_', '-')} must be between 1 and 1024, got {getattr(self, name)}")

@@ -58,9 +58,10 @@ class ShmChannel:
 
     def __init__(self, path: str, listener: socket.socket, handlers: dict[int, Handler], *,
                  loop: asyncio.AbstractEventLoop, slots: int, slot_bytes: int, clients: int, group_id: int | None,
-                 token: bytes | None, stats: ShmChannelStats, direct=None):
+                 token: bytes | None, stats: ShmChannelStats, direct=None, spin_s: float = 0.0):
         self.path, self._listener, self._handlers, self._loop = path, listener, handlers, loop
         self._direct = direct
+        self._spin_s, self._hot_until, self._hot = spin_s, 0.0, False  # ``_stay_hot``
         self._slots, self._slot_bytes, self._max_clients, self._group_id = slots, slot_bytes, clients, group_id
         self._token, self.stats = token, stats
         self._clients: set[attach.Client] = set()
@@ -70,33 +71,29 @@ class ShmChannel:
 
     @classmethod
     def start(cls, name: str, handlers: dict[str, Handler], *, slots: int, max_message_bytes: int, clients: int,
-              group: str | None = None, token: str | None = None, direct_servicer=None) -> ShmChannel:
+              group: str | None = None, token: str | None = None, direct_servicer=None,
+              spin_us: float = 0.0) -> ShmChannel:
         """Listen at ``name``'s socket path (``shm_frames.socket_path``), replacing a stale socket
         there; ValueError naming the flag where a live server holds it, it cannot be bound or the
         group does not exist. ``handlers``: method path -> Handler (paths the wire does not carry are
         ignored). Each slot holds a frame of ``max_message_bytes`` (the gRPC port's limit).
         ``direct_servicer``: the ExpertServicer whose lone Forwards at an idle server are computed as
-        their doorbell is read (``direct.forward_now``; only where its engine runs in this process)."""
-        served_now = None if direct_servicer is None else functools.partial(direct.forward_now, direct_servicer)
+        their doorbell is read (``direct.forward_now``; only where its engine runs in this process).
+        ``spin_us``: after each answer the loop polls, not sleeps, this long (``_stay_hot``)."""
+        path = wire.socket_path(name)
         try:
-            return cls._listen(name, handlers, slots=slots, clients=clients, group=group, direct=served_now,
-                               token=None if token is None else token.encode(),
-                               slot_bytes=-(-(max_message_bytes + wire.FRAME.size) // mmap.PAGESIZE) * mmap.PAGESIZE)
+            group_id = grp.getgrnam(group).gr_gid if group is not None else None
+            listener = attach.listen(path, group_id)
         except KeyError:
             raise ValueError(f"--shm-channel-group {group!r}: no such group") from None
         except OSError as exc:
-            raise ValueError(f"--shm-channel {name!r}: {exc.strerror or exc} ({wire.socket_path(name)})") from exc
-
-    @classmethod
-    def _listen(cls, name: str, handlers: dict[str, Handler], *, slots: int, slot_bytes: int, clients: int,
-                group: str | None, token: bytes | None, direct) -> ShmChannel:
-        path = wire.socket_path(name)
-        group_id = grp.getgrnam(group).gr_gid if group is not None else None
-        listener = attach.listen(path, group_id)
-        by_id = {wire.METHOD_IDS[p]: h for p, h in handlers.items() if p in wire.METHOD_IDS}
-        return cls(path, listener, by_id, loop=asyncio.get_running_loop(), slots=slots, slot_bytes=slot_bytes,
-                   clients=clients, group_id=group_id, token=token, stats=ShmChannelStats(wire.METHODS),
-                   direct=direct)
+            raise ValueError(f"--shm-channel {name!r}: {exc.strerror or exc} ({path})") from exc
+        return cls(path, listener, {wire.METHOD_IDS[p]: h for p, h in handlers.items() if p in wire.METHOD_IDS},
+                   loop=asyncio.get_running_loop(), slots=slots, clients=clients, group_id=group_id,
+                   slot_bytes=-(-(max_message_bytes + wire.FRAME.size) // mmap.PAGESIZE) * mmap.PAGESIZE,
+                   token=None if token is None else token.encode(), stats=ShmChannelStats(wire.METHODS),
+                   direct=None if direct_servicer is None else functools.partial(direct.forward_now, direct_servicer),
+                   spin_s=spin_us / 1e6)
 
     # -- attach ----------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -125,14 +122,8 @@ class ShmChannel:
         except OSError:
             sock.close()
             return
-        if len(message) < wire.HELLO.size or len(message) > wire.MAX_HELLO_BYTES:
-            return self._refuse(sock, "malformed", grpc.StatusCode.INVALID_ARGUMENT, "HELLO: expected the channel's "
-                                f"{wire.HELLO.size}-byte header and a token of <= {wire.MAX_TOKEN_BYTES} bytes")
-        magic, version, _, token_length = wire.HELLO.unpack_from(message)
-        if magic != wire.MAGIC or version != wire.VERSION or token_length != len(message) - wire.HELLO.size:
-            return self._refuse(sock, "malformed", grpc.StatusCode.FAILED_PRECONDITION, f"HELLO: expected magic "
-                                f"{wire.MAGIC:#x} version {wire.VERSION} and the token's length, got {magic:#x} "
-                                f"version {version}")
+        if (malformed := frames.hello_error(message)) is not None:
+            return self._refuse(sock, "malformed", *malformed)
         if not self._permitted(pid, uid, gid):
             return self._refuse(sock, "permission", grpc.StatusCode.PERMISSION_DENIED,
                                 f"uid {uid} may not attach: the channel serves uid {os.geteuid()}"
@@ -248,13 +239,26 @@ class ShmChannel:
                 client.segment.close()
             return
         offset = slot * client.slot_bytes
-        wire.FRAME.pack_into(client.segment, offset, wire.MAGIC, wire.VERSION, method, call_id, 0, len(body), code)
         start = offset + wire.FRAME.size
         client.segment[start:start + len(body)] = body
+        wire.FRAME.pack_into(client.segment, offset, wire.MAGIC, wire.VERSION, method, call_id, 0, len(body), code)
+        wire.mark_answered(client.segment, offset, method)  # last: what a spinning client waits for
         try:
             client.sock.send(wire.DOORBELL.pack(wire.ANSWER, slot, call_id))
         except OSError:  # gone, or a client that stopped reading its doorbells (it has slots-many at most)
             self._detach(client)
+        if self._spin_s:
+            self._hot_until = time.perf_counter() + self._spin_s
+            if not self._hot:
+                self._hot = True
+                self._loop.call_soon(self._stay_hot)
+
+    def _stay_hot(self) -> None:
+        """Keep the loop polling (a ready callback: its select does not sleep) until ``_hot_until``."""
+        if time.perf_counter() < self._hot_until and not self._stopped:
+            self._loop.call_soon(self._stay_hot)
+        else:
+            self._hot = False
 
     def _detach(self, client: attach.Client) -> None:
         if client.gone:

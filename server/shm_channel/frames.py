@@ -1,5 +1,6 @@
-"""Reading a request frame out of a client's slot: every field checked before the payload is copied,
-nothing outside the slot read (``expertd.client.shm_frames`` is the format)."""
+"""The channel's messages read and written (``expertd.client.shm_frames`` is the format): a HELLO
+checked, a request frame read out of its slot (every field checked before the payload is copied,
+nothing outside the slot read), an answer's payload."""
 from __future__ import annotations
 
 import asyncio
@@ -55,3 +56,15 @@ def answer(response, exc: BaseException | None, slot_bytes: int) -> tuple[grpc.S
                   f"slot holds ({slot_bytes - wire.FRAME.size}); call over gRPC", [])
         code, body, shown = status[0], errors.rich_status(status).SerializeToString(), status[1]
     return code, body, shown
+
+
+def hello_error(message: bytes) -> tuple[grpc.StatusCode, str] | None:
+    """None for a well-formed HELLO, else the refusal's (code, message)."""
+    if len(message) < wire.HELLO.size or len(message) > wire.MAX_HELLO_BYTES:
+        return grpc.StatusCode.INVALID_ARGUMENT, (f"HELLO: expected the channel's {wire.HELLO.size}-byte header and a "
+                                                  f"token of <= {wire.MAX_TOKEN_BYTES} bytes")
+    magic, version, _, token_length = wire.HELLO.unpack_from(message)
+    if magic != wire.MAGIC or version != wire.VERSION or token_length != len(message) - wire.HELLO.size:
+        return grpc.StatusCode.FAILED_PRECONDITION, (f"HELLO: expected magic {wire.MAGIC:#x} version {wire.VERSION} "
+                                                     f"and the token's length, got {magic:#x} version {version}")
+    return None
