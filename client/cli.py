@@ -68,7 +68,8 @@ def _connection_arguments(parser: argparse.ArgumentParser, *, json_flag: bool = 
     group = parser.add_argument_group("connection")
     group.add_argument("--target", default=os.environ.get("EXPERTD_TARGET", "localhost:8001"),
                        help="server host:port, or replicas: host1:port,host2:port or dns:///name:port (a name "
-                            "with several addresses) (default: $EXPERTD_TARGET or localhost:8001)")
+                            "with several addresses), or shm://NAME (the same-host channel of --shm-channel NAME) "
+                            "(default: $EXPERTD_TARGET or localhost:8001)")
     group.add_argument("--timeout", type=float, default=30.0, help="deadline of each call in seconds (default 30)")
     group.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-cert)")
     group.add_argument("--ca-cert", help="PEM file of the CA that signed the server certificate (implies --tls)")

@@ -30,7 +30,7 @@ from expertd.client import shm_frames as wire
 from expertd.client.shm_connection import AsyncConnection, Connection, ShmRpcError, error_of
 
 SPIN_US_ENV = "EXPERTD_SHM_SPIN_US"
-DEFAULT_SPIN_US = 500.0
+DEFAULT_SPIN_US = 2000.0
 """How long a blocking call alone on its connection spins on its answer before it sleeps on the
 doorbell (``$EXPERTD_SHM_SPIN_US``; 0: never spin): a sleeping caller and a sleeping server each
 pay a wake-up, tens of microseconds on a VM, more than the rest of the channel's round trip."""

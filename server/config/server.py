@@ -96,6 +96,9 @@ class ServerConfig:
         for name in ("shm_channel_slots", "shm_channel_clients"):
             if not 1 <= getattr(self, name) <= 1024:
                 raise ValueError(f"--{name.replace('_', '-')} must be between 1 and 1024, got {getattr(self, name)}")
+        for name in ("shm_channel", "shm_channel_group"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ValueError(f"--{name.replace('_', '-')} is set but empty: give a name, or leave it unset")
         if self.shm_channel_group is not None and self.shm_channel is None:
             raise ValueError("--shm-channel-group needs --shm-channel NAME")
         if self.event_loop not in EVENT_LOOPS:

@@ -313,3 +313,24 @@ def test_metrics_bind_loopback_by_default_when_auth_is_on():
     assert with_auth.metrics_bind_host == "127.0.0.1"
     assert dataclasses.replace(with_auth, metrics_auth=True).metrics_bind_host == "0.0.0.0"
     assert dataclasses.replace(with_auth, metrics_host="10.0.0.5").metrics_bind_host == "10.0.0.5"
+
+
+def test_the_same_host_channel_from_flags_and_toml(tmp_path):
+    toml = tmp_path / "expertd.toml"
+    toml.write_text('shm_channel = "experts"\nshm_channel_slots = 8\n')
+    config = cfg.parse_args(["--config", str(toml), "--shm-channel-spin-us", "0"], environ={})
+    assert (config.shm_channel, config.shm_channel_slots, config.shm_channel_spin_us) == ("experts", 8, 0.0)
+    assert (config.shm_channel_group, config.shm_channel_clients) == (None, 64)
+    assert cfg.parse_args([], environ={}).shm_channel is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shm-channel", "x", "--shm-channel-slots", "0"], "--shm-channel-slots must be between 1 and 1024, got 0"),
+    (["--shm-channel", "x", "--shm-channel-clients", "5000"], "--shm-channel-clients must be between 1 and 1024"),
+    (["--shm-channel", "x", "--shm-channel-spin-us", "-1"], "--shm-channel-spin-us must be between 0 and 1000000"),
+    (["--shm-channel-group", "video"], "--shm-channel-group needs --shm-channel NAME"),
+    (["--shm-channel", " "], "--shm-channel is set but empty"),
+])
+def test_bad_same_host_channel_settings_are_refused_naming_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        cfg.parse_args(argv, environ={})
