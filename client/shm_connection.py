@@ -156,8 +156,13 @@ class Connection:
     def call(self, method: int, payload: bytes, deadline: float | None) -> tuple[int, bytes]:
         self.slots.check_size(payload)
         with self._ready:
-            while not self._free:
-                self._wait(deadline)
+            while not self._free:  # slots come back with answers, late ones too: read them if nobody is
+                if self.broken:
+                    raise _unavailable(self.path, self.broken)
+                if self._reading:
+                    self._wait(deadline)
+                else:
+                    self._read_doorbells(deadline)
             slot, call_id = self._free.pop(), next(self._ids)
         try:
             self.slots.write(slot, method, call_id, None if deadline is None else deadline - time.monotonic(), payload)
@@ -272,6 +277,11 @@ class Connection:
         self.sock.close()
 
 
+def _expire(answer: asyncio.Future) -> None:
+    if not answer.done():
+        answer.set_exception(ShmRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+
 class AsyncConnection:
     """One asyncio connection: the loop reads its doorbells (``add_reader``) and owns its state."""
 
@@ -294,11 +304,14 @@ class AsyncConnection:
 
     async def call(self, method: int, payload: bytes, deadline: float | None) -> tuple[int, bytes]:
         self.slots.check_size(payload)
-        remaining = None if deadline is None else deadline - time.monotonic()
-        try:
-            slot = await asyncio.wait_for(self._free.get(), remaining)
-        except TimeoutError:
-            raise ShmRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        if self._free.empty():  # every slot has a call in flight: wait for one (the rare path)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            try:
+                slot = await asyncio.wait_for(self._free.get(), remaining)
+            except TimeoutError:
+                raise ShmRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        else:
+            slot = self._free.get_nowait()
         if self.broken:
             self._free.put_nowait(slot)
             raise _unavailable(self.path, self.broken)
@@ -312,10 +325,14 @@ class AsyncConnection:
             self._free.put_nowait(slot)
             self._fail(f"lost ({exc})")
             raise _unavailable(self.path, self.broken) from None
+        # the deadline is a timer, not a wait_for task; a call that gave up (deadline, cancelled) keeps
+        # its slot until the answer comes (``_on_readable`` frees it)
+        expiry = None if deadline is None else self._loop.call_later(deadline - time.monotonic(), _expire, answer)
         try:
-            await asyncio.wait_for(asyncio.shield(answer), None if deadline is None else deadline - time.monotonic())
-        except TimeoutError:  # the slot stays the call's until its answer comes (``_on_readable``)
-            raise ShmRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            await answer
+        finally:
+            if expiry is not None:
+                expiry.cancel()
         try:
             return self.slots.read(slot, call_id)
         finally:

@@ -40,9 +40,10 @@ class ServerConfig:
                                            parse=optional_str, nonempty=True)
     shm_channel_slots: int = option(4, "on --shm-channel: calls each client may have in flight (a slot each)",
                                     parse=int)
-    shm_channel_spin_us: float = option(100.0, "on --shm-channel: after each answer the server polls, not sleeps, "
-                                        "this long for the next call (a sleeping CPU's wake-up costs more than the "
-                                        "channel's round trip; 0: never poll)", parse=float, metavar="MICROSECONDS")
+    shm_channel_spin_us: float = option(2000.0, "on --shm-channel: after each answer the server polls, not sleeps, "
+                                        "this long for the next call, while no call waits on a step (a CPU woken from "
+                                        "idle runs the next call slower; 0: never poll)", parse=float,
+                                        metavar="MICROSECONDS")
     shm_channel_clients: int = option(64, "on --shm-channel: clients attached at once (more are refused "
                                       "RESOURCE_EXHAUSTED)", parse=int)
     metrics_host: str | None = option(None, "address the metrics endpoint binds (default: --host, but 127.0.0.1 "

@@ -255,7 +255,7 @@ class ShmChannel:
 
     def _stay_hot(self) -> None:
         """Keep the loop polling (a ready callback: its select does not sleep) until ``_hot_until``."""
-        if time.perf_counter() < self._hot_until and not self._stopped:
+        if time.perf_counter() < self._hot_until and not self._stopped and not self._calls:  # none on a step
             self._loop.call_soon(self._stay_hot)
         else:
             self._hot = False

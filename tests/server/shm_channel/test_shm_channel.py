@@ -25,6 +25,7 @@ from service_support import poll, sample, scrape, serve_process
 
 from expertd.client import (
     AsyncExpertClient,
+    DeadlineExceededError,
     ExpertClient,
     InvalidArgumentError,
     NotFoundError,
@@ -290,3 +291,36 @@ def test_a_stale_socket_is_replaced_and_a_live_one_is_refused(served, tmp_path_f
     leftover.close()  # a socket file nobody listens on, as a killed server leaves it
     with serve_process(tmp_path_factory, "--shm-channel", stale), ExpertClient(f"shm://{stale}") as client:
         assert client.model_info().layers
+
+
+def test_a_call_past_its_deadline_fails_and_its_slot_comes_back_with_the_late_answer(served, clients):
+    server, path = served
+    grpc_client, _ = clients
+    x = tokens(2, seed=9)
+    want = grpc_client.forward(x, layer=0)
+
+    async def late_async(client):
+        with pytest.raises(DeadlineExceededError):
+            await client.forward(x, layer=0, timeout=0.3)
+
+    with ExpertClient(f"shm://{path}", timeout=30, retries=0) as blocking:
+        blocking.forward(x, layer=0)  # attached
+        server.process.send_signal(signal.SIGSTOP)  # a server that cannot answer in time
+        try:
+            for _ in range(6):  # more than its 4 slots: each timed-out call holds one until answered
+                with pytest.raises(DeadlineExceededError):
+                    blocking.forward(x, layer=0, timeout=0.05)
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(blocking.forward(x, layer=0), want)  # the late answers freed the slots
+
+    async def scenario():
+        async with AsyncExpertClient(f"shm://{path}", timeout=30, retries=0) as client:
+            np.testing.assert_array_equal(await client.forward(x, layer=0), want)
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.gather(*(late_async(client) for _ in range(6)))
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            np.testing.assert_array_equal(await client.forward(x, layer=0), want)
+    asyncio.run(scenario())
