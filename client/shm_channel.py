@@ -46,8 +46,12 @@ def _token_of(metadata) -> bytes:
 
 
 class _ChannelBase:
-    def __init__(self, target: str, *, retries: int = 0, backoff=None):
+    def __init__(self, target: str, *, retries: int = 0, backoff=None, spin_us: float | None = None):
         self.path = wire.socket_path(wire.name_of(target) or target)
+        spin_us = float(os.environ.get(SPIN_US_ENV, DEFAULT_SPIN_US)) if spin_us is None else spin_us
+        if not 0 <= spin_us <= 1e6:
+            raise ValueError(f"{SPIN_US_ENV}: expected 0..1000000 microseconds, got {spin_us}")
+        self._spin_s = spin_us / 1e6
         self._retries, self._backoff = min(retries, MAX_GRPC_RETRIES), backoff
         self._connection = None
 
@@ -75,12 +79,8 @@ class ShmChannel(_ChannelBase):
     """A blocking ``grpc.Channel`` look-alike over ``shm://NAME`` (module docstring). Thread-safe."""
 
     def __init__(self, target: str, *, retries: int = 0, backoff=None, spin_us: float | None = None):
-        super().__init__(target, retries=retries, backoff=backoff)
+        super().__init__(target, retries=retries, backoff=backoff, spin_us=spin_us)
         self._lock = threading.Lock()
-        spin_us = float(os.environ.get(SPIN_US_ENV, DEFAULT_SPIN_US)) if spin_us is None else spin_us
-        if not 0 <= spin_us <= 1e6:
-            raise ValueError(f"{SPIN_US_ENV}: expected 0..1000000 microseconds, got {spin_us}")
-        self._spin_s = spin_us / 1e6
 
     def unary_unary(self, path: str, request_serializer=None, response_deserializer=None, **_):
         method = self._method_id(path)
@@ -122,8 +122,8 @@ class ShmChannel(_ChannelBase):
 class AsyncShmChannel(_ChannelBase):
     """An asyncio ``grpc.aio.Channel`` look-alike over ``shm://NAME``: use it from one event loop."""
 
-    def __init__(self, target: str, *, retries: int = 0, backoff=None):
-        super().__init__(target, retries=retries, backoff=backoff)
+    def __init__(self, target: str, *, retries: int = 0, backoff=None, spin_us: float | None = None):
+        super().__init__(target, retries=retries, backoff=backoff, spin_us=spin_us)
         self._connecting: asyncio.Lock | None = None
 
     def unary_unary(self, path: str, request_serializer=None, response_deserializer=None, **_):
@@ -156,7 +156,7 @@ class AsyncShmChannel(_ChannelBase):
             if self._connection is None or self._connection.broken:
                 if self._connection is not None:
                     self._connection.close()
-                self._connection = await AsyncConnection.open(self.path, _token_of(metadata))
+                self._connection = await AsyncConnection.open(self.path, _token_of(metadata), self._spin_s)
             return self._connection
 
     async def close(self) -> None:

@@ -285,8 +285,9 @@ def _expire(answer: asyncio.Future) -> None:
 class AsyncConnection:
     """One asyncio connection: the loop reads its doorbells (``add_reader``) and owns its state."""
 
-    def __init__(self, path: str, parts, loop: asyncio.AbstractEventLoop):
+    def __init__(self, path: str, parts, loop: asyncio.AbstractEventLoop, spin_s: float = 0.0):
         self.sock, segment, slots, slot_bytes = parts
+        self._spin_s, self._hot_until, self._hot = spin_s, 0.0, False  # ``_stay_hot``
         self.sock.setblocking(False)
         self.slots = _Slots(path, segment, slots, slot_bytes)
         self.path, self._loop = path, loop
@@ -299,8 +300,8 @@ class AsyncConnection:
         loop.add_reader(self.sock, self._on_readable)
 
     @classmethod
-    async def open(cls, path: str, token: bytes) -> AsyncConnection:
-        return cls(path, await asyncio.to_thread(connect, path, token), asyncio.get_running_loop())
+    async def open(cls, path: str, token: bytes, spin_s: float = 0.0) -> AsyncConnection:
+        return cls(path, await asyncio.to_thread(connect, path, token), asyncio.get_running_loop(), spin_s)
 
     async def call(self, method: int, payload: bytes, deadline: float | None) -> tuple[int, bytes]:
         self.slots.check_size(payload)
@@ -328,6 +329,11 @@ class AsyncConnection:
         # the deadline is a timer, not a wait_for task; a call that gave up (deadline, cancelled) keeps
         # its slot until the answer comes (``_on_readable`` frees it)
         expiry = None if deadline is None else self._loop.call_later(deadline - time.monotonic(), _expire, answer)
+        if self._spin_s:
+            self._hot_until = time.perf_counter() + self._spin_s
+            if not self._hot:
+                self._hot = True
+                self._loop.call_soon(self._stay_hot)
         try:
             await answer
         finally:
@@ -337,6 +343,14 @@ class AsyncConnection:
             return self.slots.read(slot, call_id)
         finally:
             self._free.put_nowait(slot)
+
+    def _stay_hot(self) -> None:
+        """Keep the loop polling, not sleeping, while a call waits and ``_hot_until`` has not passed:
+        a ready callback makes its select look without waiting; other coroutines run meanwhile."""
+        if self._waiting and time.perf_counter() < self._hot_until and not self.broken:
+            self._loop.call_soon(self._stay_hot)
+        else:
+            self._hot = False
 
     def _on_readable(self) -> None:
         while True:
