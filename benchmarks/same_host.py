@@ -6,6 +6,7 @@ native Forward port (``--native-port``, where it builds) and the same-host chann
 (``--shm-channel``); the callers are separate processes (this script with ``--caller``), each a
 blocking ``ExpertClient`` in a closed loop.
 
+- echo: one caller's health Checks, p50: the transport's bare round trip, the floor under a call.
 - lone: one caller, ``--lone-calls`` Forwards of [T, H] fp32 (T = 1 on tiny, 16 on mid): its p50
   against the server's own step time for the same calls (``expertd_compute_duration_seconds``
   sum / count, read around the load): the ratio the goal bounds (<= 1.25 tiny, <= 1.1 mid).
@@ -36,20 +37,22 @@ SATURATION_CALLERS, SATURATION_TOKENS = 4, 16
 
 
 def caller(target: str, hidden: int, tokens: int, calls: int, duration: float) -> None:
-    """One closed-loop caller (a process of its own): prints {"latencies_s": [...], "calls": n}."""
+    """One closed-loop caller (a process of its own): prints {"latencies_s": [...], "calls": n}.
+    ``tokens`` 0: health Checks, the transport's bare round trip (the floor), not Forwards."""
     from expertd.client import ExpertClient
 
-    x = np.random.default_rng(os.getpid()).standard_normal((tokens, hidden)).astype(np.float32)
+    x = np.random.default_rng(os.getpid()).standard_normal((max(tokens, 1), hidden)).astype(np.float32)
     latencies = []
     with ExpertClient(target, timeout=60) as client:
+        call = (lambda: client.forward(x, layer=0)) if tokens else client.health
         for _ in range(20):  # connect, warm the path
-            client.forward(x, layer=0)
+            call()
         print("ready", flush=True)
         sys.stdin.readline()  # the benchmark starts every caller at once
         end = time.monotonic() + duration if duration else None
         while (end is None and len(latencies) < calls) or (end is not None and time.monotonic() < end):
             start = time.perf_counter()
-            client.forward(x, layer=0)
+            call()
             latencies.append(time.perf_counter() - start)
     print(json.dumps({"latencies_s": latencies if not duration else [], "calls": len(latencies)}), flush=True)
 
@@ -134,18 +137,22 @@ def main(argv: list[str] | None = None) -> int:
             for round_index in range(args.rounds):
                 for name in harness.order(names, round_index):
                     target = targets(server)[name]
+                    results, _, _, _ = load(server, target, hidden, 0, 1, calls=args.lone_calls)
+                    echo = float(np.median(results[0]["latencies_s"]))
                     results, step_s, step_n, _ = load(server, target, hidden, LONE_TOKENS[model], 1,
                                                       calls=args.lone_calls)
                     p50 = float(np.median(results[0]["latencies_s"]))
                     step = step_s / max(step_n, 1)
                     results, step_s, _, wall = load(server, target, hidden, SATURATION_TOKENS, SATURATION_CALLERS,
                                                     duration=args.duration)
-                    row = {"model": model, "round": round_index, "transport": name, "lone_tokens": LONE_TOKENS[model],
+                    row = {"model": model, "round": round_index, "transport": name, "echo_p50_ms": echo * 1e3,
+                           "lone_tokens": LONE_TOKENS[model],
                            "lone_p50_ms": p50 * 1e3, "lone_step_ms": step * 1e3, "lone_ratio": p50 / step,
                            "saturation_calls_per_s": sum(r["calls"] for r in results) / wall,
                            "saturation_busy": step_s / wall}
                     rows.append(row)
-                    print(f"{model:<5} round {round_index} {name:<7} lone T={row['lone_tokens']}: p50 "
+                    print(f"{model:<5} round {round_index} {name:<7} echo {row['echo_p50_ms']:.3f} ms; "
+                          f"lone T={row['lone_tokens']}: p50 "
                           f"{row['lone_p50_ms']:.3f} ms, step {row['lone_step_ms']:.3f} ms, ratio "
                           f"{row['lone_ratio']:.2f} | 4x16: {row['saturation_calls_per_s']:.0f} calls/s, engine busy "
                           f"{row['saturation_busy']:.2f}", flush=True)
@@ -155,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             mine = [r for r in rows if r["model"] == model and r["transport"] == name]
             if mine:
                 summary.append({"model": model, "transport": name,
+                                 "echo_p50_ms": harness.span(r["echo_p50_ms"] for r in mine),
                                  "lone_p50_ms": harness.span(r["lone_p50_ms"] for r in mine),
                                  "lone_step_ms": harness.span(r["lone_step_ms"] for r in mine),
                                  "lone_ratio": harness.span(r["lone_ratio"] for r in mine),
