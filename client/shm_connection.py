@@ -157,12 +157,7 @@ class Connection:
         self.slots.check_size(payload)
         with self._ready:
             while not self._free:  # slots come back with answers, late ones too: read them if nobody is
-                if self.broken:
-                    raise _unavailable(self.path, self.broken)
-                if self._reading:
-                    self._wait(deadline)
-                else:
-                    self._read_doorbells(deadline)
+                self._await_doorbells(deadline)
             slot, call_id = self._free.pop(), next(self._ids)
         try:
             self.slots.write(slot, method, call_id, None if deadline is None else deadline - time.monotonic(), payload)
@@ -177,12 +172,7 @@ class Connection:
                 return self.slots.read(slot, call_id)
             with self._ready:
                 while call_id not in self._answers:
-                    if self.broken:
-                        raise _unavailable(self.path, self.broken)
-                    if self._reading:
-                        self._wait(deadline)
-                    else:
-                        self._read_doorbells(deadline)
+                    self._await_doorbells(deadline)
                 del self._answers[call_id]
             return self.slots.read(slot, call_id)
         except ShmRpcError as error:
@@ -199,6 +189,15 @@ class Connection:
                     self._answers.pop(call_id, None)
                     self._free.append(slot)
                     self._ready.notify_all()
+
+    def _await_doorbells(self, deadline: float | None) -> None:
+        """Read doorbells, or wait while another thread does (the condition held); UNAVAILABLE once broken."""
+        if self.broken:
+            raise _unavailable(self.path, self.broken)
+        if self._reading:
+            self._wait(deadline)
+        else:
+            self._read_doorbells(deadline)
 
     def _wait(self, deadline: float | None) -> None:
         """Wait (the condition held) for a change; DEADLINE_EXCEEDED once ``deadline`` passed."""
