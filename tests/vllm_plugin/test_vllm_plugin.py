@@ -134,6 +134,20 @@ def test_greedy_tokens_on_expertd_equal_vllms_own(model_type, tmp_path, cache):
     assert all(len(tokens) == NEW_TOKENS and reason == "length" for tokens, reason, _ in local)
 
 
+def test_greedy_tokens_are_the_same_over_the_same_host_channel(tmp_path, cache):
+    """``EXPERTD_VLLM_TARGET=shm://...``: the plugin's GetModelInfo check and every MoE layer's call
+    over the server's same-host channel."""
+    model_type = sorted(FAMILIES)[0]
+    path = save(model_type, tmp_path / model_type)
+    local, _ = run(model_type, path)
+    channel = str(tmp_path / "vllm.sock")
+    with hf_models.expertd_serve(path, str(FAMILIES[model_type][1]).removeprefix("torch."), cache,
+                                 shm_channel=channel) as target:
+        assert target == f"shm://{channel}"
+        remote, weights = run(model_type, path, target)
+    assert weights == [] and remote == local
+
+
 def test_a_server_holding_another_model_is_refused_naming_layer_and_field(tmp_path, cache):
     served = save("qwen3_moe", tmp_path / "served")
     other = save("qwen3_moe", tmp_path / "other", num_experts_per_tok=1)
