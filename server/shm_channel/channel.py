@@ -193,11 +193,13 @@ class ShmChannel:
             message = frames.request(client.segment, slot * client.slot_bytes, client.slot_bytes, call_id,
                                      message_class)
             deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
-            response = self._direct(message, deadline) if method == FORWARD and self._direct else None
+            answer = functools.partial(self._finish, client, slot, call_id, method, metrics, started)
+            if method == FORWARD and self._direct and self._direct(message, deadline, lambda r: answer(response=r)):
+                return
         except Exception as exc:  # noqa: BLE001 - every failure is an answer, as on gRPC
+            if slot not in client.busy:  # answered (its slot is free again): recording its step failed
+                return log.exception("shm channel: recording a direct step failed")
             return self._finish(client, slot, call_id, method, metrics, started, exc=exc)
-        if response is not None:
-            return self._finish(client, slot, call_id, method, metrics, started, response=response)
         call = self._loop.create_task(self._serve(client, slot, call_id, method, metrics, started, serve, message,
                                                   timeout_us))
         self._calls.add(call)
@@ -276,11 +278,9 @@ class ShmChannel:
     async def quiesce(self, timeout: float) -> bool:
         """Wait until no call is in flight (False if ``timeout`` passed first)."""
         deadline = time.monotonic() + timeout
-        while self._calls:
-            if time.monotonic() >= deadline:
-                return False
+        while self._calls and time.monotonic() < deadline:
             await asyncio.sleep(QUIESCE_POLL_S)
-        return True
+        return not self._calls
 
     async def stop(self, grace_s: float = 0.0) -> None:
         """Stop attaching, finish the calls in flight for up to ``grace_s``, then close every client
