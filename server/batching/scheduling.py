@@ -106,9 +106,7 @@ class StepScheduling:
         finally:
             self._running.end(step)
             ended = self.occupancy.step_ended()
-        # recorded once the answers are on their way (their waiters run first): off a lone call's path
-        asyncio.get_running_loop().call_soon(self.record, queue.step_key, queue.layer, queue.kind, rows, bucket,
-                                             len(batch), seconds, result)
+        self.record(queue.step_key, queue.layer, queue.kind, rows, bucket, len(batch), seconds, result)
         offset = 0
         for request, start, stop in batch:
             span = slice(offset, offset + stop - start)

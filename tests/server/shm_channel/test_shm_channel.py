@@ -178,6 +178,13 @@ def test_the_socket_is_owner_only_and_another_user_cannot_attach(served):
     assert sample(scrape(server.metrics_port), "expertd_shm_channel_refused_clients_total", reason="permission") >= 1
 
 
+def pause(process: subprocess.Popen) -> None:
+    """SIGSTOP ``process`` and wait until it is stopped (a polling loop could still answer meanwhile)."""
+    process.send_signal(signal.SIGSTOP)
+    poll(lambda: pathlib.Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+         timeout=30)
+
+
 def raw_call(path: str, *, method: int = 1, payload: bytes = b"", length: int | None = None, magic: int = wire.MAGIC,
              slot: int = 0, bell: bytes | None = None):
     """One hand-made frame in slot ``slot`` and its doorbell: (gRPC code, google.rpc.Status or
@@ -252,7 +259,7 @@ def test_a_killed_server_fails_waiting_calls_at_once_and_a_restarted_one_is_reat
     client = ExpertClient(f"shm://{path}", timeout=30, retries=0)
     with serve_process(tmp_path_factory, "--shm-channel", path) as first:
         want = client.forward(tokens(3), layer=0)
-        first.process.send_signal(signal.SIGSTOP)  # the next call waits on a server that cannot answer
+        pause(first.process)  # the next call waits on a server that cannot answer
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(client.forward, tokens(3), layer=0)
             time.sleep(0.2)
@@ -308,7 +315,7 @@ def test_a_call_past_its_deadline_fails_and_its_slot_comes_back_with_the_late_an
 
     with ExpertClient(f"shm://{path}", timeout=30, retries=0) as blocking:
         blocking.forward(x, layer=0)  # attached
-        server.process.send_signal(signal.SIGSTOP)  # a server that cannot answer in time
+        pause(server.process)  # a server that cannot answer in time
         try:
             for _ in range(6):  # more than its 4 slots: each timed-out call holds one until answered
                 with pytest.raises(DeadlineExceededError):
@@ -320,7 +327,7 @@ def test_a_call_past_its_deadline_fails_and_its_slot_comes_back_with_the_late_an
     async def scenario():
         async with AsyncExpertClient(f"shm://{path}", timeout=30, retries=0) as client:
             np.testing.assert_array_equal(await client.forward(x, layer=0), want)
-            server.process.send_signal(signal.SIGSTOP)
+            pause(server.process)
             try:
                 await asyncio.gather(*(late_async(client) for _ in range(6)))
             finally:
