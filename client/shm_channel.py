@@ -48,7 +48,11 @@ def _token_of(metadata) -> bytes:
 class _ChannelBase:
     def __init__(self, target: str, *, retries: int = 0, backoff=None, spin_us: float | None = None):
         self.path = wire.socket_path(wire.name_of(target) or target)
-        spin_us = float(os.environ.get(SPIN_US_ENV, DEFAULT_SPIN_US)) if spin_us is None else spin_us
+        if spin_us is None:
+            try:
+                spin_us = float(os.environ.get(SPIN_US_ENV, DEFAULT_SPIN_US))
+            except ValueError:
+                raise ValueError(f"{SPIN_US_ENV}: expected microseconds, got {os.environ[SPIN_US_ENV]!r}") from None
         if not 0 <= spin_us <= 1e6:
             raise ValueError(f"{SPIN_US_ENV}: expected 0..1000000 microseconds, got {spin_us}")
         self._spin_s = spin_us / 1e6

@@ -334,3 +334,10 @@ def test_a_call_past_its_deadline_fails_and_its_slot_comes_back_with_the_late_an
                 server.process.send_signal(signal.SIGCONT)
             np.testing.assert_array_equal(await client.forward(x, layer=0), want)
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("value", ["soon", "-5", "2e6"])
+def test_a_bad_spin_setting_is_refused_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("EXPERTD_SHM_SPIN_US", value)
+    with pytest.raises(ValueError, match="EXPERTD_SHM_SPIN_US: expected"):
+        ExpertClient("shm://nowhere")
