@@ -48,3 +48,7 @@ def test_regular_wheel_has_only_expertd_packages(tmp_path):
         assert f"expertd/kernels/cpu/csrc/{name}" in names, name
     for pkg in ("kernels/cpu", "server/models"):  # subpackages travel too
         assert f"expertd/{pkg}/__init__.py" in names, pkg
+    # every subpackage in the tree travels (pyproject.toml lists them one by one)
+    inits = {f"expertd/{path.relative_to(ROOT)}" for top in ("kernels", "server", "client")
+             for path in (ROOT / top).rglob("__init__.py")}
+    assert not inits - set(names), sorted(inits - set(names))
