@@ -4,6 +4,7 @@
 - frontends: add_services -- expertd.v1 and KServe v2; requests decoded, validated, cast once
 - transport: what every call passes -- auth, limits, metrics per method, health, drain, listen
 - native_front: NativeFront -- the native Forward port, gRPC C++ over the same batcher
+- shm_channel: ShmChannel -- the same-host channel (shm://NAME), the gRPC port's handlers
 - batching: Batcher -- admission, queues, steps, results; one owner (the event loop)
 - engine: api (StepRunner, step kinds, outputs, ModelDescription) -- build, compile, run, EPLB
 - models, metrics, host, multihost: the model registry and checkpoints; every Prometheus family;

@@ -5,8 +5,9 @@ unary methods it carries (``frontends.ExpertServicer.unary_methods`` and health'
 on the channel takes the one request path of the gRPC port; ``quiesce`` and ``stop`` drain it. The
 wire format is ``expertd.client.shm_frames``; docs/attention.md has the picture and the bounds.
 
-Imports: ``errors``, ``metrics``, ``transport.auth`` / ``transport.interceptors`` (the token check and
-the undecodable-message text) and the client's wire format. No JAX.
+Imports: ``batching`` and ``frontends`` (the direct path: the servicer's checks, then
+``Batcher.direct``), ``errors``, ``metrics``, ``transport.auth`` / ``transport.interceptors`` (the
+token check, the undecodable-message text) and the client's wire format. No JAX.
 """
 from __future__ import annotations
 
