@@ -33,8 +33,8 @@ from expertd.client.pb.v1 import expert_pb2
 
 CSRC_DIR = pathlib.Path(__file__).with_name("csrc")
 # The module's sources, one job each (csrc/README.md); headers there are all in the key (HEADERS).
-SOURCES = tuple(CSRC_DIR / name for name in ("module.cc", "service.cc", "checks.cc", "queue.cc", "runner.cc",
-                                             "stats.cc"))
+SOURCES = tuple(CSRC_DIR / name for name in ("module.cc", "reactor.cc", "service.cc", "checks.cc", "queue.cc",
+                                             "runner.cc", "stats.cc"))
 HEADERS = tuple(sorted(CSRC_DIR.glob("*.h")))
 MODULE = "expertd_native_front"
 CXXFLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra")

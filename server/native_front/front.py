@@ -21,9 +21,9 @@ request path decides. docs/serving.md has the whole picture; the contracts:
   idle port is decoded and offered to ``Batcher.direct.forward_now`` on its gRPC thread, and what
   queues meanwhile on the port's runner thread (``expertd-direct``), until the queue is empty or a
   batch is handed to the loop; steps serialize on the engine's lock.
-- GetModelInfo: the main port's answer (``refresh_model_info`` after a placement swap); health:
-  SERVING once warm; Route, ForwardStream, GetExpertLoad, shared memory, ``return_routing``, KServe
-  and reflection are the main port's (UNIMPLEMENTED, or INVALID_ARGUMENT naming the field).
+- GetModelInfo: the main port's answer; health: SERVING once warm; the rest is the main port's
+  (UNIMPLEMENTED, or INVALID_ARGUMENT naming the field). A call's method and token are checked
+  from its headers, before its body is read (``csrc/reactor.cc``).
 
 Security is the main port's (token, TLS, mutual TLS). Refusals are logged as the main port's
 (``errors.client_errors``), read from C++ every REFUSAL_LOG_INTERVAL_S. Metrics
@@ -81,8 +81,7 @@ ELSEWHERE = "the main port (--port), not the native port"
 UNDECODABLE = undecodable_message(ForwardRequest.DESCRIPTOR.full_name)
 QUIESCE_POLL_S = 0.005
 BODY_BYTES_PER_ELEMENT = 4
-"""A taken batch's elements, for ``offload.run``, counted from its bodies' bytes (float32's size:
-at most as many elements as 16-bit ones would be)."""
+"""A taken batch's elements (``offload.run``) from its bodies' bytes: float32's size, an upper bound."""
 RETRY_HINT_INTERVAL_S = 0.5
 """How often, at most, the port's retry-delay rates are refreshed from the batcher's step times (on
 accepting, then after answered batches)."""
@@ -157,8 +156,7 @@ class NativeFront:
         self._module.set_model_info(self._handle, self._model_info().SerializeToString())
 
     def _seconds_per_token(self) -> dict[int, float]:
-        """Each layer's expected seconds per token of queued Forward work (``Admission.seconds_per_token``):
-        what the port's RESOURCE_EXHAUSTED refusals compute their RetryInfo delays from."""
+        """Each layer's seconds per queued Forward token (``Admission.seconds_per_token``)."""
         batcher = self._batcher
         return {layer: batcher.admission.seconds_per_token(batcher.step_key(cfg, api.FORWARD))
                 for layer, cfg in self._model.layers.items()}
@@ -215,14 +213,11 @@ class NativeFront:
 
     def _take(self) -> None:
         """Hand one queued batch to the batcher if fewer than BATCHES_IN_FLIGHT are and none was
-        handed over this loop turn; the next one goes on the next turn after the batch's calls are
-        decoded (``_serve`` schedules ``_handed``), after its task has been admitted and its step
-        started. Two batches handed over in one turn
-        would meet in the batcher's queue and share a step, tying together the answers of calls
-        that arrived together (one client's micro-batches), which C++ keeps apart when the port is
-        idle. Every path here (the eventfd, an answered batch, the next turn) goes through this
-        rule. The rest of the queue is taken when a batch is answered (C++ signals only a queue that
-        was empty)."""
+        handed over this loop turn (the next goes the turn after its calls are decoded: ``_serve``
+        schedules ``_handed``). Two batches handed over in one turn would share a step, tying
+        together the answers of calls that arrived together (one client's micro-batches), which C++
+        keeps apart at an idle port. Every path (the eventfd, an answered batch, the next turn) goes
+        through this rule; the rest of the queue is taken when a batch is answered."""
         if self._stopped or self._handing or len(self._batches) >= BATCHES_IN_FLIGHT:
             return
         batch = self._module.take(self._handle)
@@ -234,8 +229,7 @@ class NativeFront:
         self._handing = True
 
     def _handed(self) -> None:
-        """The turn after a hand-over: the batch is in the batcher (its step started, or queued with
-        the scheduler woken first), so the next may follow."""
+        """The turn after a hand-over: the batch is in the batcher, so the next may follow."""
         self._handing = False
         self._take()
 
@@ -395,3 +389,4 @@ def _parsed(body: bytes) -> ForwardRequest:
 
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+

@@ -51,7 +51,7 @@ grpc::Status Overloaded(const std::string& message, double seconds) {
   return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, message, status.SerializeAsString());
 }
 
-bool Front::Authorized(grpc::CallbackServerContext* context) const {
+bool Front::Authorized(const grpc::CallbackServerContext* context) const {
   if (token.empty()) return true;
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("authorization");
@@ -77,15 +77,15 @@ double Front::RetryDelay(uint32_t layer, int64_t tokens) const {
   return std::max(seconds, min_retry_s_);
 }
 
-// `body` parsed into `request`, or why not: UNAUTHENTICATED first (an unauthenticated caller
-// learns nothing of the body's validity), then INVALID_ARGUMENT, each with Python's message.
-grpc::Status Front::Parse(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
-                          ForwardRequest* request) const {
-  if (!Authorized(context)) return Unauthenticated();
+grpc::Status Front::Undecodable() const {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, undecodable_message);
+}
+
+// `body` parsed into `request`, or INVALID_ARGUMENT with Python's message. (The token was checked
+// before the body was read: CreateReactor.)
+grpc::Status Front::Parse(const grpc::ByteBuffer* body, ForwardRequest* request) const {
   grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(body));
-  if (!request->ParseFromZeroCopyStream(&reader)) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, undecodable_message);
-  }
+  if (!request->ParseFromZeroCopyStream(&reader)) return Undecodable();
   return grpc::Status::OK;
 }
 

@@ -5,7 +5,8 @@
 // and does not serve.
 //
 // The port is a transport: it parses and answers, Python's one request path decides. Per call, on
-// gRPC's own threads: the bearer token (when one is set; constant-time comparison), the body (bytes
+// gRPC's own threads: the method and the bearer token (when one is set; constant-time comparison),
+// from the call's headers before its body is read (reactor.cc), then the body (bytes
 // that do not parse as a ForwardRequest: INVALID_ARGUMENT), whether the server is accepting (else
 // UNAVAILABLE with the reason Python gave), the bounds on queued tokens and calls
 // (RESOURCE_EXHAUSTED with a RetryInfo delay: the tokens over the bound, or one queued call's tokens
@@ -39,6 +40,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 
 #include <array>
@@ -70,13 +72,40 @@ constexpr int kNumCodes = 17;  // grpc::StatusCode values 0..16
 // checks.cc: RESOURCE_EXHAUSTED with a RetryInfo delay of `seconds` (a google.rpc.Status detail).
 grpc::Status Overloaded(const std::string& message, double seconds);
 
+class Front;
+
+// One call to the port, from its headers to its answer (reactor.cc). gRPC C++ hands the port every
+// call but health's through its generic callback API, with the headers only: the method and the
+// bearer token are checked there, and a call to another method or without the token is answered at
+// once, before a byte of its body is read (the HTTP/2 stream window is all its sender can have
+// sent). Only then is the one request message read, and the call goes to Front::Forward or
+// Front::GetModelInfo. `Answer` ends it: the response in `response` (OK) or the status alone; the
+// reactor deletes itself once gRPC is done with the call.
+class CallReactor final : public grpc::ServerGenericBidiReactor {
+ public:
+  enum class Method { kForward, kGetModelInfo, kOther };  // kOther: UNIMPLEMENTED
+  CallReactor(Front* front, grpc::GenericCallbackServerContext* context, Method method);
+  void Answer(const grpc::Status& status);  // once per call (Front::Complete, or GetModelInfo)
+  void OnReadDone(bool ok) override;
+  void OnDone() override;
+
+  grpc::GenericCallbackServerContext* const context;
+  grpc::ByteBuffer response;  // written by Answer when the status is OK
+  const Clock::time_point arrived = Clock::now();
+
+ private:
+  Front* const front_;
+  const Method method_;
+  grpc::ByteBuffer request_;
+};
+
 // A call accepted onto the queue. The request is parsed here from the call's bytes (so that a body
-// that does not parse gets INVALID_ARGUMENT); the answer is serialized into `response`, gRPC's buffer,
-// which lives until the reactor finishes. `rows`: the tokens it counts for (QueuedRows); `answered`:
+// that does not parse gets INVALID_ARGUMENT); the answer is serialized into `response`, its
+// reactor's buffer, which lives until the reactor is done. `rows`: the tokens it counts for (QueuedRows); `answered`:
 // answered alone (fail_call) while its batch is in flight.
 struct Call {
   grpc::CallbackServerContext* context;
-  grpc::ServerUnaryReactor* reactor;
+  CallReactor* reactor;
   std::shared_ptr<const ForwardRequest> request;
   grpc::ByteBuffer* response;
   int64_t rows;
@@ -84,12 +113,11 @@ struct Call {
   bool answered = false;
 };
 
-// One native port. Forward is registered raw (bytes in, bytes out): gRPC C++ answers a body its own
-// parser rejects with UNIMPLEMENTED, so the port parses the bytes itself. The public fields are set
-// by `start` (module.cc) before the server starts, and only read after; the private state is
-// guarded by the mutex its group names. Each method is defined in the file its group names.
-class Front final
-    : public expertd::v1::ExpertService::WithRawCallbackMethod_Forward<expertd::v1::ExpertService::CallbackService> {
+// One native port: gRPC C++'s generic callback service (every method but health's comes here as
+// bytes: the port parses them itself, and decides before reading a body; CallReactor). The public
+// fields are set by `start` (module.cc) before the server starts, and only read after; the private
+// state is guarded by the mutex its group names. Each method is defined in the file its group names.
+class Front final : public grpc::CallbackGenericService {
  public:
   std::unordered_map<uint32_t, int64_t> hidden;  // layer -> H: the answers' shape (Python's model description)
   std::unordered_map<int, int64_t> itemsize;     // expertd.v1.DType -> bytes of one element, the float dtypes
@@ -100,12 +128,12 @@ class Front final
   std::unique_ptr<grpc::Server> server;
   int ready_fd = -1;  // an eventfd: readable while calls may be queued
 
-  // service.cc: the calls gRPC makes, the port's state Python sets, and its shutdown.
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
-                                    grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
-                                         const expertd::v1::GetModelInfoRequest*,
-                                         expertd::v1::GetModelInfoResponse* response) override;
+  // reactor.cc: a call's headers checked (method, token) before its body is read.
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
+
+  // service.cc: the calls, once their body is read; the port's state Python sets, and its shutdown.
+  void Forward(CallReactor* reactor, const grpc::ByteBuffer* body);
+  void GetModelInfo(CallReactor* reactor, const grpc::ByteBuffer* body);
   bool SetModelInfo(const std::string& serialized);
   void SetInitialReason(std::string reason);
   void SetRetryHint(std::unordered_map<uint32_t, double> seconds_per_token, double min_s);
@@ -131,19 +159,19 @@ class Front final
   void StopRunner(std::unique_lock<std::mutex>& lock);
 
   // stats.cc: answering a call, and the port's own counts (per code, latency, refusals).
-  void Complete(grpc::ServerUnaryReactor* reactor, const grpc::Status& status, Clock::time_point arrived);
+  void Complete(CallReactor* reactor, const grpc::Status& status, Clock::time_point arrived);
   PyObject* Stats();
   PyObject* Refusals();
   void InitStats();
 
- private:
   // checks.cc: the transport's own checks (token, parse) and its RetryInfo delays.
-  bool Authorized(grpc::CallbackServerContext* context) const;
+  bool Authorized(const grpc::CallbackServerContext* context) const;
   grpc::Status Unauthenticated() const;
+  grpc::Status Undecodable() const;
   double RetryDelay(uint32_t layer, int64_t tokens) const;
-  grpc::Status Parse(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
-                     ForwardRequest* request) const;
+  grpc::Status Parse(const grpc::ByteBuffer* body, ForwardRequest* request) const;
 
+ private:
   // Guarded by mu_: the queue, the batches in flight, whether calls are accepted (and why not), the
   // retry hint and the direct runner.
   std::mutex mu_;

@@ -146,7 +146,7 @@ PyObject* Start(PyObject*, PyObject* args) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(address, credentials, &port);
-  builder.RegisterService(front.get());
+  builder.RegisterCallbackGenericService(front.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<long long>(max_message_bytes, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<long long>(max_message_bytes, INT32_MAX)));
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

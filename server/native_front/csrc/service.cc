@@ -1,6 +1,7 @@
-// The native port's gRPC service: Forward (its token and parse checked, then refused, queued, or
-// run at once by the direct runner on an idle port; its content is checked by Python when taken) and GetModelInfo, on gRPC's callback threads (only the direct
-// runner takes the GIL, runner.cc); and the port's state that Python sets (accepting and why not,
+// The native port's gRPC service, its calls once their body is read (their method and token were
+// checked before: reactor.cc): Forward (its parse checked, then refused, queued, or run at once by
+// the direct runner on an idle port; its content is checked by Python when taken) and GetModelInfo,
+// on gRPC's callback threads (only the direct runner takes the GIL, runner.cc); and the port's state that Python sets (accepting and why not,
 // the model description, the retry hint, health) and its shutdown, called from module.cc
 // (SetAccepting and Stop with the GIL let go).
 #include "front.h"
@@ -11,17 +12,17 @@
 
 namespace expertd::native_front {
 
-grpc::ServerUnaryReactor* Front::Forward(grpc::CallbackServerContext* context, const grpc::ByteBuffer* body,
-                                         grpc::ByteBuffer* response) {
-  const Clock::time_point arrived = Clock::now();
-  auto* reactor = context->DefaultReactor();
+void Front::Forward(CallReactor* reactor, const grpc::ByteBuffer* body) {
+  const Clock::time_point arrived = reactor->arrived;
+  grpc::CallbackServerContext* context = reactor->context;
+  grpc::ByteBuffer* response = &reactor->response;
   auto request = std::make_shared<ForwardRequest>();
-  grpc::Status refusal = Parse(context, body, request.get());
+  grpc::Status refusal = Parse(body, request.get());
   bool notify = false;
   int64_t direct = 0;
   if (!refusal.ok()) {
     Complete(reactor, refusal, arrived);
-    return reactor;
+    return;
   }
   const int64_t rows = QueuedRows(*request);  // its content is Python's to check, once taken
   {
@@ -50,27 +51,22 @@ grpc::ServerUnaryReactor* Front::Forward(grpc::CallbackServerContext* context, c
   }
   if (!refusal.ok()) {
     Complete(reactor, refusal, arrived);
-    return reactor;
+    return;
   }
   if (direct != 0) RunDirect(direct);
   if (notify) Wake();
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* Front::GetModelInfo(grpc::CallbackServerContext* context,
-                                              const expertd::v1::GetModelInfoRequest*,
-                                              expertd::v1::GetModelInfoResponse* response) {
-  auto* reactor = context->DefaultReactor();
-  if (!Authorized(context)) {
-    reactor->Finish(Unauthenticated());
-    return reactor;
-  }
+// The model description Python last gave. The request has no fields: its body is not looked at.
+void Front::GetModelInfo(CallReactor* reactor, const grpc::ByteBuffer*) {
+  std::string serialized;
   {
     std::lock_guard<std::mutex> lock(info_mu_);
-    *response = model_info_;
+    serialized = model_info_.SerializeAsString();
   }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  grpc::Slice slice(serialized);
+  reactor->response = grpc::ByteBuffer(&slice, 1);
+  reactor->Answer(grpc::Status::OK);
 }
 
 // False when `serialized` is not a GetModelInfoResponse (the answer stays as it was).

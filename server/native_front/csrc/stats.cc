@@ -9,7 +9,7 @@
 
 namespace expertd::native_front {
 
-void Front::Complete(grpc::ServerUnaryReactor* reactor, const grpc::Status& status, Clock::time_point arrived) {
+void Front::Complete(CallReactor* reactor, const grpc::Status& status, Clock::time_point arrived) {
   const double seconds = std::chrono::duration<double>(Clock::now() - arrived).count();
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
@@ -26,7 +26,7 @@ void Front::Complete(grpc::ServerUnaryReactor* reactor, const grpc::Status& stat
       refused.second = status.error_message();
     }
   }
-  reactor->Finish(status);
+  reactor->Answer(status);
 }
 
 PyObject* Front::Stats() {
