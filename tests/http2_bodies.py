@@ -17,6 +17,7 @@ import h2.events
 import h2.exceptions
 
 CHUNK = 1 << 20  # zeros, sent a window's worth at a time
+GOAWAY = 0x7  # the HTTP/2 frame type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ def send_declared(port: int, method: str, declared: int, *, metadata: tuple[tupl
                                          ("te", "trailers"), *metadata])
         pending = b"\x00" + struct.pack(">I", declared)  # uncompressed, the declared length
         sent, body_sent = 0, 0
+        received = bytearray()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             window = min(connection.local_flow_control_window(stream), connection.max_outbound_frame_size)
@@ -77,15 +79,14 @@ def send_declared(port: int, method: str, declared: int, *, metadata: tuple[tupl
                 continue
             if not data:
                 return Outcome(sent, closed=True)
-            for event in connection.receive_data(data):
+            received += data
+            for event in _events(connection, received):
                 if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
                     headers = dict(event.headers)
                     if "grpc-status" in headers:
                         return Outcome(sent, code=int(headers["grpc-status"]), message=headers.get("grpc-message", ""))
                 elif isinstance(event, h2.events.StreamReset):
                     return Outcome(sent, reset=int(event.error_code))
-                elif isinstance(event, h2.events.ConnectionTerminated):
-                    return Outcome(sent, closed=True)
             out = connection.data_to_send()
             if out:
                 sock.setblocking(True)
@@ -93,3 +94,20 @@ def send_declared(port: int, method: str, declared: int, *, metadata: tuple[tupl
         return Outcome(sent)
     finally:
         sock.close()
+
+
+
+def _events(connection: h2.connection.H2Connection, received: bytearray) -> list:
+    """The events of the whole frames in ``received`` (which keeps what is left of a partial one).
+    GOAWAY frames are not fed to h2: a server that is closing sends one, then still answers the
+    streams it has begun, which h2 would refuse to read once it has seen the GOAWAY."""
+    events = []
+    while len(received) >= 9:
+        size = 9 + int.from_bytes(received[:3], "big")
+        if len(received) < size:
+            break
+        frame = bytes(received[:size])
+        del received[:size]
+        if frame[3] != GOAWAY:
+            events.extend(connection.receive_data(frame))
+    return events

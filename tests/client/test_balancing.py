@@ -317,3 +317,25 @@ def test_a_call_lost_after_its_replica_began_answering_is_sent_again_to_another(
 
         asyncio.run(calls())
     assert dying.calls == 1
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_a_call_a_closing_replica_cancels_is_sent_again_to_another(replicas, flavour):
+    """gRPC's server core cancels the calls that reach a server while it shuts down (a draining
+    replica's last moment), before any handler sees them: the retry policy (RETRIED_BY_GRPC) sends
+    an idempotent call that ended CANCELLED once more, to another replica."""
+    closing, healthy = replicas(("closing", grpc.StatusCode.CANCELLED), "healthy")
+    options = {"target": target(closing, healthy), "retries": 2, "timeout": 10, "backoff": FAST}
+    deadline = time.monotonic() + 30  # round robin uses a replica once its connection is ready
+    if flavour == "sync":
+        with ExpertClient(**options) as client:
+            while closing.calls == 0 and time.monotonic() < deadline:
+                assert client.model_info().model == "healthy"
+    else:
+        async def calls() -> None:
+            async with AsyncExpertClient(**options) as client:
+                while closing.calls == 0 and time.monotonic() < deadline:
+                    assert (await client.model_info()).model == "healthy"
+
+        asyncio.run(calls())
+    assert closing.calls >= 1

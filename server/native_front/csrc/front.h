@@ -51,6 +51,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -84,7 +85,7 @@ class Front;
 class CallReactor final : public grpc::ServerGenericBidiReactor {
  public:
   enum class Method { kForward, kGetModelInfo, kOther };  // kOther: UNIMPLEMENTED
-  CallReactor(Front* front, grpc::GenericCallbackServerContext* context, Method method);
+  CallReactor(Front* front, grpc::GenericCallbackServerContext* call, Method which);
   void Answer(const grpc::Status& status);  // once per call (Front::Complete, or GetModelInfo)
   void OnReadDone(bool ok) override;
   void OnDone() override;
@@ -92,10 +93,10 @@ class CallReactor final : public grpc::ServerGenericBidiReactor {
   grpc::GenericCallbackServerContext* const context;
   grpc::ByteBuffer response;  // written by Answer when the status is OK
   const Clock::time_point arrived = Clock::now();
+  const Method method;
 
  private:
   Front* const front_;
-  const Method method_;
   grpc::ByteBuffer request_;
 };
 
@@ -128,8 +129,11 @@ class Front final : public grpc::CallbackGenericService {
   std::unique_ptr<grpc::Server> server;
   int ready_fd = -1;  // an eventfd: readable while calls may be queued
 
-  // reactor.cc: a call's headers checked (method, token) before its body is read.
+  // reactor.cc: a call's headers checked (method, token) before its body is read; the calls whose
+  // body is being read, which Stop answers (false: the port is stopping, answer it now).
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
+  bool StartReading(CallReactor* reactor);
+  bool DoneReading(CallReactor* reactor);
 
   // service.cc: the calls, once their body is read; the port's state Python sets, and its shutdown.
   void Forward(CallReactor* reactor, const grpc::ByteBuffer* body);
@@ -184,6 +188,7 @@ class Front final : public grpc::CallbackGenericService {
   double min_retry_s_ = 0.0;
   int64_t last_batch_ = 0;
   std::map<int64_t, std::vector<Call>> in_flight_;
+  std::set<CallReactor*> reading_;     // calls whose body is being read (Stop answers them)
   Clock::time_point last_answered_{};  // when the latest batch left in_flight_ (answered or failed)
   PyObject* direct_ = nullptr;         // SetDirect's callable (a reference held forever), or none
   bool direct_running_ = false;        // the direct runner is on (queued calls wait for it)

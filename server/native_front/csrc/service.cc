@@ -107,9 +107,10 @@ void Front::SetHealth(bool serving) {
   health->SetServingStatus("liveness", true);
 }
 
-// Refuse what is queued, shut the port down (call without the GIL).
+// Refuse what is queued or still being read, shut the port down (call without the GIL).
 void Front::Stop(double grace_s) {
   std::deque<Call> queued;
+  std::set<CallReactor*> reading;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return;
@@ -118,11 +119,17 @@ void Front::Stop(double grace_s) {
     direct_ = nullptr;
     reason_ = "the server is shutting down";
     queued.swap(queue_);
+    reading.swap(reading_);
     queued_tokens_ = 0;
   }
-  for (const Call& call : queued) {
-    Complete(call.reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"),
-             call.arrived);
+  const grpc::Status refusal(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+  for (const Call& call : queued) Complete(call.reactor, refusal, call.arrived);
+  for (CallReactor* reactor : reading) {
+    if (reactor->method == CallReactor::Method::kForward) {
+      Complete(reactor, refusal, reactor->arrived);
+    } else {
+      reactor->Answer(refusal);
+    }
   }
   SetHealth(false);
   server->Shutdown(std::chrono::system_clock::now() +

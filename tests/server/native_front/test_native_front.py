@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import re
 import threading
+import time
 
 import grpc
 import ml_dtypes
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from http2_bodies import send_declared
 from native_front_fixtures import require_native_front
 from service_support import Gate, poll, sample, scrape, server_config, server_with_runner
 from tls_fixtures import make_pki
@@ -562,6 +564,24 @@ def test_drain_answers_what_was_queued_and_refuses_what_comes_after(tmp_path_fac
             assert future.result(60).shape == (1, H)
         assert handle.wait(60)
         client.close()
+
+
+def test_a_call_whose_body_is_still_arriving_when_the_port_stops_gets_unavailable(tmp_path_factory):
+    """The drain's last step closes the native port: a call whose body is half sent then is answered
+    UNAVAILABLE (retryable elsewhere) by the port itself, not left for gRPC to cancel at the close."""
+    require_native_front()
+    config = dataclasses.replace(server_config(tmp_path_factory, model=ONE_LAYER), native_port=0)
+    handle = create_server(config)
+    handle.wait_ready(timeout=300)
+    declared = 16 * H * 4  # a body the port never gets all of
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        half = pool.submit(send_declared, handle.native_port, "/expertd.v1.ExpertService/Forward", declared,
+                           send_at_most=declared // 2, timeout_s=60)
+        time.sleep(0.5)  # the half body is in
+        handle.stop(grace=1)
+        outcome = half.result(60)
+    assert outcome.code == grpc.StatusCode.UNAVAILABLE.value[0], outcome
+    assert outcome.message == "the server is shutting down"
 
 
 def test_a_native_port_that_cannot_be_built_fails_start_up_naming_the_flag(tmp_path_factory, monkeypatch):
