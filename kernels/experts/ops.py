@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from expertd.kernels import cpu
+from expertd.kernels.experts import fp8
 from expertd.kernels.experts.pallas import grouped_ffn_pallas
+from expertd.kernels.experts.tokamax import grouped_ffn_tokamax
 from expertd.kernels.experts.xla import (
     grouped_ffn_capacity,
     grouped_ffn_expert_loop,
@@ -78,6 +80,13 @@ def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", bac
         e, h, i = logical_shape(w_gate)
         backend = choose_backend(xs.shape[0], e, h, i, w_gate.dtype)
     kwargs = dict(activation=activation, biases=biases)
+    if backend == "tokamax":  # reads FP8 weights itself
+        return grouped_ffn_tokamax(xs, group_sizes, *(cpu.dense_weights(w) for w in (w_gate, w_up, w_down)),
+                                   **kwargs)
+    if backend == "pallas" and all(fp8.is_fp8(w) for w in (w_gate, w_up, w_down)):
+        return grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, **kwargs)
+    # FP8 weights for the backends that do not read them: dequantised per call (correct, not fast)
+    w_gate, w_up, w_down = (fp8.dequantize(w, xs.dtype) for w in (w_gate, w_up, w_down))
     if backend == "native_cpu":  # reads prepared weights in place
         return cpu.grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, **kwargs)
     w_gate, w_up, w_down = (cpu.dense_weights(w) for w in (w_gate, w_up, w_down))
