@@ -51,11 +51,17 @@ class TokamaxMissing(ImportError):
 
 def _tokamax():
     try:
-        return importlib.import_module("tokamax")
+        module = importlib.import_module("tokamax")
     except ImportError as exc:
         raise TokamaxMissing(
             "the 'tokamax' expert backend needs the tokamax package: pip install 'expertd[tokamax]' "
             f"(or tokamax==0.0.12) ({exc})") from exc
+    # tokamax reads its options as absl flags, parsing sys.argv on first use unless they are parsed:
+    # the process's argv is expertd's (or pytest's), not tokamax's, so its options keep their defaults.
+    flags = importlib.import_module("absl.flags")
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return module
 
 
 def available() -> bool:
