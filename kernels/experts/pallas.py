@@ -15,6 +15,14 @@ past the last block, which write zeros and read no weights).
 With per-expert biases kernel 1 takes the gate / up biases as two more whole-array operands
 (a separate compiled kernel: the bias-free one is unchanged).
 
+FP8 weights (`fp8.Fp8BlockWeights`, all three projections): the kernels read the e4m3 codes
+`[E, K, C]` and the fp32 block scales `[E, ceil(K / B), ceil(C / B)]` (B the scale block, a power
+of two; the tiles' block_n and block_k are capped at B so that every weight tile lies in one scale
+block). Per contraction step: the code tile converted to x's dtype, its product with the row tile
+accumulated in fp32, then times its block's scale: sum_k x[m, k] code[k, c] scale[k // B, c // B],
+the dequantised product up to the order of the fp32 sums. Codes held `[E, C, K]` (tokamax's
+layout) are transposed per call (`fp8.row_major`).
+
 Tiles (`PallasTiles`): the output tile's columns `block_n` and the contraction step `block_k` are
 caps (the largest power of two <= the cap dividing the dimension is used), with Triton's warps per
 program and software-pipelining stages; `block_m` rows per tile. Every choice computes the same

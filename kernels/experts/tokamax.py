@@ -18,11 +18,12 @@ expertd imports and serves without it; asking for this backend without it raises
       `implementation`: tokamax's (`None`: IMPLEMENTATIONS for this platform; "mosaic", "triton",
       "xla" or a tuple, the first that does not raise NotImplementedError runs).
 
-  IMPLEMENTATIONS: platform -> what None asks tokamax for. GPU: its Mosaic GPU kernels (sm90 and
-      sm100; the only GPU kernels tokamax tunes), then its Pallas-Triton ones, then XLA's
-      `ragged_dot` (what the "ragged_dot" backend runs), each tried when the one before does not
-      take the shape or dtype. Elsewhere: "xla" (jax.lax.ragged_dot_general; on CPU E x the FLOPs:
-      correct, for tests and the float64 oracle, not fast).
+  IMPLEMENTATIONS: platform -> what None asks tokamax for. GPU: None, tokamax's own order of what
+      imported there: its Mosaic GPU kernels (sm90 and sm100; the only GPU kernels tokamax tunes),
+      then its Pallas-Triton ones, then XLA's `ragged_dot` (what the "ragged_dot" backend runs),
+      each tried when the one before raises NotImplementedError for the shape or dtype. Elsewhere:
+      ("xla",) (jax.lax.ragged_dot_general; on CPU E x the FLOPs: correct, for tests and the
+      float64 oracle, not fast; tokamax's default would try its TPU kernel off NVIDIA devices).
   available() -> bool: whether tokamax imports.
   prepare_weights(w, platform) -> the layout its kernels read: FP8 codes held `[E, C, K]` on GPU
       (`fp8.transposed_for_tokamax`, once at load by `moe.prepare_params`); dense arrays as they are
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 from expertd.kernels.experts import fp8
 from expertd.kernels.ffn import as_gated_activation, check_ffn_args, matmul_precision, row_biases, row_experts
 
-IMPLEMENTATIONS = {"gpu": ("mosaic", "triton", "xla")}
+IMPLEMENTATIONS = {"gpu": None}
 DEFAULT_IMPLEMENTATION = ("xla",)
 
 
@@ -72,7 +73,8 @@ def available() -> bool:
     return True
 
 
-def implementation_for(platform: str | None = None) -> tuple[str, ...]:
+def implementation_for(platform: str | None = None) -> tuple[str, ...] | None:
+    """What `grouped_ffn_tokamax` asks tokamax for on `platform` (IMPLEMENTATIONS)."""
     return IMPLEMENTATIONS.get(platform or jax.default_backend(), DEFAULT_IMPLEMENTATION)
 
 
@@ -102,7 +104,7 @@ def grouped_ffn_tokamax(xs, group_sizes, w_gate, w_up, w_down, *, activation="si
     """Grouped FFN through `tokamax.ragged_dot`; see the module docstring for the contract."""
     check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
     tokamax = _tokamax()
-    impl = implementation_for() if implementation is None else implementation
+    impl = implementation_for() if implementation is None else implementation  # None: tokamax's own order
     expert, valid = row_experts(group_sizes, xs.shape[0])
     xs = jnp.where(valid[:, None], xs, 0)
     gs = group_sizes.astype(jnp.int32)
