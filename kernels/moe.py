@@ -190,8 +190,11 @@ def moe_layer(params: MoEParams, x, cfg: MoEConfig, *, backend: str = "auto", va
     ids, weights = route(params, x, cfg, valid, token_ids=token_ids)
     if backend == "auto":
         backend = experts.choose_backend(t * cfg.topk, cfg.num_experts, cfg.hidden_size,
-                                         cfg.intermediate_size, params.w_gate.dtype)
+                                         cfg.intermediate_size, params.w_gate.dtype,
+                                         fp8_weights=experts.is_fp8(params.w_gate))
     xe = expert_input(params, x, cfg)
+    if backend == "native_cpu" and experts.is_fp8(params.w_gate):  # its kernel reads dense weights
+        params = params.replace(**{n: experts.dequantize(getattr(params, n), x.dtype) for n in EXPERT_WEIGHTS})
     if backend == "native_cpu":
         out, perm = cpu.routed_experts(params, xe, ids, weights, valid, cfg)
     else:
