@@ -22,6 +22,8 @@ matmul rate and the weight-read floor of the same run.
      tflops    active FLOPs (2 * T * k * 3 * H * I) / device_s; x_dense: that over the dense rate
      x_floor / x_read_floor  device_s over the touched experts' bytes (routing's tokens_per_expert
                > 0 times each expert's bytes: FP8 codes + scales, or bf16) at the copy / read rate
+     x_bf16    FP8 rows: device_s over the bf16 row's of the same backend and T (the goal: <= 0.6
+               at T <= 128)
    Cases whose work exceeds FLOP_CAP (ragged_dot and the XLA lowerings run every expert over every
    row on GPU: E x the FLOPs) are skipped with the reason; after --budget-s the remaining cases are
    skipped and the results written, so one device call always brings its file back.
@@ -202,6 +204,10 @@ def layer_rows(shape, tokens, backends, fp8_backends, rates, deadline, chain, re
             print({key: row.get(key) for key in ("E", "T", "backend", "weights", "runs", "device_s", "dispatch_s",
                                                   "x_dense", "x_floor", "skipped", "error")}, flush=True)
         del x
+    for row in rows:  # the FP8 goal: the FP8 step's device time over the bf16 step's, same backend and T
+        twin = [r for r in rows if r["weights"] == "bf16" and (r["backend"], r["T"]) == (row["backend"], row["T"])]
+        if row["weights"] == "fp8" and twin and "device_s" in row and "device_s" in twin[0]:
+            row["x_bf16"] = row["device_s"] / twin[0]["device_s"]
     return rows
 
 
@@ -236,7 +242,7 @@ def main(argv=None):
     harness.print_table("the layer per backend (device_s: per call in a chain; x_dense at T=4096: the goal >= 0.6)",
                         [r for r in rows if r["kind"] == "layer"],
                         ["E", "k", "H", "I", "T", "backend", "weights", "runs", "call_s", "device_s", "dispatch_s",
-                         "tflops", "x_dense", "x_floor", "x_read_floor", "skipped"])
+                         "tflops", "x_dense", "x_floor", "x_read_floor", "x_bf16", "skipped"])
     failed = [r for r in rows if r["kind"] == "check" and not r["ok"]]
     print(f"check: {sum(r['kind'] == 'check' for r in rows) - len(failed)} of "
           f"{sum(r['kind'] == 'check' for r in rows)} within tolerance")
