@@ -25,8 +25,9 @@ matmul rate and the weight-read floor of the same run.
      x_bf16    FP8 rows: device_s over the bf16 row's of the same backend and T (the goal: <= 0.6
                at T <= 128)
    Cases whose work exceeds FLOP_CAP (ragged_dot and the XLA lowerings run every expert over every
-   row on GPU: E x the FLOPs) are skipped with the reason; after --budget-s the remaining cases are
-   skipped and the results written, so one device call always brings its file back.
+   row on GPU: E x the FLOPs) are skipped with the reason. --budget-s is shared out over the shapes
+   (shape n starts no case after n / len(shapes) of it, what one leaves passes on): cases past it
+   are skipped and the results written after each shape, so one device call brings its file back.
 
 Prints a table and writes benchmarks/results/tokamax_layer.json (or --out). On CPU it runs the
 same steps at the small shapes a test gives (tests/test_gpu_session.py); there tokamax is XLA's
@@ -234,9 +235,11 @@ def main(argv=None):
     rates = floors(args.matmul_n)
     rows.append(rates)
     print(rates, flush=True)
-    for spec in args.shapes:
+    start = time.monotonic()
+    for n, spec in enumerate(args.shapes, 1):  # shape n may start cases until n / len of the budget is spent
         shape = tuple(int(v) for v in spec.split(","))
-        rows += layer_rows(shape, args.tokens, args.backends, args.fp8_backends, rates, deadline, args.chain,
+        share = start + (deadline - start) * n / len(args.shapes)
+        rows += layer_rows(shape, args.tokens, args.backends, args.fp8_backends, rates, share, args.chain,
                            args.reps)
         harness.write_results(args.out, "tokamax_layer", rows)  # what is done so far survives a timeout
     harness.print_table("the layer per backend (device_s: per call in a chain; x_dense at T=4096: the goal >= 0.6)",
