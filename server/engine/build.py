@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from expertd.kernels import moe
+from expertd.kernels import experts, moe
 from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
 from expertd.server.engine import weights
 from expertd.server.engine.description import MeshDescription, ModelDescription
@@ -66,7 +66,7 @@ class Served:
         engine, on_cpu = self.engine, self.engine.platform == "cpu"
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
-                        "params": {name: {"shape": list(moe.logical_shape(p)), "dtype": str(p.dtype),
+                        "params": {name: {"shape": list(moe.logical_shape(p)), "dtype": _dtype_name(p),
                                           "split_over_ep": split_over_ep(p)} for name, p in layer.params.items()},
                         "expert_placement": _placement_info(engine.expert_placement(index))}
                        for index, layer in sorted(engine.layers.items())],
@@ -90,6 +90,13 @@ class Served:
         lines = (weights.native_cpu_note(info["native_cpu_kernel"], info["panel_columns"]),
                  memory.note(info["huge_pages"]), allocator.note(info["host_allocator"]))
         return [line for line in lines if line]
+
+
+def _dtype_name(param) -> str:
+    """A param's dtype for ``info()``; FP8 expert weights: their codes' and that they are block-scaled."""
+    if experts.is_fp8(param):
+        return f"{param.codes.dtype} ({param.block}x{param.block} block scales, computed in {param.dtype})"
+    return str(param.dtype)
 
 
 def _placement_info(placement) -> dict | None:

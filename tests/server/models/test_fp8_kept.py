@@ -77,6 +77,7 @@ def test_the_engine_places_and_serves_kept_fp8_experts(tmp_path):
     dense = build.build_engine(load_checkpoint(tmp_path, dtype="bfloat16", num_layers=1), buckets=(8,),
                                dtype="bfloat16", devices=1, backend="pallas", huge_pages=False)
     index = layers[0].index
+    assert served.info()["layers"][0]["params"]["w_gate"]["dtype"].startswith("float8_e4m3fn (16x16 block scales")
     w = served.engine.layers[index].params.w_gate
     assert experts.is_fp8(w) and isinstance(w.codes, jax.Array) and w.codes.dtype == jnp.float8_e4m3fn
     x = np.asarray(jax.random.normal(jax.random.key(1), (8, layers[0].cfg.hidden_size)), jnp.bfloat16)
