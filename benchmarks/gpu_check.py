@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from expertd.kernels import experts, moe, router
+from expertd.kernels.experts import tokamax
 from expertd.kernels.moe_reference import (
     FAMILIES,
     HASH_VOCAB,
@@ -52,9 +53,11 @@ FAMILY_SETS = {"served": FAMILIES, "semantics": SEMANTIC_FAMILIES, "all": FAMILI
 
 
 def backends_here() -> tuple[str, ...]:
-    """The expert backends this platform runs (native_cpu is an XLA:CPU custom call)."""
+    """The expert backends this platform runs (native_cpu is an XLA:CPU custom call; tokamax where
+    its package imports: on the GPU machine, from the wheels carried in .whl)."""
     cpu = jax.default_backend() == "cpu"
-    return tuple(b for b in experts.BACKENDS if b != "native_cpu" or cpu) + ("auto",)
+    runs = {"native_cpu": cpu, "tokamax": tokamax.available()}
+    return tuple(b for b in experts.BACKENDS if runs.get(b, True)) + ("auto",)
 
 
 def token_ids_of(cfg, t):

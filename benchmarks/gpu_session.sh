@@ -34,6 +34,13 @@
 #                                           # steps on each port, the engine on the GPU
 #                                           # (SHAPES_PLATFORMS=cpu: the host's cores), with and
 #                                           # without the batcher's queue delay (SHAPES_ARGS)
+#   bash benchmarks/gpu_session.sh tokamax  # benchmarks/tokamax_layer.py: the tokamax backend (and
+#                                           # FP8 weights through it and pallas) against the oracle,
+#                                           # then the layer at issue 52's shapes for tokamax, pallas,
+#                                           # ragged_dot and auto beside the dense bf16 matmul and the
+#                                           # weight-read floor; needs tokamax's wheels in .whl
+#                                           # (benchmarks/tokamax_carry.sh; carry .whl); under 8
+#                                           # minutes (TOKAMAX_TIMEOUT 470 s, --budget-s 360 inside)
 #   bash benchmarks/gpu_session.sh all      # all four (over 10 minutes: one call does not fit)
 #   bash benchmarks/gpu_session.sh brief    # all six, cut to fit one call of a 15-minute lease
 #                                           # (check --quick, router --quick, the bf16 layer at
@@ -86,6 +93,9 @@ step() {
                --out "$OUT/serving_gpu.json" 2>&1 | tee "$OUT/serving.log" ;;
     tiles) timeout "${TILES_TIMEOUT:-540}" $PY benchmarks/pallas_tiles.py ${TILES_ARGS:-} --out "$OUT/pallas_tiles.json" \
              2>&1 | tee "$OUT/pallas_tiles.log" ;;
+    tokamax) XLA_PYTHON_CLIENT_MEM_FRACTION=${TOKAMAX_MEM_FRACTION:-.9} timeout "${TOKAMAX_TIMEOUT:-470}" \
+               $PY benchmarks/tokamax_layer.py ${TOKAMAX_ARGS:---budget-s 360} --out "$OUT/tokamax_layer_gpu.json" 2>&1 \
+               | tee "$OUT/tokamax_layer.log" ;;
     semantics) semantics ;;
     shapes) JAX_PLATFORMS=${SHAPES_PLATFORMS:-cuda} timeout "${SHAPES_TIMEOUT:-300}" $PY benchmarks/batch_shapes.py \
               ${SHAPES_ARGS:---ports main,native --max-queue-delay-ms 2,0 --rounds 2 --duration 2} \
@@ -94,7 +104,8 @@ step() {
            [ -d .native-front ] && servers+=,expertd-native,expertd-native-queued,native-echo
            timeout "${FLOOR_TIMEOUT:-420}" $PY benchmarks/python_floor.py --servers "$servers" \
              ${FLOOR_ARGS:-} --out "$OUT/python_floor_gpu_host.json" 2>&1 | tee "$OUT/python_floor.log" ;;
-    *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | semantics | floor | shapes | all | brief)"
+    *) echo "unknown step $1 (check | router | layer | engine | serving | tiles | tokamax | semantics | floor | shapes |"\
+            "all | brief)"
        return 2 ;;
   esac
 }

@@ -27,7 +27,9 @@ Public API (T tokens, H hidden, I expert intermediate, Is shared intermediate, E
       [0, V) are clipped here: check them on the host with `routing.check_token_ids`), ignored
       by the others.
       backend: an expert backend of `expertd.kernels.experts` ("auto", "reference", "ragged_dot",
-      "capacity", "expert_loop", "native_cpu", "pallas"). With "native_cpu" (auto's CPU choice
+      "capacity", "expert_loop", "native_cpu", "pallas", "tokamax"). The routed expert weights may
+      be block-scaled FP8 (`experts.Fp8BlockWeights`): "pallas" and "tokamax" read the codes and
+      scale in the kernel, the others dequantise per call. With "native_cpu" (auto's CPU choice
       where its library builds) the dispatch runs in C++ too (`cpu.routed_experts`); the other
       backends use dispatch.permute / unpermute. Prepared params give every backend the outputs
       of unprepared ones, bit for bit. Every backend runs every semantic of MoEConfig.
@@ -162,11 +164,15 @@ def prepare_params(params: MoEParams, cfg: MoEConfig, platform: str | None = Non
                    backend: str = "auto") -> MoEParams:
     """`params` laid out for the fastest backend of `platform` (default: JAX's default backend),
     once after loading. CPU with `backend` "auto" or "native_cpu" and the native library
-    available: the routed expert weights in its layout (`cpu.prepare_params`); otherwise `params`
-    itself. `moe_layer` computes the same outputs from either."""
+    available: the routed expert weights in its layout (`cpu.prepare_params`); "tokamax" on GPU:
+    FP8 expert weights (`experts.Fp8BlockWeights`) with their codes held `[E, C, K]`
+    (`experts.tokamax_weights`); otherwise `params` itself. `moe_layer` computes the same outputs from either."""
     check_params(params, cfg)
     experts.check_backend(backend)
-    if (platform or jax.default_backend()) != "cpu":
+    platform = platform or jax.default_backend()
+    if backend == "tokamax":  # FP8 codes held as its quantised kernels read them
+        return params.replace(**{n: experts.tokamax_weights(getattr(params, n), platform) for n in EXPERT_WEIGHTS})
+    if platform != "cpu":
         return params
     return cpu.prepare_params(params, backend=backend)
 
@@ -184,8 +190,11 @@ def moe_layer(params: MoEParams, x, cfg: MoEConfig, *, backend: str = "auto", va
     ids, weights = route(params, x, cfg, valid, token_ids=token_ids)
     if backend == "auto":
         backend = experts.choose_backend(t * cfg.topk, cfg.num_experts, cfg.hidden_size,
-                                         cfg.intermediate_size, params.w_gate.dtype)
+                                         cfg.intermediate_size, params.w_gate.dtype,
+                                         fp8_weights=experts.is_fp8(params.w_gate))
     xe = expert_input(params, x, cfg)
+    if backend == "native_cpu" and experts.is_fp8(params.w_gate):  # its kernel reads dense weights
+        params = params.replace(**{n: experts.dequantize(getattr(params, n), x.dtype) for n in EXPERT_WEIGHTS})
     if backend == "native_cpu":
         out, perm = cpu.routed_experts(params, xe, ids, weights, valid, cfg)
     else:

@@ -34,7 +34,7 @@ def test_gpu_session_check_step_passes_on_cpu(tmp_path):
     backends = {r["backend"] for r in rows if r["kind"] == "layer"}
     assert {"pallas", "ragged_dot", "capacity", "expert_loop", "native_cpu", "auto"} <= backends
     assert {r["family"] for r in rows} == {"mixtral"} and {r["dtype"] for r in rows} == {"float32", "bfloat16"}
-    assert all(r["ok"] for r in rows) and len(rows) == 18
+    assert all(r["ok"] for r in rows) and len(rows) == 18 + 2 * ("tokamax" in backends)
     assert "CpuDevice" in (tmp_path / "env.txt").read_text()  # the environment step ran, with the package importable
 
 
@@ -116,3 +116,27 @@ def test_pallas_tiles_confirm_times_named_tilings_against_the_default_in_alterna
     bad = subprocess.run([sys.executable, script, "--smoke", "--confirm", "16,32"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "block_m,block_n,block_k,num_warps,num_stages" in bad.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_tokamax_step_checks_and_times_every_case_on_cpu(tmp_path):
+    """The tokamax step at a small shape: the probe, every family through tokamax (fp32, bf16, FP8)
+    and pallas (FP8) within the oracle's tolerance, the floors, and every (backend, weights) timed."""
+    pytest.importorskip("tokamax")
+    _run_step("tokamax", tmp_path, TOKAMAX_ARGS="--shapes 4,2,128,128 --tokens 2 --backends tokamax auto "
+              "--fp8-backends tokamax pallas --check-point 4,2,4,128,128 --matmul-n 256 --chain 2 --reps 3")
+    rows = json.loads((tmp_path / "tokamax_layer_gpu.json").read_text())["rows"]
+    checks = [r for r in rows if r["kind"] == "check"]
+    assert len(checks) == 12 and all(r["ok"] for r in checks), [r for r in checks if not r["ok"]]
+    assert {(r["backend"], r["dtype"]) for r in checks} == {("tokamax", "float32"), ("tokamax", "bfloat16"),
+                                                            ("tokamax", "fp8"), ("pallas", "fp8")}
+    assert {(r["weights"], r["ok"]) for r in rows if r["kind"] == "probe" and r["implementation"] == "default"} \
+        == {("bf16", True), ("fp8", True)}
+    (floors,) = [r for r in rows if r["kind"] == "floors"]
+    assert all(floors[k] > 0 for k in ("dense_bf16_flops", "copy_bytes_per_s", "read_bytes_per_s"))
+    layers = [r for r in rows if r["kind"] == "layer"]
+    assert [(r["backend"], r["weights"]) for r in layers] == [("tokamax", "bf16"), ("auto", "bf16"),
+                                                              ("tokamax", "fp8"), ("pallas", "fp8")]
+    for r in layers:
+        assert "error" not in r and r["device_s"] > 0 and r["call_s"] > 0 and r["x_floor"] > 0, r
+    assert (tmp_path / "tokamax_layer.log").exists()

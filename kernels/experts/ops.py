@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from expertd.kernels import cpu
+from expertd.kernels.experts import fp8
 from expertd.kernels.experts.pallas import grouped_ffn_pallas
+from expertd.kernels.experts.tokamax import grouped_ffn_tokamax
 from expertd.kernels.experts.xla import (
     grouped_ffn_capacity,
     grouped_ffn_expert_loop,
@@ -35,8 +37,12 @@ def check_backend(backend: str) -> None:
 
 
 def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: int, dtype,
-                   platform: str | None = None) -> str:
+                   platform: str | None = None, *, fp8_weights: bool = False) -> str:
     """The backend "auto" runs for `num_rows` (= T*k) rows of this shape on this platform.
+
+    `fp8_weights`: the expert weights are `Fp8BlockWeights`. On GPU then "pallas", which reads the
+    codes in its kernels (H and I multiples of 16; else "ragged_dot" on the dequantised weights);
+    elsewhere the choice for their bf16 compute dtype (those backends dequantise per call).
 
     `dtype` is the expert weights' dtype. GPU: the Pallas grouped GEMM for bf16 weights from
     GPU_PALLAS_MIN_ROWS rows on (H and I multiples of 16), "ragged_dot" (XLA's grouped GEMM) below
@@ -45,6 +51,8 @@ def choose_backend(num_rows: int, num_experts: int, hidden: int, intermediate: i
     is available, else "capacity" or "expert_loop"; its module docstring has the rules).
     """
     platform = platform or jax.default_backend()
+    if platform == "gpu" and fp8_weights:
+        return "pallas" if hidden % 16 == 0 and intermediate % 16 == 0 else "ragged_dot"
     if platform == "gpu" and (jnp.dtype(dtype) == jnp.bfloat16 and num_rows >= GPU_PALLAS_MIN_ROWS
                               and hidden % 16 == 0 and intermediate % 16 == 0):
         return "pallas"
@@ -76,8 +84,15 @@ def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", bac
     check_backend(backend)
     if backend == "auto":
         e, h, i = logical_shape(w_gate)
-        backend = choose_backend(xs.shape[0], e, h, i, w_gate.dtype)
+        backend = choose_backend(xs.shape[0], e, h, i, w_gate.dtype, fp8_weights=fp8.is_fp8(w_gate))
     kwargs = dict(activation=activation, biases=biases)
+    if backend == "tokamax":  # reads FP8 weights itself
+        return grouped_ffn_tokamax(xs, group_sizes, *(cpu.dense_weights(w) for w in (w_gate, w_up, w_down)),
+                                   **kwargs)
+    if backend == "pallas" and all(fp8.is_fp8(w) for w in (w_gate, w_up, w_down)):
+        return grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, **kwargs)
+    # FP8 weights for the backends that do not read them: dequantised per call (correct, not fast)
+    w_gate, w_up, w_down = (fp8.dequantize(w, xs.dtype) for w in (w_gate, w_up, w_down))
     if backend == "native_cpu":  # reads prepared weights in place
         return cpu.grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, **kwargs)
     w_gate, w_up, w_down = (cpu.dense_weights(w) for w in (w_gate, w_up, w_down))

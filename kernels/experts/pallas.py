@@ -15,6 +15,14 @@ past the last block, which write zeros and read no weights).
 With per-expert biases kernel 1 takes the gate / up biases as two more whole-array operands
 (a separate compiled kernel: the bias-free one is unchanged).
 
+FP8 weights (`fp8.Fp8BlockWeights`, all three projections): the kernels read the e4m3 codes
+`[E, K, C]` and the fp32 block scales `[E, ceil(K / B), ceil(C / B)]` (B the scale block, a power
+of two; the tiles' block_n and block_k are capped at B so that every weight tile lies in one scale
+block). Per contraction step: the code tile converted to x's dtype, its product with the row tile
+accumulated in fp32, then times its block's scale: sum_k x[m, k] code[k, c] scale[k // B, c // B],
+the dequantised product up to the order of the fp32 sums. Codes held `[E, C, K]` (tokamax's
+layout) are transposed per call (`fp8.row_major`).
+
 Tiles (`PallasTiles`): the output tile's columns `block_n` and the contraction step `block_k` are
 caps (the largest power of two <= the cap dividing the dimension is used), with Triton's warps per
 program and software-pipelining stages; `block_m` rows per tile. Every choice computes the same
@@ -33,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from expertd.kernels.experts import fp8
 from expertd.kernels.ffn import as_gated_activation, check_ffn_args, matmul_precision, row_biases, row_experts
 
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
@@ -95,8 +104,23 @@ def _pow2_block(dim: int, cap: int) -> int:
     raise ValueError(f"the pallas backend needs H and I to be multiples of {MIN_BLOCK}, got {dim}")
 
 
-def _gate_up_kernel(tile_expert_ref, x_ref, wg_ref, wu_ref, *refs, num_experts, block_k, glu):
-    bias_refs, h_ref = refs[:-1], refs[-1]  # (b_gate [E, I], b_up [E, I]) or ()
+def _scaled_dot(a, w_ref, scale_ref, e, rows, cols, block):
+    """a @ w[e, rows, cols] with fp32 accumulation: `w_ref` dense, or FP8 codes whose tile lies
+    in one scale block (`scale_ref [E, Kb, Cb]`, blocks of `block`), converted to a's dtype for the
+    product and the fp32 partial product scaled."""
+    w = w_ref[e, rows, cols]
+    if scale_ref is None:
+        return jnp.dot(a, w, preferred_element_type=jnp.float32, precision=matmul_precision(a, w))
+    w = w.astype(a.dtype)
+    part = jnp.dot(a, w, preferred_element_type=jnp.float32, precision=matmul_precision(a, w))
+    return part * scale_ref[e, rows.start // block, cols.start // block]
+
+
+def _gate_up_kernel(tile_expert_ref, x_ref, wg_ref, wu_ref, *refs, num_experts, block_k, glu, fp8_block):
+    # refs: (gate / up scales if FP8) + (b_gate [E, I], b_up [E, I] if biases) + (h_ref,)
+    h_ref = refs[-1]
+    sg_ref, su_ref = refs[:2] if fp8_block else (None, None)
+    bias_refs = refs[2 if fp8_block else 0:-1]
     i, j = pl.program_id(0), pl.program_id(1)
     block_m, block_n = h_ref.shape
     e = tile_expert_ref[i]
@@ -106,10 +130,9 @@ def _gate_up_kernel(tile_expert_ref, x_ref, wg_ref, wu_ref, *refs, num_experts, 
         def step(kk, acc):
             g, u = acc
             xk = x_ref[pl.ds(i * block_m, block_m), pl.ds(kk * block_k, block_k)]
-            cols = pl.ds(j * block_n, block_n)
-            wg, wu = wg_ref[e, pl.ds(kk * block_k, block_k), cols], wu_ref[e, pl.ds(kk * block_k, block_k), cols]
-            g += jnp.dot(xk, wg, preferred_element_type=jnp.float32, precision=matmul_precision(xk, wg))
-            u += jnp.dot(xk, wu, preferred_element_type=jnp.float32, precision=matmul_precision(xk, wu))
+            rows, cols = pl.ds(kk * block_k, block_k), pl.ds(j * block_n, block_n)
+            g += _scaled_dot(xk, wg_ref, sg_ref, e, rows, cols, fp8_block)
+            u += _scaled_dot(xk, wu_ref, su_ref, e, rows, cols, fp8_block)
             return g, u
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -125,7 +148,9 @@ def _gate_up_kernel(tile_expert_ref, x_ref, wg_ref, wu_ref, *refs, num_experts, 
         h_ref[...] = jnp.zeros(h_ref.shape, h_ref.dtype)
 
 
-def _down_kernel(tile_expert_ref, h_ref, wd_ref, y_ref, *, num_experts, block_k):
+def _down_kernel(tile_expert_ref, h_ref, wd_ref, *refs, num_experts, block_k, fp8_block):
+    y_ref = refs[-1]
+    sd_ref = refs[0] if fp8_block else None
     i, j = pl.program_id(0), pl.program_id(1)
     block_m, block_n = y_ref.shape
     e = tile_expert_ref[i]
@@ -134,8 +159,8 @@ def _down_kernel(tile_expert_ref, h_ref, wd_ref, y_ref, *, num_experts, block_k)
     def _compute():
         def step(kk, acc):
             hk = h_ref[pl.ds(i * block_m, block_m), pl.ds(kk * block_k, block_k)]
-            w = wd_ref[e, pl.ds(kk * block_k, block_k), pl.ds(j * block_n, block_n)]
-            return acc + jnp.dot(hk, w, preferred_element_type=jnp.float32, precision=matmul_precision(hk, w))
+            rows, cols = pl.ds(kk * block_k, block_k), pl.ds(j * block_n, block_n)
+            return acc + _scaled_dot(hk, wd_ref, sd_ref, e, rows, cols, fp8_block)
 
         acc = lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
         y_ref[...] = acc.astype(y_ref.dtype)
@@ -168,8 +193,21 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
                        tiles: PallasTiles | None = None, interpret=None):
     """Pallas grouped gated MLP; same contract as `experts.grouped_ffn` (xs [N, H] -> [N, H]).
     `block_m` (rows per tile, a power of two >= 16; default by rows per expert) and `tiles` (default
-    `default_tiles`) choose the tiling, never the result."""
+    `default_tiles`) choose the tiling, never the result. The weights are arrays or all three
+    `fp8.Fp8BlockWeights` (e4m3 codes read by the kernels, scaled per tile; the tiles are capped at
+    the scale block)."""
     check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
+    quantised = [fp8.is_fp8(w) for w in (w_gate, w_up, w_down)]
+    if any(quantised) and not all(quantised):
+        raise ValueError("the pallas backend takes FP8 weights for all three projections or none")
+    fp8_block = w_gate.block if all(quantised) else 0
+    scales = ()
+    if fp8_block:
+        if len({w.block for w in (w_gate, w_up, w_down)}) != 1:
+            raise ValueError("the pallas backend needs one FP8 scale block for all three projections")
+        w_gate, w_up, w_down = (fp8.row_major(w) for w in (w_gate, w_up, w_down))
+        scales = (w_gate.scales, w_up.scales, w_down.scales)
+        w_gate, w_up, w_down = w_gate.codes, w_up.codes, w_down.codes
     n, h = xs.shape
     e, _, inter = w_gate.shape
     if interpret is None:
@@ -181,6 +219,9 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
     if tiles is None:
         itemsize = max(a.dtype.itemsize for a in (xs, w_gate, w_up, w_down))  # the widest tile decides
         tiles = default_tiles(block_m, itemsize, None if interpret else gpu_compute_capability())
+    if fp8_block:  # every weight tile within one scale block
+        tiles = dataclasses.replace(tiles, block_n=min(tiles.block_n, fp8_block),
+                                    block_k=min(tiles.block_k, fp8_block))
     block_k_h, block_k_i = _pow2_block(h, tiles.block_k), _pow2_block(inter, tiles.block_k)
     block_n_i, block_n_h = _pow2_block(inter, tiles.block_n), _pow2_block(h, tiles.block_n)
     dest, tile_expert, tiled_rows = tile_layout(group_sizes, n, block_m)
@@ -193,24 +234,26 @@ def grouped_ffn_pallas(xs, group_sizes, w_gate, w_up, w_down, *, activation="sil
     # Name Triton explicitly: newer JAX may default GPU Pallas to Mosaic GPU.
     params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
-    gate_up_biases = () if biases is None else (biases.gate, biases.up)
+    gate_up_extra = scales[:2] + (() if biases is None else (biases.gate, biases.up))
     gate_up = pl.pallas_call(
-        functools.partial(_gate_up_kernel, num_experts=e, block_k=block_k_h, glu=as_gated_activation(activation)),
+        functools.partial(_gate_up_kernel, num_experts=e, block_k=block_k_h, glu=as_gated_activation(activation),
+                          fp8_block=fp8_block),
         out_shape=jax.ShapeDtypeStruct((tiled_rows, inter), xs.dtype),
         grid=(row_tiles, inter // block_n_i),
-        in_specs=[whole] * (4 + len(gate_up_biases)),
+        in_specs=[whole] * (4 + len(gate_up_extra)),
         out_specs=pl.BlockSpec((block_m, block_n_i), lambda i, j: (i, j)),
         interpret=interpret, compiler_params=params, name="grouped_gate_up")
-    hidden = gate_up(tile_expert, x_tiled, w_gate, w_up, *gate_up_biases)
+    hidden = gate_up(tile_expert, x_tiled, w_gate, w_up, *gate_up_extra)
 
+    down_extra = scales[2:]
     down = pl.pallas_call(
-        functools.partial(_down_kernel, num_experts=e, block_k=block_k_i),
+        functools.partial(_down_kernel, num_experts=e, block_k=block_k_i, fp8_block=fp8_block),
         out_shape=jax.ShapeDtypeStruct((tiled_rows, h), xs.dtype),
         grid=(row_tiles, h // block_n_h),
-        in_specs=[whole, whole, whole],
+        in_specs=[whole] * (3 + len(down_extra)),
         out_specs=pl.BlockSpec((block_m, block_n_h), lambda i, j: (i, j)),
         interpret=interpret, compiler_params=params, name="grouped_down")
-    y = down(tile_expert, hidden, w_down).at[dest].get(mode="fill", fill_value=0)
+    y = down(tile_expert, hidden, w_down, *down_extra).at[dest].get(mode="fill", fill_value=0)
     if biases is not None:
         y = (y.astype(jnp.float32) + row_biases(biases, expert, valid).down).astype(xs.dtype)
     return jnp.where(valid[:, None], y, 0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from expertd.kernels.names import EXPERT_BACKENDS
 from expertd.server.config.fields import (
@@ -45,6 +46,9 @@ class ModelConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.backend != "auto" and self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"--backend must be 'auto' or one of {EXPERT_BACKENDS}, got {self.backend!r}")
+        if self.backend == "tokamax" and importlib.util.find_spec("tokamax") is None:
+            raise ValueError("--backend tokamax needs the tokamax package, which is not installed: "
+                             "pip install 'expertd[tokamax]' (tokamax==0.0.12)")
         if self.layers is not None and self.num_layers is not None:
             raise ValueError("give either --layers or --num-layers, not both")
         if self.num_devices is not None and self.num_devices < 1:

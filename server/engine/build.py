@@ -1,7 +1,8 @@
 """Start-up: from a configuration to an engine ready to warm up, each step applied once.
 
 1. Layers: the preset or checkpoint the config names (``load_layers``), in the serving dtype
-   ``serving_dtype`` picks (``--dtype auto``: the checkpoint's; logged with its reason).
+   ``serving_dtype`` picks (``--dtype auto``: the checkpoint's; logged with its reason); on one GPU
+   a block-scaled FP8 checkpoint's routed experts stay FP8 (``keeps_fp8``).
 2. JAX's persistent compilation cache (``warmup.enable_compile_cache``).
 3. Mesh (``placement``): the devices given (default: all; an int n takes the first n) form a 1-D
    mesh with axis "ep"; more than one device runs the expert-parallel layer, each layer's experts
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from expertd.kernels import moe
+from expertd.kernels import experts, moe
 from expertd.server.config import BatchingConfig, ModelConfig, ServerConfig
 from expertd.server.engine import weights
 from expertd.server.engine.description import MeshDescription, ModelDescription
@@ -32,6 +33,7 @@ from expertd.server.engine.placement import AXIS, MeshPlacement, pick_devices, s
 from expertd.server.engine.warmup import enable_compile_cache
 from expertd.server.host import allocator, memory
 from expertd.server.models import dtypes
+from expertd.server.models.checkpoint import keeps_fp8 as keeps_fp8_plan
 from expertd.server.models.checkpoint import load_checkpoint, plan_checkpoint
 from expertd.server.models.presets import LoadedLayer, load_preset
 
@@ -64,7 +66,7 @@ class Served:
         engine, on_cpu = self.engine, self.engine.platform == "cpu"
         return {
             "layers": [{"index": index, "source": layer.source, "config": dataclasses.asdict(layer.cfg),
-                        "params": {name: {"shape": list(moe.logical_shape(p)), "dtype": str(p.dtype),
+                        "params": {name: {"shape": list(moe.logical_shape(p)), "dtype": _dtype_name(p),
                                           "split_over_ep": split_over_ep(p)} for name, p in layer.params.items()},
                         "expert_placement": _placement_info(engine.expert_placement(index))}
                        for index, layer in sorted(engine.layers.items())],
@@ -90,6 +92,13 @@ class Served:
         return [line for line in lines if line]
 
 
+def _dtype_name(param) -> str:
+    """A param's dtype for ``info()``; FP8 expert weights: their codes' and that they are block-scaled."""
+    if experts.is_fp8(param):
+        return f"{param.codes.dtype} ({param.block}x{param.block} block scales, computed in {param.dtype})"
+    return str(param.dtype)
+
+
 def _placement_info(placement) -> dict | None:
     """A layer's physical expert placement for ``info()`` (None without expert parallelism)."""
     if placement is None:
@@ -108,13 +117,32 @@ def serving_dtype(model: ModelConfig) -> tuple[str, str]:
     return plan.dtype, plan.dtype_reason
 
 
-def load_layers(config: ServerConfig, dtype: str | None = None) -> list[LoadedLayer]:
-    """The LoadedLayers the config asks for, in ``dtype`` (default: ``serving_dtype``'s choice);
-    ValueError naming the option on bad input."""
+# The expert backends that read FP8 expert weights in their kernels (the others would dequantise
+# them on every step: dequantising at load is then cheaper).
+FP8_READING_BACKENDS = ("auto", "pallas", "tokamax")
+
+
+def keeps_fp8(model: ModelConfig, devices: Sequence) -> bool:
+    """Whether the routed experts of ``model``'s checkpoint are served in FP8 as stored: ``--dtype
+    auto``, a block-scaled FP8 checkpoint (``checkpoint.keeps_fp8``), one GPU (the expert-parallel
+    layer and the CPU's kernels read dense weights: the CPU dequantises at load) and a backend of
+    FP8_READING_BACKENDS ("auto" runs "pallas" on FP8 weights, ``experts.choose_backend``)."""
+    if model.checkpoint is None or model.dtype != dtypes.AUTO or model.backend not in FP8_READING_BACKENDS:
+        return False
+    if len(devices) != 1 or devices[0].platform != "gpu":
+        return False
+    return keeps_fp8_plan(plan_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers))
+
+
+def load_layers(config: ServerConfig, dtype: str | None = None, keep_fp8: bool = False) -> list[LoadedLayer]:
+    """The LoadedLayers the config asks for, in ``dtype`` (default: ``serving_dtype``'s choice;
+    ``keep_fp8``: block-scaled FP8 routed experts as stored, see ``keeps_fp8``); ValueError naming
+    the option on bad input."""
     model = config.model
     dtype = dtype or serving_dtype(model)[0]
     if model.checkpoint is not None:
-        return load_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers, dtype=dtype)
+        return load_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers, dtype=dtype,
+                               keep_fp8=keep_fp8)
     return load_preset(model.preset or "tiny", num_layers=model.num_layers, layers=model.layers,
                        dtype=dtype, seed=model.seed)
 
@@ -125,7 +153,11 @@ def build_served(config: ServerConfig, layers: Sequence[LoadedLayer] | None = No
     cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
     dtype, why = serving_dtype(model)
     log.info("serving dtype %s (%s)", dtype, why)
-    return build_engine(load_layers(config, dtype) if layers is None else layers, buckets=config.batching.bucket_sizes,
+    keep = layers is None and keeps_fp8(model, pick_devices(model.num_devices))
+    if keep:
+        log.info("routed experts kept in FP8 as stored (block-scaled e4m3; the GPU's expert kernels read them)")
+    return build_engine(load_layers(config, dtype, keep) if layers is None else layers,
+                        buckets=config.batching.bucket_sizes,
                         dtype=dtype, devices=model.num_devices, backend=model.backend, compile_cache_dir=cache,
                         huge_pages=model.huge_pages, panel_weights=model.panel_weights,
                         num_redundant_experts=model.num_redundant_experts)

@@ -101,7 +101,8 @@ class Engine:
 
     @staticmethod
     def _key(layer: LoadedLayer) -> tuple:
-        return (layer.cfg, tuple(sorted((name, moe.logical_shape(p), str(p.dtype))
+        # the kind of each param too: FP8 expert weights (a pytree of codes and scales) compile apart
+        return (layer.cfg, tuple(sorted((name, moe.logical_shape(p), str(p.dtype), experts.is_fp8(p))
                                         for name, p in layer.params.items())))
 
     # ------------------------------------------------------------------ running steps
@@ -268,8 +269,9 @@ class Engine:
             return None
         if self.backend != "auto":
             return self.backend
+        fp8 = any(experts.is_fp8(layer.params.w_gate) for layer in self.layers.values() if layer.cfg == cfg)
         return experts.choose_backend(bucket * cfg.topk, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
-                                      self.dtype, self.platform)
+                                      self.dtype, self.platform, fp8_weights=fp8)
 
     def compile_info(self) -> dict:
         """Compile counters, and per (layers, bucket) of the forward steps their XLA options (where

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from expertd.kernels import ep as ep_kernels
+from expertd.kernels import experts
 from expertd.kernels.config import MoEConfig
 from expertd.kernels.eplb import Placement
 from expertd.kernels.params import EXPERT_FIELDS, MoEParams, param_dtype
@@ -84,6 +85,10 @@ class MeshPlacement:
             return param_dtype(name, dtype)
 
         params = layer.params
+        if self.ep is not None and not isinstance(params, SeededParams) and \
+                any(experts.is_fp8(value) for value in params.values()):
+            raise ValueError(f"layer {layer.index}: FP8 expert weights are kept on one device only (the "
+                             "expert-parallel layer reads dense ones)")
         if self.ep is not None:
             placement = self.expert_placement(layer.cfg)
             split = layer.cfg.num_experts % len(self.devices) == 0
@@ -99,8 +104,9 @@ class MeshPlacement:
             # Generated on device (never on the host), then moved to the mesh's device if needed.
             placed = {name: jax.device_put(params.generate(name, dtype=target_dtype(name)), self.replicated)
                       for name in params}
-        else:
-            placed = {name: self.put(np.asarray(value).astype(target_dtype(name), copy=False))
+        else:  # FP8 expert weights (a checkpoint's, kept on a GPU) go as they are: codes and scales
+            placed = {name: jax.tree.map(self.put, value) if experts.is_fp8(value)
+                      else self.put(np.asarray(value).astype(target_dtype(name), copy=False))
                       for name, value in params.items()}
         return MoEParams.from_dict(placed, layer.cfg)
 

@@ -5,7 +5,8 @@ that reads them.
    ``MoEParams``; expert weights in the engine dtype, router weight and expert bias in fp32; seeded
    preset weights generated straight into their device layout.
 2. Layout: ``moe.prepare_params`` once per layer (on CPU, where the native kernel runs every
-   forward: its own layout, same outputs, read faster; elsewhere the params unchanged).
+   forward: its own layout, same outputs, read faster; with ``--backend tokamax`` on a GPU, FP8
+   expert codes held as its kernels read them; elsewhere the params unchanged).
    ``panel_weights=False`` keeps the layout as loaded.
 
 This module is the server's one caller of the kernels' weight-preparation and native-kernel
@@ -56,7 +57,7 @@ def prepare(layers: Sequence[LoadedLayer], placement: MeshPlacement, dtype, *, b
         seen.add(layer.index)
         placement.check_layer(layer)
     placed = [dataclasses.replace(layer, params=placement.place_layer(layer, dtype)) for layer in layers]
-    if panel_weights and native_cpu_runs_every_forward(placement):
+    if backend == "tokamax" or (panel_weights and native_cpu_runs_every_forward(placement)):
         platform = placement.devices[0].platform
         placed = [dataclasses.replace(layer, params=moe.prepare_params(layer.params, layer.cfg, platform,
                                                                        backend=backend))

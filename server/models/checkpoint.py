@@ -19,8 +19,8 @@ Two steps, both through the model registry (`expertd.server.models`):
    router and projection biases, hash tables, Gemma 4's norms).
 
 Every problem raises `CheckpointError` (a ValueError) naming the file, tensor, layer or key.
-A native FP8 path on GPU would keep step 1 and, instead of step 2's dequantisation, take each
-weight's stored codes and scales as `quant.locate` names them.
+With `keep_fp8` (the engine asks for it on a GPU, `keeps_fp8(plan)`), step 2 keeps block-scaled
+FP8 routed experts as stored (codes and scales, `quant.fp8_blocks`) instead of dequantising them.
 """
 from __future__ import annotations
 
@@ -154,12 +154,16 @@ def plan_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_laye
 
 
 def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_layers: int | None = None,
-                    dtype: str | None = None, workers: int = DEFAULT_WORKERS) -> list[LoadedLayer]:
+                    dtype: str | None = None, workers: int = DEFAULT_WORKERS,
+                    keep_fp8: bool = False) -> list[LoadedLayer]:
     """The MoE layers of the checkpoint at `path` (see the module docstring, step 2).
 
     layers / num_layers: as `plan_checkpoint`. dtype: the expert weights' dtype, "float32" /
     "bfloat16", or None / "auto" for `--dtype auto`'s choice. Router weight and bias are fp32.
     workers: threads reading a layer's experts (each holds one expert's temporaries).
+    keep_fp8: routed experts stored as block-scaled FP8 stay FP8 (`experts.Fp8BlockWeights` of
+    host arrays: the codes as stored, transposed into expertd's layouts, and fp32 block scales) for
+    the GPU's kernels that read them (`keeps_fp8`); other layers load as without it.
     Returns a LoadedLayer per layer in index order, params as numpy arrays in expertd's layouts.
     """
     plan = plan_checkpoint(path, layers=layers, num_layers=num_layers, dtype=dtype or dtypes.AUTO)
@@ -167,8 +171,19 @@ def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_laye
     where = f"checkpoint {plan.path}"
     with _open(plan.path) as stored:
         return [LoadedLayer(layer.index, layer.cfg,
-                            load_layer(stored, layer.cfg, layer.tensors, plan.scheme, out_dtype, where, workers),
+                            load_layer(stored, layer.cfg, layer.tensors, plan.scheme, out_dtype, where, workers,
+                                       keep_fp8=keep_fp8),
                             source=str(plan.path)) for layer in plan.layers]
+
+
+def keeps_fp8(plan: CheckpointPlan) -> bool:
+    """Whether the plan's routed experts can stay FP8: an FP8 checkpoint with square block scales
+    of a power-of-two size (DeepSeek-V3 / Kimi / Qwen FP8: 128 x 128), e4m3 experts."""
+    scheme = plan.scheme
+    if scheme is None or scheme.method != "fp8" or scheme.block_size is None or scheme.expert_dtype == "fp4":
+        return False
+    block = scheme.block_size[0]
+    return plan.stored_dtype == "F8_E4M3" and scheme.block_size[1] == block and block >= 16 and not block & (block - 1)
 
 
 def _open(path: Path) -> StoredTensors:

@@ -10,6 +10,7 @@ family's tensor names (`models.family.LayerTensors`):
   tid2eid [V, k] int32                 a hash-routed layer's table (stored any int dtype; every
                                        entry checked to be an expert id in [0, E))
   w_gate, w_up [E, H, I], w_down [E, I, H]   out_dtype, one expert at a time on `workers` threads
+                                       (`keep_fp8`: block-scaled FP8 experts as stored, Fp8BlockWeights)
   b_gate, b_up [E, I], b_down [E, H]   out_dtype; gate / up split from `gate_up [E, 2I]` (halves
                                        or interleaved columns, as the weight's)
   router_input_scale [H] fp32          Gemma 4's router.scale * H**-0.5
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from expertd.kernels import cpu
+from expertd.kernels import cpu, experts
 from expertd.kernels.config import MoEConfig
 from expertd.server.models import quant
 from expertd.server.models.family import LayerTensors
@@ -40,13 +41,49 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be served as asked; the message names the file, tensor or layer."""
 
 
+class NotKept(Exception):
+    """A routed expert weight that cannot stay FP8 (not stored block-scaled FP8, or cut off its
+    blocks): the layer is loaded dense instead."""
+
+
+class KeptFp8:
+    """A block-scaled FP8 weight kept as stored: `codes` float8_e4m3fn `[R, C]` (a view of the
+    stored tensor), `scales` float32 `[ceil(R / block), ceil(C / block)]`. Stands in for the dense
+    array a family layout reads: `.T` and block-aligned slices keep codes and scales together."""
+
+    def __init__(self, codes, scales, block: int):
+        self.codes, self.scales, self.block = codes, scales, block
+
+    @property
+    def shape(self):
+        return self.codes.shape
+
+    @property
+    def T(self):  # noqa: N802 (numpy's name)
+        return KeptFp8(self.codes.T, self.scales.T, self.block)
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        cut = []
+        for dim, part in zip(self.codes.shape, index):
+            if not isinstance(part, slice):
+                raise NotKept(f"an index {part!r} into FP8 codes")
+            start, stop, step = part.indices(dim)
+            if step != 1 or start % self.block or (stop % self.block and stop != dim):
+                raise NotKept(f"a slice {part!r} that cuts FP8 scale blocks of {self.block}")
+            cut.append((slice(start, stop), slice(start // self.block, -(-stop // self.block))))
+        return KeptFp8(self.codes[tuple(c for c, _ in cut)], self.scales[tuple(b for _, b in cut)], self.block)
+
+
 class _Reader:
     """Dense weights of one layer for the layouts of `models.family` (see its `reader` contract).
     One reader per thread: it remembers the stored tensors (or expert slices) it read, and
-    `release` drops their pages from the process."""
+    `release` drops their pages from the process. `keep_fp8`: block-scaled FP8 weights come back
+    as `KeptFp8` (NotKept for any other)."""
 
-    def __init__(self, stored: StoredTensors, scheme, out_dtype, where: str):
+    def __init__(self, stored: StoredTensors, scheme, out_dtype, where: str, keep_fp8: bool = False):
         self.stored, self.scheme, self.out_dtype, self.where = stored, scheme, out_dtype, where
+        self.keep_fp8 = keep_fp8
         self.touched: list[tuple[str, int | None, int]] = []
 
     def dense(self, name: str, shape, expert: int | None = None, num_experts: int | None = None,
@@ -61,7 +98,12 @@ class _Reader:
             if num_experts and not dense_stored:
                 raise CheckpointError(f"{self.where}: tensor {name!r}: quantised flat [E * rows, columns] expert "
                                       "tensors are not supported (their scale blocks may straddle experts)")
-            if dense_stored and dtype is None:
+            kept = quant.fp8_blocks(name, view, self.scheme) if self.keep_fp8 else None
+            if self.keep_fp8 and kept is None:
+                raise NotKept(f"tensor {name!r} is not stored as block-scaled FP8")
+            if kept is not None:
+                array = KeptFp8(*kept)
+            elif dense_stored and dtype is None:
                 array = data  # cast by the copy into the served array
             else:
                 array = quant.dequantize(name, view, self.scheme, dtype or self.out_dtype)
@@ -111,30 +153,21 @@ class _ExpertSlice(Mapping):
 
 
 def load_layer(stored: StoredTensors, cfg: MoEConfig, names: LayerTensors, scheme, out_dtype, where: str,
-               workers: int) -> dict:
-    """The params of one layer (see the module docstring)."""
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+               workers: int, keep_fp8: bool = False) -> dict:
+    """The params of one layer (see the module docstring). `keep_fp8`: routed experts stored as
+    block-scaled FP8 stay so, as `experts.Fp8BlockWeights` of host arrays (codes `[E, H, I]` /
+    `[E, I, H]` e4m3, fp32 block scales); a layer whose experts are not all stored so is loaded
+    dense as without it."""
+    e, h = cfg.num_experts, cfg.hidden_size
     reader = _Reader(stored, scheme, out_dtype, where)
     params = {"router_weight": _copy(reader.dense(names.router, (e, h), dtype=np.float32).T, np.float32)}
     if cfg.use_expert_bias:
         params["expert_bias"] = np.array(reader.dense(names.bias, (e,), dtype=np.float32), np.float32).reshape(e)
-    w_gate, w_up, w_down = (host_empty(shape, out_dtype) for shape in ((e, h, i), (e, h, i), (e, i, h)))
-
-    def load_expert(j: int) -> None:  # the host holds the outputs plus one expert's tensors per worker
-        expert_reader = _Reader(stored, scheme, out_dtype, where)
-        gate, up, down = names.experts.expert(expert_reader, j, e, h, i)
-        copy_into(w_gate[j], gate)
-        copy_into(w_up[j], up)
-        copy_into(w_down[j], down)
-        expert_reader.release()
-
-    if workers > 1 and e > 1:
-        with ThreadPoolExecutor(min(workers, e)) as pool:
-            list(pool.map(load_expert, range(e)))  # numpy releases the GIL in the decoders and copies
-    else:
-        for j in range(e):
-            load_expert(j)
-    params.update(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    try:
+        routed = _routed_experts(stored, cfg, names, scheme, out_dtype, where, workers, keep_fp8)
+    except NotKept:
+        routed = _routed_experts(stored, cfg, names, scheme, out_dtype, where, workers, False)
+    params.update(routed)
     if cfg.has_shared:
         s, shared = cfg.shared_intermediate_size, names.shared
         params["shared_w_gate"] = _copy(reader.dense(shared.gate, (s, h)).T, out_dtype)
@@ -145,6 +178,45 @@ def load_layer(stored: StoredTensors, cfg: MoEConfig, names: LayerTensors, schem
     params.update(_semantic_params(reader, cfg, names, out_dtype))
     reader.release()
     return params
+
+
+def _routed_experts(stored, cfg: MoEConfig, names: LayerTensors, scheme, out_dtype, where: str, workers: int,
+                    keep_fp8: bool) -> dict:
+    """w_gate, w_up, w_down: dense in out_dtype, or with `keep_fp8` Fp8BlockWeights (NotKept
+    where an expert weight is not block-scaled FP8)."""
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    shapes = ((e, h, i), (e, h, i), (e, i, h))
+    if keep_fp8:
+        first = names.experts.expert(_Reader(stored, scheme, out_dtype, where, keep_fp8=True), 0, e, h, i)
+        block = first[0].block
+        if any(w.block != block for w in first):
+            raise NotKept("the projections' FP8 blocks differ")
+        outs = [(host_empty(shape, quant.codecs.E4M3), np.empty((e, -(-shape[1] // block), -(-shape[2] // block)),
+                                                                  np.float32)) for shape in shapes]
+    else:
+        outs = [host_empty(shape, out_dtype) for shape in shapes]
+
+    def load_expert(j: int) -> None:  # the host holds the outputs plus one expert's tensors per worker
+        expert_reader = _Reader(stored, scheme, out_dtype, where, keep_fp8=keep_fp8)
+        for out, weight in zip(outs, names.experts.expert(expert_reader, j, e, h, i)):
+            if keep_fp8:
+                if weight.block != block:
+                    raise NotKept("the experts' FP8 blocks differ")
+                out[0][j] = weight.codes  # 1-byte codes: numpy's strided copy
+                out[1][j] = weight.scales
+            else:
+                copy_into(out[j], weight)
+        expert_reader.release()
+
+    if workers > 1 and e > 1:
+        with ThreadPoolExecutor(min(workers, e)) as pool:
+            list(pool.map(load_expert, range(e)))  # numpy releases the GIL in the decoders and copies
+    else:
+        for j in range(e):
+            load_expert(j)
+    if keep_fp8:
+        outs = [experts.Fp8BlockWeights(codes, scales, block) for codes, scales in outs]
+    return dict(zip(("w_gate", "w_up", "w_down"), outs))
 
 
 def _semantic_params(reader: _Reader, cfg: MoEConfig, names: LayerTensors, out_dtype) -> dict:

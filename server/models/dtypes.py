@@ -4,7 +4,8 @@ Rules (`choose`), first match wins:
 1. an explicit `--dtype float32 | bfloat16` is used as given;
 2. a preset: bfloat16 (its weights are generated, not stored);
 3. a quantised checkpoint (FP8, FP4, MXFP4, INT4: config.json has a quantization_config):
-   bfloat16, the weights dequantised into it at load;
+   bfloat16, the weights dequantised into it at load (on one GPU a block-FP8 checkpoint's routed
+   experts stay FP8 and compute in bfloat16: `engine.build.keeps_fp8`);
 4. the checkpoint's dtype as config.json states it (`dtype`, transformers 4.x `torch_dtype`):
    float32 -> float32; bfloat16 -> bfloat16; float16 -> bfloat16 (expertd computes in float32 or
    bfloat16; `--dtype float32` keeps every float16 value exactly);

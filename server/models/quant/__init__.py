@@ -27,8 +27,9 @@ The door of the quantisation subsystem; a checkpoint loader uses these names onl
 Memory: each decoder writes its output row chunk by row chunk, so a call holds the output plus
 O(`codecs.CHUNK_ELEMENTS`) float32 temporaries and reads memory-mapped inputs once (FP8 in large
 blocks goes through `fp8_tables`: per-block look-up tables, the same values). Work is on the
-host in numpy; weights reach the devices dense, in the serving dtype. A native FP8 path on GPU would
-keep the e4m3 codes and scales as they are (`locate` names them) instead of calling `dequantize`.
+host in numpy; weights reach the devices dense, in the serving dtype, except where a loader keeps
+FP8: `fp8_blocks(name, tensors, scheme)` gives a block-scaled FP8 weight's stored codes and fp32
+scales as they are (None where the weight is not stored so), which the GPU's expert kernels read.
 
 What each format means, exactly, is in the docstrings of `codecs.py` (the math) and `scheme.py`
 (the accepted configs).
@@ -42,12 +43,14 @@ from expertd.server.models.quant.codecs import (
     dequantize_fp8_per_channel,
     dequantize_int_packed,
     dequantize_mxfp4,
+    fp8_block_codes,
 )
 from expertd.server.models.quant.names import (
     StoredWeight,
     companion_names,
     dense_names,
     dequantize,
+    fp8_blocks,
     locate,
     numpy_dtype,
 )
@@ -56,6 +59,7 @@ from expertd.server.models.quant.scheme import SUPPORTED_METHODS, QuantScheme, p
 __all__ = [
     "CHUNK_ELEMENTS", "E2M1_VALUES", "SUPPORTED_METHODS", "QuantError", "QuantScheme", "StoredWeight",
     "companion_names", "dense_names", "dequantize", "dequantize_fp4", "dequantize_fp8_block",
-    "dequantize_fp8_per_channel", "dequantize_int_packed", "dequantize_mxfp4", "locate", "numpy_dtype",
+    "dequantize_fp8_per_channel", "dequantize_int_packed", "dequantize_mxfp4", "fp8_block_codes", "fp8_blocks",
+    "locate", "numpy_dtype",
     "parse_quantization_config",
 ]

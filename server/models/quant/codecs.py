@@ -98,6 +98,22 @@ def dequantize_fp8_block(weight, scale, block_size=(128, 128), *, out_dtype=np.f
     return out
 
 
+def fp8_block_codes(weight, scale, block_size=(128, 128), *, name="weight",
+                    scale_name="weight_scale_inv") -> tuple[np.ndarray, np.ndarray]:
+    """The stored codes and scales of a block-scaled FP8 weight, kept (not dequantised): the
+    weight `[..., R, C]` viewed as float8_e4m3fn and its scales `[..., ceil(R/bm), ceil(C/bn)]`
+    decoded to float32 (float or e8m0 as stored), each checked as `dequantize_fp8_block` checks
+    them; `dequantize_fp8_block(weight, scale, ...)` is codes x the scale of each code's block."""
+    codes = _byte_codes(weight, name, (E4M3,), "a float8 e4m3 weight")
+    _need_ndim(codes, 2, name)
+    bm, bn = _block_size(block_size)
+    *lead, rows, cols = codes.shape
+    scales = _scale_array(scale, scale_name, e8m0=True)
+    _check_shape(scales, (*lead, -(-rows // bm), -(-cols // bn)), scale_name,
+                 f"one scale per {bm}x{bn} block of {name!r} {list(codes.shape)}, edge blocks counted by ceiling")
+    return codes.view(E4M3), _decode_scale(scales, scale_name)
+
+
 def dequantize_fp8_per_channel(weight, scale, *, channel_axis=-2, out_dtype=np.float32, name="weight",
                                scale_name="weight_scale") -> np.ndarray:
     """FP8 e4m3 weight with one float scale per output channel (or one for the whole tensor).

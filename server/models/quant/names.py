@@ -107,6 +107,27 @@ def locate(name: str, available: Collection[str], scheme: QuantScheme | None) ->
     return found
 
 
+def fp8_blocks(name: str, tensors: Mapping[str, np.ndarray], scheme: QuantScheme | None):
+    """(codes float8_e4m3fn, scales float32, block) of weight `name` where it is stored as FP8 with
+    square block scales of a power-of-two size (`codecs.fp8_block_codes`: the stored codes and
+    scales as they are, shapes as stored), else None (the weight is dense, or quantised otherwise:
+    `dequantize` it). QuantError for a malformed one."""
+    if scheme is None or scheme.method != "fp8" or scheme.block_size is None or scheme.expert_dtype == "fp4":
+        return None
+    block = scheme.block_size[0]
+    if scheme.block_size[1] != block or block < 16 or block & (block - 1):
+        return None
+    found = locate(name, tensors, scheme)
+    if found.layout != "plain" or found.scale is None or found.scale.endswith(".qscale_weight"):
+        return None
+    data = tensors[found.data]
+    if np.asarray(data).dtype != codecs.E4M3:
+        return None
+    codes, scales = codecs.fp8_block_codes(data, tensors[found.scale], scheme.block_size, name=name,
+                                           scale_name=found.scale)
+    return codes, scales, block
+
+
 def dequantize(name: str, tensors: Mapping[str, np.ndarray], scheme: QuantScheme | None,
                out_dtype="bfloat16") -> np.ndarray:
     """Dense weight `name` in `out_dtype` (float32 / bfloat16) from the stored `tensors`.

@@ -334,3 +334,16 @@ def test_the_same_host_channel_from_flags_and_toml(tmp_path):
 def test_bad_same_host_channel_settings_are_refused_naming_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         cfg.parse_args(argv, environ={})
+
+
+def test_the_tokamax_backend_without_its_package_is_refused_naming_the_extra(monkeypatch):
+    from expertd.server.config import model
+
+    real = model.importlib.util.find_spec
+    missing = lambda name, *a: None if name == "tokamax" else real(name, *a)
+    monkeypatch.setattr(model.importlib.util, "find_spec", missing)
+    with pytest.raises(ValueError, match=r"--backend tokamax needs the tokamax package.*expertd\[tokamax\]"):
+        cfg.parse_args(["--backend", "tokamax"], environ={})
+    monkeypatch.undo()
+    if real("tokamax") is not None:
+        assert cfg.parse_args(["--backend", "tokamax"], environ={}).model.backend == "tokamax"
