@@ -41,9 +41,11 @@ lint: install
 # Tests marked `exclusive` measure the server's timing against its own estimates, or recovery
 # bounds (the failover chaos): they run after the others, alone, so that another worker's burst of
 # CPU does not change the machine under them.
+# Then the vLLM plugin's tests in their own environment (make test-vllm).
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not exclusive"
 	$(BIN)/python -m pytest -m exclusive
+	$(MAKE) test-vllm
 
 # The vLLM plugin on real engines (tests/vllm_plugin; skipped in .venv, where vLLM is absent).
 test-vllm: $(VLLM_STAMP)
