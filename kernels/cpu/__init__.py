@@ -23,6 +23,10 @@ What the rest of expertd may use is imported here; the modules behind it:
             prepare_params (expert_weights "dtype" or "int8": EXPERT_WEIGHTS_CHOICES),
             dense_weights, describe
 
+Not behind this door yet: `numa`, the NUMA placement plan (nodes from sysfs, each node's share of
+every expert's intermediate columns, thread pinning and mbind), built and tested against faked
+topologies but not used by the layer (XLA's intra-op pool cannot be pinned per node).
+
 Not behind this door: `diagnostics`, the tests' and benchmarks' look inside the library and their
 knobs (path_items, parallel_for_trace, caller_only_work, limit_isa, supported_isas, vectorized,
 build_log, options): `from expertd.kernels.cpu import diagnostics`.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from expertd.kernels import dispatch
+from expertd.kernels import dispatch, names
 from expertd.kernels.config import MoEConfig
 from expertd.kernels.cpu import ffi, int8, library, panels
 from expertd.kernels.cpu.build import available, unavailable_reason
@@ -40,7 +40,7 @@ from expertd.kernels.ffn import (
 from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams
 
 PREPARING_BACKENDS = ("auto", "native_cpu")  # the backends whose CPU runs read prepared weights
-EXPERT_WEIGHTS_CHOICES = ("dtype", "int8")  # as loaded (the serving dtype), or INT8 (int8.py)
+EXPERT_WEIGHTS_CHOICES = names.EXPERT_WEIGHTS  # as loaded (the serving dtype), or INT8 (int8.py); kernels/names.py
 
 dense_weights = panels.dense
 

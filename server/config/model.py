@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from expertd.kernels.names import EXPERT_BACKENDS
+from expertd.kernels.names import EXPERT_BACKENDS, EXPERT_WEIGHTS
 from expertd.server.config.fields import (
     DTYPES,
     option,
@@ -31,6 +31,11 @@ class ModelConfig:
     huge_pages: bool = option(True, "on CPU, move the weights onto transparent huge pages at load (BENCHMARKS.md)")
     panel_weights: bool = option(True, "on CPU with the native kernel, relay the expert weights out panel-major at "
                                        "load (same results, read faster; BENCHMARKS.md)")
+    expert_weights: str = option("dtype", "routed expert weights as served: dtype (in --dtype) or int8 (on CPU with "
+                                 "the native kernel: quantised at load to int8 with a scale per output channel, "
+                                 "widened in registers, activations in --dtype; half bf16's bytes per decode step, "
+                                 "a layer output's X",
+                                 metavar="dtype|int8")
     num_redundant_experts: int = option(0, "EPLB: extra expert slots per MoE layer on an expert-parallel mesh, "
                                         "holding replicas of the hottest experts (E + N must be divisible by the "
                                         "device count; 0: one slot per expert)", parse=int, metavar="N")
@@ -45,6 +50,10 @@ class ModelConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.backend != "auto" and self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"--backend must be 'auto' or one of {EXPERT_BACKENDS}, got {self.backend!r}")
+        if self.expert_weights not in EXPERT_WEIGHTS:
+            raise ValueError(f"--expert-weights must be one of {EXPERT_WEIGHTS}, got {self.expert_weights!r}")
+        if self.expert_weights == "int8" and not self.panel_weights:
+            raise ValueError("--expert-weights int8 is held in the native kernel's panels: drop --no-panel-weights")
         if self.layers is not None and self.num_layers is not None:
             raise ValueError("give either --layers or --num-layers, not both")
         if self.num_devices is not None and self.num_devices < 1:
