@@ -20,7 +20,9 @@ Paths of the grouped matmul (`diagnostics.PATHS`; `diagnostics.path_items()` cou
   all of K, more go in 6-row blocks plus one of the rest, each streaming 4 strips over all of K.
   bf16 panels times bf16-valued rows (the layer's: x and h are rounded to the weights' dtype) on
   CPUs with AVX512_BF16 run the bf16 dot product ("avx512_bf16_dot"): 32 multiply-adds per
-  instruction, rounding as the FMAs do (checked on the CPU at load).
+  instruction, rounding as the FMAs do (checked on the CPU at load). INT8 panels: int8 widened to
+  fp32 in registers ("avx512_fma"); from 2 bf16-valued rows per expert two weight rows are widened
+  into one bf16 pair for the dot product ("avx512_bf16_dot"), the same bits.
 - Otherwise (row-major weights, AVX2 CPUs): under 32 rows per expert the weights are read once, in
   place, bf16 widened in registers ("avx2_stream"); more rows run a BLIS-style packed GEMM
   ("avx2_packed": fp32 weight panels, a 6 x 16 register micro-kernel).

@@ -134,3 +134,18 @@ def test_prepare_params_int8_quantises_the_routed_experts_only():
         moe.prepare_params(params, cfg, "gpu", expert_weights="int8")
     with pytest.raises(ValueError, match="expert_weights must be one of"):
         moe.prepare_params(params, cfg, "cpu", expert_weights="fp4")
+
+
+@native
+def test_int8_paths_bf16_rows_from_two_rows_take_the_bf16_dot_where_the_cpu_has_it():
+    w = int8.to_int8_panels(jax.random.normal(jax.random.key(0), (2, 64, 64)))
+    x = jnp.asarray(jax.random.normal(jax.random.key(1), (5, 64)).astype(jnp.bfloat16), jnp.float32)
+    ran = {}
+    for sizes in ([1, 0], [3, 2]):
+        before = diagnostics.path_items()
+        jax.block_until_ready(cpu.grouped_matmul(x, jnp.asarray(sizes, jnp.int32), w))
+        ran[tuple(sizes)] = {p for p, n in diagnostics.path_items().items() if n > before[p]}
+    if cpu.isa() == "avx512_bf16":
+        assert ran == {(1, 0): {"avx512_fma"}, (3, 2): {"avx512_bf16_dot"}}
+    elif cpu.isa() == "avx512":
+        assert ran == {(1, 0): {"avx512_fma"}, (3, 2): {"avx512_fma"}}

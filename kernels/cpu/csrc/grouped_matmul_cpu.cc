@@ -91,6 +91,10 @@ constexpr int64_t kMinBlockColumns = 256;
 // are split into up to kItemsPerThreadPanels items per thread. The packed path keeps wide blocks
 // (narrow ones would repack x per block).
 constexpr int64_t kItemsPerThreadPanels = 16;
+// INT8 weights times bf16-valued rows take the bf16 dot product (weight row pairs widened into its
+// operand, panel_stream_avx512.h Int8Pair) from this many rows of an expert; fewer rows keep the
+// FMAs, where the pair's extra shift and OR are not paid back by fewer multiply instructions.
+constexpr int64_t kInt8DotMinRows = 2;
 
 // y[r, c] *= scales[c] for `rows` rows (c_dim apart) and columns [c0, c1): int8 weights' scales on
 // the paths that do not fold them into their store.
@@ -111,7 +115,8 @@ __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_
   // included.
   if (w.Panels() && expertd::CpuIsa() >= expertd::Isa::kAvx512) {
     const uint32_t* const* pairs = nullptr;
-    if (ExpertWeights<W>::kBf16 && expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
+    if ((ExpertWeights<W>::kBf16 || (scales && rows >= kInt8DotMinRows)) &&
+        expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
       pairs = expertd::avx512::PairRows(x, rows, w.k_dim);
     }
     expertd::avx512::StreamPanels({x, pairs}, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y, scales);

@@ -17,7 +17,9 @@
 //
 // Three inner loops (four with int8), all summing k in order with one rounding per product-add, as
 // every path of the kernel does (so layouts, paths and instruction sets give the same bits):
-// - fp32 weights: acc += x[k] * w[k]; int8 weights: acc += x[k] * float(q[k]), then y = acc * scale;
+// - fp32 weights: acc += x[k] * w[k]; int8 weights: acc += x[k] * float(q[k]), then y = acc * scale
+//   (int8 weights times bf16-valued rows of 2+ rows per expert: weight rows k, k+1 widened into one
+//   bf16 pair, Int8Pair, exact, and the bf16 dot product below);
 // - bf16 weights, fp32 x: both rows of a pair widened, two FMAs;
 // - bf16 weights, bf16 x (the item's rows all bf16-valued, which the layer's are: x and h are
 //   rounded to the weights' dtype), Isa::kAvx512Bf16: one vdpbf16ps per pair row against the row's
@@ -67,6 +69,23 @@ struct BlockRows {
   const uint32_t* const* pairs;  // nullptr: the FMA paths
 };
 
+// 16 columns of an int8 weight row as fp32 (exact). The zero-masked forms, all lanes, are the same
+// instructions without GCC 12's false -Wmaybe-uninitialized on the unmasked intrinsics' undefined
+// pass-through operand.
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 Int8Row(const int8_t* line) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line));
+  return _mm512_maskz_cvtepi32_ps(kAllLanes, _mm512_maskz_cvtepi8_epi32(kAllLanes, bytes));
+}
+
+// 16 columns of int8 weight rows k (`first`) and k + 1 (`second`) as the bf16 dot product's pair
+// operand: each dword float(w[k]) in its high half and float(w[k + 1]) in its low half. Exact: an
+// integer of magnitude <= 128 is a bf16, so the fp32 of it has a zero low half.
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i Int8Pair(const int8_t* first,
+                                                                                const int8_t* second) {
+  const __m512i high = _mm512_castps_si512(Int8Row(first)), low = _mm512_castps_si512(Int8Row(second));
+  return _mm512_or_si512(high, _mm512_maskz_srli_epi32(kAllLanes, low, 16));
+}
+
 // y[r][16 (q + g) .. +16] (+)= sum over weight rows [k0, k1) for kRows rows and the kStrips strips
 // from q of one expert's panels `ws`; `last_mask` selects the columns of the block's last strip
 // that exist (a partial strip at C's tail; its padding columns are zero and never stored).
@@ -90,12 +109,21 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void StreamBlock(const Bl
   for (int g = 0; g < kStrips; ++g) strips[g] = ws.At(q + g);
   const int64_t row = ws.panel_cols;  // elements from one weight row to the next
   if constexpr (sizeof(W) == 1) {
-    for (int64_t k = k0; k < k1; ++k) {
+    int64_t k = k0;
+    if (in.pairs) {  // bf16-valued rows: weight rows 2j, 2j + 1 widened into one bf16 pair operand
+      for (; k + 1 < k1; k += 2) {
+        for (int g = 0; g < kStrips; ++g) {
+          const __m512i pair = Int8Pair(strips[g] + k * row, strips[g] + (k + 1) * row);
+          for (int r = 0; r < kRows; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(in.pairs[r][k / 2]));
+            acc[r][g] = _mm512_dpbf16_ps(acc[r][g], xv, (__m512bh)pair);
+          }
+        }
+      }
+    }
+    for (; k < k1; ++k) {  // fp32 rows; with pairs, an odd K's last row
       for (int g = 0; g < kStrips; ++g) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(strips[g] + k * row));
-        // (zero-masked forms, all lanes: the same instructions, without GCC 12's false
-        // -Wmaybe-uninitialized on the unmasked intrinsics' undefined pass-through operand)
-        const __m512 wv = _mm512_maskz_cvtepi32_ps(kAllLanes, _mm512_maskz_cvtepi8_epi32(kAllLanes, bytes));
+        const __m512 wv = Int8Row(strips[g] + k * row);
         for (int r = 0; r < kRows; ++r) acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(in.x[r][k]), wv, acc[r][g]);
       }
     }
