@@ -39,14 +39,19 @@ ERROR_BOUND = 0.03  # max |y_int8 - y_bf16| / max |y_bf16| of a layer output, th
 
 @jax.jit
 def quantize(w):
-    """`w [E, K, C]` (any float dtype) -> (int8 `[E, K, C]`, fp32 scales `[E, C]`); module docstring."""
+    """`w [E, K, C]` (any float dtype) -> (int8 `[E, K, C]`, fp32 scales `[E, C]`); module docstring.
+    One expert at a time (`lax.map`): the fp32 temporaries are one expert's, not the whole matrix's
+    (a 256-expert 7168 x 2048 matrix would need 15 GB of them)."""
+    return jax.lax.map(_quantize_expert, w)
+
+
+def _quantize_expert(w):
+    """One expert `[K, C]` -> (int8 `[K, C]`, fp32 scales `[C]`)."""
     w32 = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w32), axis=1)  # [E, C]
-    scales = amax * INV_QMAX
+    scales = jnp.max(jnp.abs(w32), axis=0) * INV_QMAX
     safe = jnp.where(scales > 0, scales, 1.0)
-    q = jnp.clip(jnp.round(w32 / safe[:, None, :]), -QMAX, QMAX)
-    q = jnp.where(scales[:, None, :] > 0, q, 0.0)
-    return q.astype(jnp.int8), scales
+    q = jnp.clip(jnp.round(w32 / safe), -QMAX, QMAX)
+    return jnp.where(scales > 0, q, 0.0).astype(jnp.int8), scales
 
 
 def quantize_reference(w) -> tuple[np.ndarray, np.ndarray]:
