@@ -97,15 +97,18 @@ def layer_error(cfg, t, seed=0):
     return float(jnp.max(jnp.abs(y - bf16)) / jnp.max(jnp.abs(bf16))), prepared, x, y
 
 
-# (T, E, k, H, I): T from 1 to 300 (256 rows per expert and more at E = 4), odd H and I, E = 16 with
-# T = 1 leaving most experts without rows.
-GRID = [(1, 16, 2, 64, 48), (7, 8, 2, 33, 40), (64, 8, 3, 72, 31), (300, 4, 2, 48, 64)]
+# (T, E, k, H, I, semantics): T from 1 to 300 (256 rows per expert and more at E = 4), odd H and I,
+# E = 16 with T = 1 leaving most experts without rows; gpt-oss's clamped activation with expert
+# biases (run in XLA around the INT8 projections), Llama 4's router weight on the input rows.
+GPT_OSS = dict(activation="swiglu_oai", swiglu_limit=7.0, expert_proj_bias=True)
+GRID = [(1, 16, 2, 64, 48, {}), (7, 8, 2, 33, 40, {}), (64, 8, 3, 72, 31, GPT_OSS),
+        (300, 4, 1, 48, 64, dict(router_weight_on_input=True))]
 
 
 @native
-@pytest.mark.parametrize("t,e,k,h,i", GRID)
-def test_layer_on_int8_weights_is_within_the_documented_error_of_bf16(t, e, k, h, i):
-    cfg = moe.MoEConfig(num_experts=e, topk=k, hidden_size=h, intermediate_size=i)
+@pytest.mark.parametrize("t,e,k,h,i,semantics", GRID)
+def test_layer_on_int8_weights_is_within_the_documented_error_of_bf16(t, e, k, h, i, semantics):
+    cfg = moe.MoEConfig(num_experts=e, topk=k, hidden_size=h, intermediate_size=i, **semantics)
     error, prepared, x, y = layer_error(cfg, t)
     assert error < int8.ERROR_BOUND
     assert all(getattr(prepared, n).int8 for n in moe.EXPERT_WEIGHTS)
