@@ -14,6 +14,7 @@ share of every expert, and the two calls that carry it out (thread pinning, memo
       at H 2048). Splitting I rather than the experts keeps every node busy whatever the routing
       (a decode step touches few experts; an expert split would idle the nodes whose experts no
       token chose) and reads each touched expert's bytes exactly once in all.
+  summary(placement) -> str: one line for a start-up log (the nodes, their CPUs and columns).
   pin_current_thread(cpus) / bind_memory(array, node): sched_setaffinity for the calling thread;
       mbind(MPOL_BIND, MPOL_MF_MOVE) of a host array's pages to one node (Linux; returns False with
       the reason logged where the system refuses).
@@ -147,6 +148,15 @@ def plan_placement(topology: Topology, intermediate: int, *, align: int = 64) ->
             shares.append(Share(node.id, node.cpus, start, end))
             start = end
     return Placement(intermediate, tuple(shares))
+
+
+def summary(placement: Placement) -> str:
+    """`placement` as one line: "1 node: node 0 (2 CPUs) columns 0-767", or for several nodes
+    each node's CPUs and share, and the one reduction of their partial sums."""
+    parts = [f"node {s.node} ({s.threads} CPUs) columns {s.i0}-{s.i1 - 1}" for s in placement.shares]
+    nodes = len(placement.shares)
+    tail = f"; partial sums added once ({placement.reductions} reduction)" if nodes > 1 else ""
+    return f"{nodes} node{'s' if nodes > 1 else ''}: " + ", ".join(parts) + tail
 
 
 def pin_current_thread(cpus) -> None:

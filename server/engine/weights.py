@@ -11,11 +11,12 @@ that reads them.
    one CPU process without expert parallelism only, where the native kernel runs every forward.
 
 This module is the server's one caller of the kernels' weight-preparation and native-kernel
-status APIs (``moe.prepare_params``, ``cpu.describe``).
+status APIs (``moe.prepare_params``, ``cpu.describe``, the NUMA plan's ``cpu.numa`` for its log line).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import jax
@@ -24,6 +25,8 @@ import numpy as np
 from expertd.kernels import cpu, moe
 from expertd.server.engine.placement import MeshPlacement
 from expertd.server.models.presets import LoadedLayer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,8 @@ def prepare(layers: Sequence[LoadedLayer], placement: MeshPlacement, dtype, *, b
     if placement.devices[0].platform != "cpu":  # the native kernel never runs there: not built
         return PreparedWeights(placed, "row_major", None, None, np.dtype(dtype).name)
     status = cpu.describe(placed[0].params)
+    log.info("NUMA: %s (the placement a per-node pool would take; the kernel runs on XLA's one pool)",
+             cpu.numa.summary(cpu.numa.plan_placement(cpu.numa.read_topology(), placed[0].cfg.intermediate_size)))
     return PreparedWeights(placed, status["weight_layout"], status["panel_columns"],
                            {name: status[name] for name in ("available", "reason", "isa")}, status["expert_weights"])
 

@@ -35,6 +35,8 @@ def test_two_socket_host_gets_half_of_every_expert_per_socket(tmp_path):
         plan = numa.plan_placement(topo, intermediate)
         assert [(s.node, s.i0, s.i1, s.threads) for s in plan.shares] == [(0, 0, half, 64), (1, half, intermediate, 64)]
         assert plan.reductions == 1 and plan.threads == 128
+    assert numa.summary(numa.plan_placement(topo, 768)) == ("2 nodes: node 0 (64 CPUs) columns 0-383, node 1 (64 CPUs) "
+                                                           "columns 384-767; partial sums added once (1 reduction)")
 
 
 def test_memory_only_nodes_and_confined_processes(tmp_path):
@@ -55,6 +57,7 @@ def test_this_host_plan_pin_and_bind():
     topo = numa.read_topology()
     plan = numa.plan_placement(topo, 768)
     assert plan.shares[0].i0 == 0 and plan.shares[-1].i1 == 768 and plan.threads == len(os.sched_getaffinity(0))
+    assert numa.summary(plan).startswith(f"{len(plan.shares)} node")
     before = os.sched_getaffinity(0)
     seen = {}
 
