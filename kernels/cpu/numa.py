@@ -115,7 +115,9 @@ def _memtotal(meminfo: pathlib.Path) -> int:
 
 def read_topology(root=SYSFS_NODES, allowed=None) -> Topology:
     """The nodes under sysfs `root`, each with its CPUs that are in `allowed` (module docstring)."""
-    allowed = set(os.sched_getaffinity(0) if allowed is None else allowed)
+    if allowed is None:  # (no sched_getaffinity off Linux: every CPU)
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    allowed = set(allowed)
     root = pathlib.Path(root)
     dirs = sorted((int(m.group(1)), p) for p in root.glob("node*") if (m := re.fullmatch(r"node(\d+)", p.name)))
     if not dirs:
