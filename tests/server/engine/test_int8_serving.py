@@ -14,6 +14,7 @@ from service_support import server_config
 from expertd.client import ExpertClient
 from expertd.kernels import cpu, moe
 from expertd.kernels.cpu import int8
+from expertd.server import cli
 from expertd.server import config as cfg
 from expertd.server.app import create_server
 from expertd.server.config import ModelConfig
@@ -60,6 +61,7 @@ def test_start_up_and_info_say_int8_is_served(server):
 
 
 def test_the_option_is_checked():
+    assert "--expert-weights dtype|int8" in cli.parser().format_help()  # its help renders (argparse: no bare %)
     assert cfg.parse_args(["--expert-weights", "int8"], environ={}).model.expert_weights == "int8"
     assert cfg.parse_args([], environ={}).model.expert_weights == "dtype"
     with pytest.raises(ValueError, match="--expert-weights must be one of"):
