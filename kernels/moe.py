@@ -12,10 +12,12 @@ Public API (T tokens, H hidden, I expert intermediate, Is shared intermediate, E
   MoEParams                  the layer's typed params (`expertd.kernels.params`: names, shapes and
                              dtypes per field); `init_params(cfg, key, dtype)` makes seeded ones,
                              `MoEParams.from_dict(d, cfg)` wraps a loader's dict of arrays.
-  prepare_params(params, cfg, platform=None, *, backend="auto") -> MoEParams
+  prepare_params(params, cfg, platform=None, *, backend="auto", expert_weights="dtype") -> MoEParams
       Once after loading (the role vLLM's process_weights_after_loading plays): on CPU, where the
       native kernel is available and `backend` would run it ("auto" or "native_cpu"), the routed
       expert weights in its layout (opaque, not arrays); elsewhere `params` unchanged. Exact.
+      expert_weights="int8" (CPU only): the routed expert weights quantised to INT8 (W8A16,
+      per-output-channel scales; `cpu.int8`), not exact.
   moe_layer(params, x [T, H], cfg, *, backend="auto", valid_tokens=None, return_routing=False,
             token_ids=None)
       -> out [T, H] in x.dtype, or (out, routing) with routing a dict:
@@ -161,20 +163,24 @@ def compiler_options(cfg: MoEConfig, num_tokens: int, *, dtype, backend: str = "
 
 
 def prepare_params(params: MoEParams, cfg: MoEConfig, platform: str | None = None, *,
-                   backend: str = "auto") -> MoEParams:
+                   backend: str = "auto", expert_weights: str = "dtype") -> MoEParams:
     """`params` laid out for the fastest backend of `platform` (default: JAX's default backend),
     once after loading. CPU with `backend` "auto" or "native_cpu" and the native library
     available: the routed expert weights in its layout (`cpu.prepare_params`); "tokamax" on GPU:
     FP8 expert weights (`experts.Fp8BlockWeights`) with their codes held `[E, C, K]`
-    (`experts.tokamax_weights`); otherwise `params` itself. `moe_layer` computes the same outputs from either."""
+    (`experts.tokamax_weights`); otherwise `params` itself. `moe_layer` computes the same outputs
+    from either. `expert_weights` "int8": the routed expert weights quantised (`cpu.prepare_params`);
+    ValueError off CPU, where nothing reads them."""
     check_params(params, cfg)
     experts.check_backend(backend)
     platform = platform or jax.default_backend()
+    if platform != "cpu" and expert_weights != "dtype":
+        raise ValueError(f"expert_weights={expert_weights!r} is served on CPU only")
     if backend == "tokamax":  # FP8 codes held as its quantised kernels read them
         return params.replace(**{n: experts.tokamax_weights(getattr(params, n), platform) for n in EXPERT_WEIGHTS})
     if platform != "cpu":
         return params
-    return cpu.prepare_params(params, backend=backend)
+    return cpu.prepare_params(params, backend=backend, expert_weights=expert_weights)
 
 
 def moe_layer(params: MoEParams, x, cfg: MoEConfig, *, backend: str = "auto", valid_tokens=None,

@@ -51,12 +51,15 @@ def inspect(argv: list[str]) -> int:
     parser.add_argument("checkpoint", metavar="DIR", help="checkpoint directory (config.json + *.safetensors)")
     parser.add_argument("--layers", default=None, metavar="LIST", help="MoE layers to plan, e.g. '3,5-7'")
     parser.add_argument("--dtype", default="auto", choices=config_module.DTYPES, help="as expertd serve's --dtype")
+    parser.add_argument("--expert-weights", default="dtype", choices=config_module.EXPERT_WEIGHTS,
+                        help="as expertd serve's --expert-weights")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     # Imported here, as serve's modules are: client commands must not pay for loading JAX.
     from expertd.server.models.inspect import format_report, inspect_checkpoint
 
-    report = inspect_checkpoint(args.checkpoint, layers=args.layers, dtype=args.dtype)
+    report = inspect_checkpoint(args.checkpoint, layers=args.layers, dtype=args.dtype,
+                                expert_weights=args.expert_weights)
     print(json.dumps(report, indent=2) if args.json else format_report(report), end="\n" if args.json else "")
     return 0 if report["servable"] else 2
 

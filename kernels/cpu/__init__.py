@@ -14,11 +14,18 @@ What the rest of expertd may use is imported here; the modules behind it:
   ffi       grouped_matmul, layout, combine: the custom calls, with grouped_matmul_reference
             beside them (layout's and combine's twins are dispatch.layout / dispatch.unpermute)
   panels    the panel-major weight layout (PanelWeights, to_panels, panel_columns, PANEL_WIDTHS)
+  numa      the NUMA placement plan: nodes from sysfs, each node's share of every expert's
+            intermediate columns, summary, thread pinning and mbind; tested against faked
+            topologies, reported at start-up, not yet applied (XLA's intra-op pool, which runs
+            the kernel, cannot be pinned per node)
+  int8      INT8 expert weights (W8A16): quantize with its numpy twin, to_int8_panels (int8 panels
+            with per-output-column scales, which grouped_matmul reads), the matmul's numpy reference
   host_copy copy_2d: a 2-D copy from a strided (transposed) view, the checkpoint loader's transpose;
             block_lookup: 8-bit codes decoded through per-block tables (FP8 block-scaled weights)
   policy    which backend "auto" runs on CPU and the XLA:CPU options it compiles with
   layer     grouped_ffn (the "native_cpu" backend), routed_experts (the layer's CPU pass),
-            prepare_params, dense_weights, describe
+            prepare_params (expert_weights "dtype" or "int8": EXPERT_WEIGHTS_CHOICES),
+            dense_weights, describe
 
 Not behind this door: `diagnostics`, the tests' and benchmarks' look inside the library and their
 knobs (path_items, parallel_for_trace, caller_only_work, limit_isa, supported_isas, vectorized,
@@ -31,6 +38,7 @@ this door at the top of their modules (the backend table's "native_cpu" entry, t
 a panel is: prepared weights are not arrays, and the other backends read them through
 `dense_weights`.
 """
+from expertd.kernels.cpu import int8, numa
 from expertd.kernels.cpu.build import ISA_LEVELS, BuildOptions, available, configure, unavailable_reason
 from expertd.kernels.cpu.ffi import combine, grouped_matmul, grouped_matmul_reference, layout
 from expertd.kernels.cpu.host_copy import (
@@ -41,6 +49,7 @@ from expertd.kernels.cpu.host_copy import (
     copy_2d_reference,
 )
 from expertd.kernels.cpu.layer import (
+    EXPERT_WEIGHTS_CHOICES,
     PREPARING_BACKENDS,
     dense_weights,
     describe,
@@ -53,9 +62,9 @@ from expertd.kernels.cpu.panels import PANEL_WIDTHS, PanelWeights, panel_columns
 from expertd.kernels.cpu.policy import choose_backend, compiler_options
 
 __all__ = [
-    "BuildOptions", "ISA_LEVELS", "PANEL_WIDTHS", "PREPARING_BACKENDS", "PanelWeights", "available", "block_lookup",
-    "block_lookup_reference", "choose_backend", "combine", "compiler_options", "configure", "copy_2d",
-    "copy_2d_numpy", "copy_2d_reference", "dense_weights", "describe", "grouped_ffn", "grouped_matmul",
-    "grouped_matmul_reference", "isa", "layout", "panel_columns", "prepare_params", "routed_experts", "to_panels",
-    "unavailable_reason",
+    "BuildOptions", "EXPERT_WEIGHTS_CHOICES", "ISA_LEVELS", "PANEL_WIDTHS", "PREPARING_BACKENDS", "PanelWeights",
+    "available", "block_lookup", "block_lookup_reference", "choose_backend", "combine", "compiler_options",
+    "configure", "copy_2d", "copy_2d_numpy", "copy_2d_reference", "dense_weights", "describe", "grouped_ffn",
+    "grouped_matmul", "grouped_matmul_reference", "int8", "isa", "layout", "numa", "panel_columns", "prepare_params",
+    "routed_experts", "to_panels", "unavailable_reason",
 ]

@@ -47,6 +47,8 @@ TARGETS = {TARGET: "ExpertdGroupedMatmul",
            "expertd_grouped_matmul_gathered": "ExpertdGroupedMatmulGathered",
            "expertd_grouped_matmul_panels": "ExpertdGroupedMatmulPanels",
            "expertd_grouped_matmul_panels_gathered": "ExpertdGroupedMatmulPanelsGathered",
+           "expertd_grouped_matmul_int8": "ExpertdGroupedMatmulInt8",
+           "expertd_grouped_matmul_int8_gathered": "ExpertdGroupedMatmulInt8Gathered",
            "expertd_dispatch_layout": "ExpertdDispatchLayout",
            "expertd_combine": "ExpertdCombine"}
 # -ffp-contract=off: the combine rounds its products and sums separately, as XLA's does (the matmul

@@ -1,12 +1,14 @@
 """The native library's XLA:CPU custom calls, each with the plain-jnp twin the tests compare it with.
 
-  grouped_matmul(x f32 [N, K], group_sizes int [E], w bf16|f32 [E, K, C] or PanelWeights, *,
-                 source=None) -> f32 [N, C]
+  grouped_matmul(x f32 [N, K], group_sizes int [E], w bf16|f32 [E, K, C] or PanelWeights (bf16,
+                 fp32 or INT8 panels), *, source=None) -> f32 [N, C]
       Each row times its expert's matrix (expert-major rows); rows past sum(group_sizes) are 0.
       Every path sums k in order with one rounding per product-add, so a row's result is the same
       bits whatever the path, the layout, the instruction set or the other rows in the call (how
       many share its expert). With `source int [N]`, output row r reads `x[source[r]]` (token rows,
-      no permuted copy of x). Twin: `grouped_matmul_reference`.
+      no permuted copy of x). Twin: `grouped_matmul_reference`. INT8 panels (`int8.py`): the sum of
+      x * q in k order as above, times the column's scale once (twin: `int8.grouped_matmul_reference`,
+      within fp32 rounding; every path and level gives the same bits).
   layout(topk_ids [T, k], E, *, align_size=0, valid=None) -> dispatch.Permutation
       `dispatch.layout` as one counting sort in C++; the same Permutation, field for field.
   combine(rows f32|bf16 [N, H], perm, topk_weights=None) -> f32 [T, H]
@@ -18,7 +20,9 @@ Paths of the grouped matmul (`diagnostics.PATHS`; `diagnostics.path_items()` cou
   all of K, more go in 6-row blocks plus one of the rest, each streaming 4 strips over all of K.
   bf16 panels times bf16-valued rows (the layer's: x and h are rounded to the weights' dtype) on
   CPUs with AVX512_BF16 run the bf16 dot product ("avx512_bf16_dot"): 32 multiply-adds per
-  instruction, rounding as the FMAs do (checked on the CPU at load).
+  instruction, rounding as the FMAs do (checked on the CPU at load). INT8 panels: int8 widened to
+  fp32 in registers ("avx512_fma"); from 2 bf16-valued rows per expert two weight rows are widened
+  into one bf16 pair for the dot product ("avx512_bf16_dot"), the same bits.
 - Otherwise (row-major weights, AVX2 CPUs): under 32 rows per expert the weights are read once, in
   place, bf16 widened in registers ("avx2_stream"); more rows run a BLIS-style packed GEMM
   ("avx2_packed": fp32 weight panels, a 6 x 16 register micro-kernel).
@@ -49,13 +53,20 @@ def grouped_matmul(x, group_sizes, w, *, source=None):
             or x.shape[1] != shape[1]:
         raise ValueError(f"expected x [N, K], group_sizes [E], w [E, K, C]; got x {x.shape}, "
                          f"group_sizes {group_sizes.shape}, w {shape}")
-    if w.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"w must be float32 or bfloat16, got {w.dtype}")
+    int8 = panels.is_panels(w) and w.int8
+    if not int8 and w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"w must be float32 or bfloat16 (or INT8 panels), got {w.dtype}")
     if source is not None and (source.ndim != 1 or not jnp.issubdtype(source.dtype, jnp.integer)):
         raise ValueError(f"source must be an integer [N] row index, got {source.dtype} {source.shape}")
     rows = x.shape[0] if source is None else source.shape[0]
     out = jax.ShapeDtypeStruct((rows, shape[2]), jnp.float32)
     x, group_sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
+    if int8:
+        scales = w.scales.astype(jnp.float32)
+        if source is None:
+            return jax.ffi.ffi_call("expertd_grouped_matmul_int8", out)(x, group_sizes, w.panels, scales)
+        return jax.ffi.ffi_call("expertd_grouped_matmul_int8_gathered", out)(
+            x, source.astype(jnp.int32), group_sizes, w.panels, scales)
     target, w = (TARGET + "_panels", w.panels) if panels.is_panels(w) else (TARGET, w)
     if source is None:
         return jax.ffi.ffi_call(target, out)(x, group_sizes, w)

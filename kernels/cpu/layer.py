@@ -10,20 +10,24 @@ the weights prepared once after loading, and what a server reports about it.
   routed_experts(params, x, ids, weights, valid, cfg) -> (fp32 [T, H], dispatch.Permutation)
       `moe.moe_layer`'s routed part with backend "native_cpu": the dispatch in C++ too. With
       cfg.router_weight_on_input (Llama 4) the weighted rows are gathered in XLA first.
-  prepare_params(params, *, backend="auto") -> MoEParams
+  prepare_params(params, *, backend="auto", expert_weights="dtype") -> MoEParams
       The routed expert weights in the layout the kernel reads fastest (panel-major, `panels`)
       where the library is available and `backend` would run it; otherwise `params` unchanged.
+      expert_weights="int8": quantised to INT8 panels instead (`int8.py`, W8A16), wherever
+      `backend` is one of PREPARING_BACKENDS (without the library the other backends read them
+      dequantised through `dense_weights`).
   dense_weights(w) -> the `[E, K, C]` array of prepared weights (arrays as they are): the one door
       through which the other backends read prepared weights.
-  describe(params=None) -> dict: availability, why not, instruction-set level and weight layout.
+  describe(params=None) -> dict: availability, why not, instruction-set level, weight layout and
+      what the expert weights are served as.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from expertd.kernels import dispatch
+from expertd.kernels import dispatch, names
 from expertd.kernels.config import MoEConfig
-from expertd.kernels.cpu import ffi, library, panels
+from expertd.kernels.cpu import ffi, int8, library, panels
 from expertd.kernels.cpu.build import available, unavailable_reason
 from expertd.kernels.ffn import (
     as_gated_activation,
@@ -36,6 +40,7 @@ from expertd.kernels.ffn import (
 from expertd.kernels.params import EXPERT_WEIGHTS, MoEParams
 
 PREPARING_BACKENDS = ("auto", "native_cpu")  # the backends whose CPU runs read prepared weights
+EXPERT_WEIGHTS_CHOICES = names.EXPERT_WEIGHTS  # as loaded (the serving dtype), or INT8 (int8.py); kernels/names.py
 
 dense_weights = panels.dense
 
@@ -80,11 +85,20 @@ def routed_experts(params: MoEParams, x, ids, weights, valid, cfg: MoEConfig):
     return ffi.combine(ys, perm, weights), perm
 
 
-def prepare_params(params: MoEParams, *, backend: str = "auto") -> MoEParams:
+def prepare_params(params: MoEParams, *, backend: str = "auto", expert_weights: str = "dtype") -> MoEParams:
     """`params` with the routed expert matrices panel-major (panels of `panels.panel_columns()`
     for this CPU) where the library is available and `backend` is one of PREPARING_BACKENDS; the
-    rest (router, shared experts) as they are. Otherwise `params` itself. Exact: a relayout."""
-    if backend not in PREPARING_BACKENDS or not available():
+    rest (router, shared experts) as they are. Otherwise `params` itself. Exact: a relayout.
+    `expert_weights` "int8": the routed expert matrices quantised to INT8 panels
+    (`int8.to_int8_panels`; not exact: int8.py has the error) wherever `backend` is one of
+    PREPARING_BACKENDS, the library available or not."""
+    if expert_weights not in EXPERT_WEIGHTS_CHOICES:
+        raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS_CHOICES}, got {expert_weights!r}")
+    if backend not in PREPARING_BACKENDS:
+        return params
+    if expert_weights == "int8":
+        return params.replace(**{name: int8.to_int8_panels(getattr(params, name)) for name in EXPERT_WEIGHTS})
+    if not available():
         return params
     return params.replace(**{name: panels.to_panels(getattr(params, name)) for name in EXPERT_WEIGHTS})
 
@@ -98,13 +112,18 @@ def describe(params: MoEParams | None = None) -> dict:
       weight_layout  "panels" or "row_major": of `params`' routed expert weights when given,
                      else of what `prepare_params` makes on this machine
       panel_columns  the panels' width (16 or 64), None for row-major
+      expert_weights "int8" (INT8 panels, W8A16) or the dtype of `params`' routed expert weights
+                     as held ("bfloat16", "float32"); None without `params`
     """
     ok = available()
+    held = None
     if params is not None:
         w = params.w_gate
         columns = w.panel_columns if panels.is_panels(w) else None
+        held = "int8" if panels.is_panels(w) and w.int8 else str(w.dtype)
     else:
         columns = panels.panel_columns() if ok else None
     return {"available": ok, "reason": unavailable_reason() or None, "isa": library.isa(),
-            "weight_layout": "row_major" if columns is None else "panels", "panel_columns": columns}
+            "weight_layout": "row_major" if columns is None else "panels", "panel_columns": columns,
+            "expert_weights": held}
 

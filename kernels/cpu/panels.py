@@ -15,6 +15,10 @@ The panel width W (`panel_columns()`) is 64 where the native kernel runs AVX-512
 sequential stream) and 16 elsewhere (AVX2 blocks hold at most 16 columns x 4 rows or 64 columns x 1
 row in their 16 ymm registers, so they would read a 64-column panel in up to 4 strided passes).
 
+INT8 expert weights (`int8.to_int8_panels`, `--expert-weights int8`) are int8 panels in the fp32
+layout with per-output-column scales beside them: panels int8 [E, P, K, W], scales fp32 [E, C],
+w[e, k, c] = panels[e, c // W, k, c % W] * scales[e, c] (`dense` gives that product back).
+
 A bf16 pair row holds, per column, w[2j] in the high half of a 32-bit word and w[2j + 1] in its low
 half: the AVX-512 kernel widens both rows of a 64-byte line (16 columns, a "strip") to fp32 with an
 AND and a shift, and its bf16 dot product (vdpbf16ps) multiplies the word as it lies, earlier row
@@ -47,22 +51,24 @@ PANEL_WIDTHS = (16, 64)  # the panel widths the kernel reads (csrc/panel_layout.
 
 @jax.tree_util.register_pytree_node_class
 class PanelWeights:
-    """Expert weights `[E, K, C]` held panel-major as `panels` (fp32 `[E, ceil(C / W), K, W]`,
+    """Expert weights `[E, K, C]` held panel-major as `panels` (fp32 and int8 `[E, ceil(C / W), K, W]`,
     bf16 `[E, ceil(C / W), ceil(K / 2), 2 W]`, W = `panel_columns`; see the module docstring). Build
-    with `to_panels`; `k_dim` is K and `columns` is C."""
+    with `to_panels` (or `int8.to_int8_panels`); `k_dim` is K and `columns` is C; `scales` fp32
+    `[E, C]` for int8 panels (the weights are panels * scales), None otherwise."""
 
-    def __init__(self, panels, k_dim: int, columns: int):
+    def __init__(self, panels, k_dim: int, columns: int, scales=None):
         # No checks here: jax.tree_util rebuilds this with placeholder leaves (tracers, None).
         self.panels = panels
         self.k_dim = k_dim
         self.columns = columns
+        self.scales = scales
 
     def tree_flatten(self):
-        return (self.panels,), (self.k_dim, self.columns)
+        return (self.panels, self.scales), (self.k_dim, self.columns)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
+        return cls(children[0], *aux, scales=children[1])
 
     @property
     def logical_shape(self) -> tuple[int, int, int]:
@@ -71,8 +77,13 @@ class PanelWeights:
 
     @property
     def dtype(self):
-        """The weights' element dtype (the panels hold them unchanged)."""
+        """The weights' element dtype as held (the panels hold them unchanged; int8 for INT8 weights)."""
         return self.panels.dtype
+
+    @property
+    def int8(self) -> bool:
+        """Whether these are INT8 weights (int8 panels times per-column `scales`)."""
+        return self.scales is not None
 
     @property
     def panel_columns(self) -> int:
@@ -81,7 +92,7 @@ class PanelWeights:
 
     @property
     def nbytes(self) -> int:
-        return self.panels.nbytes
+        return self.panels.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def __repr__(self) -> str:
         return (f"PanelWeights(logical_shape={self.logical_shape}, dtype={self.dtype}, "
@@ -104,7 +115,12 @@ def to_panels(w, columns: int | None = None) -> PanelWeights:
     if columns not in PANEL_WIDTHS:
         raise ValueError(f"columns must be one of {PANEL_WIDTHS}, got {columns}")
     if isinstance(w, PanelWeights):
-        return w if w.panel_columns == columns else to_panels(dense(w), columns)
+        if w.panel_columns == columns:
+            return w
+        if w.int8:  # the int8 values relaid out, the scales as they are
+            q = PanelWeights(w.panels, w.k_dim, w.columns)
+            return PanelWeights(to_panels(dense(q), columns).panels, w.k_dim, w.columns, w.scales)
+        return to_panels(dense(w), columns)
     w = jnp.asarray(w)
     if w.ndim != 3:
         raise ValueError(f"expert weights must be [E, K, C], got shape {w.shape}")
@@ -133,10 +149,14 @@ def _relayout(w, columns):
 
 
 def dense(w):
-    """The row-major `[E, K, C]` array of `w`: a PanelWeights relaid out, anything else as it is."""
+    """The row-major `[E, K, C]` array of `w`: a PanelWeights relaid out (INT8 weights dequantised
+    to fp32, panels * scales), anything else as it is."""
     if not isinstance(w, PanelWeights):
         return w
     e, k, c = w.logical_shape
+    if w.int8:
+        q = w.panels.transpose(0, 2, 1, 3).reshape(e, k, -1)[:, :, :c]
+        return q.astype(jnp.float32) * w.scales[:, None, :]
     if not _pairs(w.dtype):
         return w.panels.transpose(0, 2, 1, 3).reshape(e, k, -1)[:, :, :c]
     p, k2, columns = w.panels.shape[1], w.panels.shape[2], w.panel_columns

@@ -7,6 +7,13 @@ The rules (BENCHMARKS.md "MoE layer" has the measurements behind them;
    rows per expert it reads each used expert's weights once in place and widens bf16 in registers,
    from 32 rows it runs a register-blocked GEMM; it was faster than every XLA:CPU backend at every
    measured shape. It needs no compiler options.
+   INT8 expert weights (`prepare_params(..., expert_weights="int8")`) are read by it alone, in
+   place, on the same paths (int8 widened to fp32 in registers, from 2 bf16 rows per expert into
+   bf16 pairs for the dot product, scaled as it stores). They are a serving choice, not a
+   per-batch one (the weights are held one way): faster than bf16 while a step is memory-bound
+   (a few rows per expert: it reads half the bytes) and slower once it is compute-bound (the
+   widening costs instructions bf16's dot product does not); `benchmarks/moe_layer_int8.py`
+   measures both against their read floors, docs/kernels.md has the numbers.
 2. Without it, "capacity" for fp32 weights with fewer than CAPACITY_ROWS_PER_EXPERT rows per expert
    of large expert matrices (`few_rows_per_large_expert`) when at least CAPACITY_MIN_TOUCHED of the
    experts are expected in use (`expected_touched_fraction`): its one batched dot per projection
@@ -14,7 +21,8 @@ The rules (BENCHMARKS.md "MoE layer" has the measurements behind them;
    expert, so with under half of them in use it loses, and from 16 rows per expert its padded rows
    make it compute-bound. bf16 weights stay on "expert_loop": a batched dot over bf16 weights
    converts all of them on every call.
-3. Otherwise "expert_loop" ("ragged_dot" and "reference" do E x the FLOPs on CPU, "capacity" E/k x
+3. Otherwise "expert_loop" (INT8 weights too, read dequantised through `dense_weights`;
+   "ragged_dot" and "reference" do E x the FLOPs on CPU, "capacity" E/k x
    at large T, and "pallas" runs interpreted).
 4. Compiler options: SMALL_ROWS_CPU_OPTIONS (YNNPACK off) for "expert_loop", and for "capacity"
    with fp32 weights, when there are fewer than SMALL_ROWS_PER_EXPERT rows per expert and fp32

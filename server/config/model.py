@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-from expertd.kernels.names import EXPERT_BACKENDS
+from expertd.kernels.names import EXPERT_BACKENDS, EXPERT_WEIGHTS
 from expertd.server.config.fields import (
     DTYPES,
     option,
@@ -32,6 +32,11 @@ class ModelConfig:
     huge_pages: bool = option(True, "on CPU, move the weights onto transparent huge pages at load (BENCHMARKS.md)")
     panel_weights: bool = option(True, "on CPU with the native kernel, relay the expert weights out panel-major at "
                                        "load (same results, read faster; BENCHMARKS.md)")
+    expert_weights: str = option("dtype", "routed expert weights as served: dtype (in --dtype) or int8 (on CPU with "
+                                 "the native kernel: quantised at load to int8 with a scale per output channel, "
+                                 "widened in registers, activations in --dtype; half bf16's bytes per decode step, "
+                                 "a layer output's max relative error 1-2 percent of bf16's: docs/kernels.md)",
+                                 metavar="dtype|int8")
     num_redundant_experts: int = option(0, "EPLB: extra expert slots per MoE layer on an expert-parallel mesh, "
                                         "holding replicas of the hottest experts (E + N must be divisible by the "
                                         "device count; 0: one slot per expert)", parse=int, metavar="N")
@@ -49,6 +54,10 @@ class ModelConfig:
         if self.backend == "tokamax" and importlib.util.find_spec("tokamax") is None:
             raise ValueError("--backend tokamax needs the tokamax package, which is not installed: "
                              "pip install 'expertd[tokamax]' (tokamax==0.0.12)")
+        if self.expert_weights not in EXPERT_WEIGHTS:
+            raise ValueError(f"--expert-weights must be one of {EXPERT_WEIGHTS}, got {self.expert_weights!r}")
+        if self.expert_weights == "int8" and not self.panel_weights:
+            raise ValueError("--expert-weights int8 is held in the native kernel's panels: drop --no-panel-weights")
         if self.layers is not None and self.num_layers is not None:
             raise ValueError("give either --layers or --num-layers, not both")
         if self.num_devices is not None and self.num_devices < 1:

@@ -77,6 +77,7 @@ class Served:
             "backend": engine.backend,
             "weight_layout": self.weights.layout,
             "panel_columns": self.weights.panel_columns,
+            "expert_weights": self.weights.expert_weights,
             "compile_cache_dir": self.compile_cache_dir,
             "native_cpu_kernel": self.weights.native_cpu,
             "huge_pages": None if self.huge_pages is None else self.huge_pages.as_dict(),
@@ -87,7 +88,7 @@ class Served:
     def notes(self) -> list[str]:
         """The start-up summary lines about the native CPU kernel, the weights' pages and host malloc (CPU only)."""
         info = self.info()
-        lines = (weights.native_cpu_note(info["native_cpu_kernel"], info["panel_columns"]),
+        lines = (weights.native_cpu_note(info["native_cpu_kernel"], info["panel_columns"], info["expert_weights"]),
                  memory.note(info["huge_pages"]), allocator.note(info["host_allocator"]))
         return [line for line in lines if line]
 
@@ -160,18 +161,20 @@ def build_served(config: ServerConfig, layers: Sequence[LoadedLayer] | None = No
                         buckets=config.batching.bucket_sizes,
                         dtype=dtype, devices=model.num_devices, backend=model.backend, compile_cache_dir=cache,
                         huge_pages=model.huge_pages, panel_weights=model.panel_weights,
-                        num_redundant_experts=model.num_redundant_experts)
+                        num_redundant_experts=model.num_redundant_experts, expert_weights=model.expert_weights)
 
 
 def build_engine(layers: Sequence[LoadedLayer], *, buckets: Sequence[int], dtype="bfloat16", devices=None,
                  backend: str = "auto", compile_cache_dir=None, huge_pages: bool = True,
-                 panel_weights: bool = True, num_redundant_experts: int = 0) -> Served:
+                 panel_weights: bool = True, num_redundant_experts: int = 0, expert_weights: str = "dtype") -> Served:
     """Start-up steps 2-6 for ``layers`` (values as the config has checked them: buckets ascending
     and unique, dtype float32 / bfloat16, backend "auto" or a kernel backend)."""
     if compile_cache_dir is not None:
         enable_compile_cache(compile_cache_dir)
     placement = MeshPlacement(pick_devices(devices), num_redundant_experts=num_redundant_experts)
-    prepared = weights.prepare(layers, placement, np.dtype(dtype), backend=backend, panel_weights=panel_weights)
+    prepared = weights.prepare(layers, placement, np.dtype(dtype), backend=backend, panel_weights=panel_weights,
+                               expert_weights=expert_weights)
+    log.info("expert weights served as %s", prepared.expert_weights)
     pages = None
     if huge_pages and placement.devices[0].platform == "cpu":
         pages = memory.advise_huge_pages(jax.tree.leaves([layer.params for layer in prepared.layers]))

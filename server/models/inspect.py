@@ -1,11 +1,13 @@
 """`expertd inspect DIR`: what a checkpoint is and what `expertd serve --checkpoint DIR` would do.
 
-`inspect_checkpoint(path, layers=None, dtype="auto") -> dict` reads config.json and the safetensors
-headers only (no weights, no JAX computation): family, model type, MoE layers, per-layer shapes
-(E, k, H, I, shared), router settings and activation, the tensor layout found, quantisation
-(method, scale format, modules left unquantised), the serving dtype and why, the host memory of the
-served weights, and either `servable: true` or the refusal `serve` would print. `format_report`
-renders it for people; `--json` prints the dict.
+`inspect_checkpoint(path, layers=None, dtype="auto", expert_weights="dtype") -> dict` reads
+config.json and the safetensors headers only (no weights, no JAX computation): family, model type,
+MoE layers, per-layer shapes (E, k, H, I, shared), router settings and activation, the tensor
+layout found, quantisation (method, scale format, modules left unquantised), the serving dtype and
+why, what the routed experts are served as (`expert_weights`: the serving dtype, or "int8" as
+`serve --expert-weights int8` quantises them at load on CPU), the host memory of the served
+weights, and either `servable: true` or the refusal `serve` would print. `format_report` renders
+it for people; `--json` prints the dict.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from expertd.server.models.presets import describe_indices
 from expertd.server.models.stored import files_bytes
 
 
-def inspect_checkpoint(path, *, layers=None, dtype: str = "auto") -> dict:
+def inspect_checkpoint(path, *, layers=None, dtype: str = "auto", expert_weights: str = "dtype") -> dict:
     """The report described in the module docstring (a JSON-able dict)."""
     path = Path(path)
     report = {"checkpoint": str(path), "servable": False, "refusal": None, "family": None, "model_type": None,
@@ -54,8 +56,15 @@ def inspect_checkpoint(path, *, layers=None, dtype: str = "auto") -> dict:
     for group in report["layers"]:
         found = by_index.get(group["indices"][0])
         group["tensors"] = None if found is None else _tensor_summary(found.tensors)
+    served_bytes = plan.served_bytes
+    if expert_weights == "int8":  # int8 + an fp32 scale per output column instead of the serving dtype
+        itemsize = 4 if plan.dtype == "float32" else 2
+        for layer in plan.layers:
+            e, h, i = layer.cfg.num_experts, layer.cfg.hidden_size, layer.cfg.intermediate_size
+            served_bytes -= e * (3 * h * i * (itemsize - 1) - (2 * i + h) * 4)
     report.update(servable=True, stored_dtype=plan.stored_dtype, dtype=plan.dtype, dtype_reason=plan.dtype_reason,
-                  served_bytes=plan.served_bytes, served_layers=[layer.index for layer in plan.layers])
+                  served_bytes=served_bytes, served_layers=[layer.index for layer in plan.layers],
+                  expert_weights="int8" if expert_weights == "int8" else plan.dtype)
     return report
 
 
@@ -163,6 +172,9 @@ def format_report(report: dict) -> str:
     if report["servable"]:
         lines.append(f"dtype        {report['dtype']} ({report['dtype_reason']}; experts stored as "
                      f"{report['stored_dtype']})")
+        if report.get("expert_weights") == "int8":
+            lines.append("experts      served as INT8 (--expert-weights int8: quantised at load, a scale per output "
+                         f"channel, activations {report['dtype']}; CPU with the native kernel)")
         files = _size(report["checkpoint_bytes"])
         lines.append(f"memory       {_size(report['served_bytes'])} of served weights for "
                      f"{len(report['served_layers'])} MoE layers (checkpoint files {files})")

@@ -125,7 +125,7 @@ def test_without_a_compiler_auto_falls_back_and_explicit_use_says_why(tmp_path):
     assert "native CPU kernel is unavailable" in got["error"]
     assert got["auto"] == "expert_loop"
     assert got["describe"] == {"available": False, "reason": got["why"], "isa": None, "weight_layout": "row_major",
-                               "panel_columns": None}
+                               "panel_columns": None, "expert_weights": None}
 
 
 def test_isa_cap_runs_the_portable_loops_and_they_match_the_reference():

@@ -72,7 +72,7 @@ def test_prepare_params_makes_panels_of_the_expert_weights_only_where_the_kernel
         assert {n for n, p in prepared.items() if isinstance(p, panels.PanelWeights)} == set(moe.EXPERT_WEIGHTS)
         assert all(getattr(prepared, n) is p for n, p in params.items() if n not in moe.EXPERT_WEIGHTS)
         assert prepared.shapes() == params.shapes()  # the logical shapes
-        assert cpu.describe(prepared) == {**cpu.describe(), "weight_layout": "panels"}
+        assert cpu.describe(prepared) == {**cpu.describe(), "weight_layout": "panels", "expert_weights": "bfloat16"}
         assert cpu.describe(prepared)["panel_columns"] == panels.panel_columns()
         assert moe.prepare_params(prepared, cfg, "cpu", backend=backend).w_gate is prepared.w_gate  # idempotent
     for platform, backend in (("cpu", "expert_loop"), ("cpu", "capacity"), ("gpu", "auto"), ("tpu", "native_cpu")):

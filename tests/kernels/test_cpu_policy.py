@@ -53,3 +53,10 @@ def test_cpu_auto_picks_native_at_every_batch_size():
                 assert experts.choose_backend(rows, e, h, i, dtype, "cpu") == "native_cpu"
                 assert experts.compiler_options(rows, e, h, i, dtype=dtype, platform="cpu") == {}
     assert experts.choose_backend(16, 8, 1024, 2048, jnp.bfloat16, "gpu") == "ragged_dot"
+
+
+def test_int8_weights_run_native_where_it_is_and_expert_loop_without_it():
+    qwen3 = (128, 2048, 768)
+    for rows in (8, 128, 8192):
+        assert policy.choose_backend(rows, *qwen3, jnp.int8, native=True) == "native_cpu"
+        assert policy.choose_backend(rows, *qwen3, jnp.int8, native=False) == "expert_loop"

@@ -21,5 +21,6 @@ def test_importing_loads_no_jax(module):
 def test_the_kernels_use_these_names():
     assert experts.BACKENDS is names.EXPERT_BACKENDS
     assert cpu.ISA_LEVELS is names.NATIVE_CPU_ISA_LEVELS
+    assert cpu.EXPERT_WEIGHTS_CHOICES is names.EXPERT_WEIGHTS
     assert "auto" not in names.EXPERT_BACKENDS and "native_cpu" in names.EXPERT_BACKENDS
     assert names.NATIVE_CPU_ISA_LEVELS[0] == "portable"

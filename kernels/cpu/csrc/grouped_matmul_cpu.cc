@@ -15,6 +15,11 @@
 // Every path sums k in order with one rounding per product-add (FMA; std::fma in the portable
 // loop), so a row's result is the same bits whatever the layout, the path its expert's row count
 // takes, the instruction set or the other rows of the call.
+// ExpertdGroupedMatmulInt8 (and its Gathered twin) take INT8 expert weights (W8A16): int8 panels
+// laid out as fp32's, w s8 [E, P, K, W], and per-output-column scales s f32 [E, C]:
+//   y[r, c] = (sum_k x[r, k] * float(w[e(r)][k, c])) * s[e(r), c]
+// the sum in k order with one rounding per product-add as on every path, then one multiplication
+// (the AVX-512 path folds it into the store; the others scale their item's block after it).
 // ExpertdGroupedMatmulGathered reads its rows from token rows instead (the permutation's gather
 // done in place, so the layer never writes the [N, K] permuted copy of x):
 //   y[r, :] = x[source[r], :] @ w[e(r)]   x f32 [T, K], source s32 [N]; a source outside [0, T)
@@ -86,36 +91,53 @@ constexpr int64_t kMinBlockColumns = 256;
 // are split into up to kItemsPerThreadPanels items per thread. The packed path keeps wide blocks
 // (narrow ones would repack x per block).
 constexpr int64_t kItemsPerThreadPanels = 16;
+// INT8 weights times bf16-valued rows take the bf16 dot product (weight row pairs widened into its
+// operand, panel_stream_avx512.h Int8Pair) from this many rows of an expert; fewer rows keep the
+// FMAs, where the pair's extra shift and OR are not paid back by fewer multiply instructions.
+constexpr int64_t kInt8DotMinRows = 2;
 
+// y[r, c] *= scales[c] for `rows` rows (c_dim apart) and columns [c0, c1): int8 weights' scales on
+// the paths that do not fold them into their store.
+void ScaleColumns(int64_t rows, int64_t c0, int64_t c1, int64_t c_dim, const float* scales, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = c0; c < c1; ++c) y[r * c_dim + c] *= scales[c];
+  }
+}
+
+// `scales`: the expert's C column scales for int8 weights (nullptr for fp32 / bf16).
 template <typename W>
 __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_t rows,
                                                    const ExpertWeights<W>& w, int64_t c0, int64_t c1,
-                                                   float* y) {
+                                                   float* y, const float* scales) {
   // Panel-major weights on AVX-512 CPUs: every row count (its register blocks of up to 6 x 4 strips
   // streaming all of K are at least level with the packed path at every row count; BENCHMARKS.md
   // "Native CPU kernel"), bf16-valued rows on the bf16 dot product; the column tail
   // included.
   if (w.Panels() && expertd::CpuIsa() >= expertd::Isa::kAvx512) {
     const uint32_t* const* pairs = nullptr;
-    if (ExpertWeights<W>::kBf16 && expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
+    if ((ExpertWeights<W>::kBf16 || (scales && rows >= kInt8DotMinRows)) &&
+        expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
       pairs = expertd::avx512::PairRows(x, rows, w.k_dim);
     }
-    expertd::avx512::StreamPanels({x, pairs}, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
+    expertd::avx512::StreamPanels({x, pairs}, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y, scales);
     return pairs ? expertd::kPathAvx512Bf16Dot : expertd::kPathAvx512Fma;
   }
   const int64_t c_vec = c0 + (c1 - c0) / 16 * 16;
   if (c_vec < c1) BlockScalar(x, rows, w, c_vec, c1, y);
-  if (c_vec == c0) return expertd::kPathPortable;
-  if (rows >= kPackedMinRows) {
+  Path path = expertd::kPathPortable;
+  if (c_vec > c0 && rows >= kPackedMinRows) {
     BlockPacked(x, rows, w, c0, c_vec, y);
-    return expertd::kPathAvx2Packed;
+    path = expertd::kPathAvx2Packed;
+  } else if (c_vec > c0) {
+    if (w.Panels()) {
+      StreamPanels(x, rows, w, c0, c_vec, y);
+    } else {
+      Stream(x, rows, w, c0, c_vec, y);
+    }
+    path = expertd::kPathAvx2Stream;
   }
-  if (w.Panels()) {
-    StreamPanels(x, rows, w, c0, c_vec, y);
-  } else {
-    Stream(x, rows, w, c0, c_vec, y);
-  }
-  return expertd::kPathAvx2Stream;
+  if (scales) ScaleColumns(rows, c0, c1, w.c_dim, scales, y);
+  return path;
 }
 
 struct Item {
@@ -137,11 +159,11 @@ struct RowSource {
 };
 
 // `w` holds E experts of k_dim x c_dim weights, row-major (panel_cols 0) or panel-major in panels
-// of panel_cols columns.
+// of panel_cols columns; `scales` [E, c_dim] the int8 weights' column scales (else nullptr).
 template <typename W>
 void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
                    const int32_t* group_sizes, int64_t e_dim, const W* w, int64_t c_dim, int64_t panel_cols,
-                   float* y) {
+                   float* y, const float* scales = nullptr) {
   const int64_t k_dim = rows_in.k_dim;
   // Rows of each expert (clamped to the buffer), then items: narrower column blocks when there
   // would be fewer than two per thread (one or two experts in use), and on panel-major weights
@@ -178,11 +200,13 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     for (int64_t r = 0; r < it.rows; ++r) x[r] = rows_in.Row(it.row0 + r);
     const ExpertWeights<W> we{w + it.expert * expert_elems, k_dim, c_dim, panel_cols};
     float* ye = y + it.row0 * c_dim;
+    const float* se = scales ? scales + it.expert * c_dim : nullptr;
     Path path = expertd::kPathPortable;
     if (HasAvx2()) {
-      path = BlockAvx2(x.data(), it.rows, we, it.c0, it.c1, ye);
+      path = BlockAvx2(x.data(), it.rows, we, it.c0, it.c1, ye, se);
     } else {
       BlockScalar(x.data(), it.rows, we, it.c0, it.c1, ye);
+      if (se) ScaleColumns(it.rows, it.c0, it.c1, c_dim, se, ye);
     }
     expertd::path_items[path].fetch_add(1, std::memory_order_relaxed);
   });
@@ -190,13 +214,21 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
 
 // Every entry point: output row r of y [n, C] reads x [M, K] row source[r] (or row r without a
 // source); w is [E, K, C], or with `panels` [E, P, K, W] (fp32) / [E, P, ceil(K/2), 2 W] (bf16).
+// With `scales` ([E, C], int8 panels only): the int8 entry points.
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* source, int64_t n,
-               ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, bool panels, float* y, int64_t c_dim) {
+               ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, bool panels, float* y, int64_t c_dim,
+               const float* scales = nullptr) {
   const int64_t e_dim = w.dimensions()[0], k_dim = x.dimensions()[1];
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   const int64_t panel_cols = panels ? w.dimensions()[3] / (bf16 ? 2 : 1) : 0;
   std::vector<float> zeros(k_dim, 0.0f);
   const RowSource rows_in{x.typed_data(), x.dimensions()[0], k_dim, source, zeros.data()};
+  if (scales) {
+    if (w.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("int8 entry: w must be int8");
+    GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.reinterpret_data<int8_t>(), c_dim,
+                  panel_cols, y, scales);
+    return ffi::Error::Success();
+  }
   switch (w.element_type()) {
     case ffi::DataType::F32:
       GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.typed_data<float>(), c_dim, panel_cols, y);
@@ -255,6 +287,42 @@ ffi::Error GroupedMatmulGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
   return Run(pool, x, source.typed_data(), n, group_sizes, w, kPanels, y->typed_data(), y->dimensions()[1]);
 }
 
+// The int8 entry points: w s8 [E, P, K, W] (the fp32 panel layout in bytes), scales f32 [E, C].
+ffi::Error CheckScales(ffi::AnyBuffer& w, ffi::Buffer<ffi::F32>& scales, ffi::ResultBuffer<ffi::F32>& y) {
+  const auto sd = scales.dimensions();
+  if (w.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("w must be int8 panels");
+  if (sd.size() != 2 || sd[0] != w.dimensions()[0] || sd[1] != y->dimensions()[1]) {
+    return ffi::Error::InvalidArgument("scales must be [E, C], one per expert and output column");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* source,
+                ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, ffi::Buffer<ffi::F32>& scales,
+                ffi::ResultBuffer<ffi::F32>& y) {
+  if (auto err = CheckShapes(x, group_sizes, w, true, y); err.failure()) return err;
+  if (auto err = CheckScales(w, scales, y); err.failure()) return err;
+  return Run(pool, x, source, y->dimensions()[0], group_sizes, w, true, y->typed_data(), y->dimensions()[1],
+             scales.typed_data());
+}
+
+ffi::Error GroupedMatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> group_sizes,
+                                 ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  if (y->dimensions().size() != 2 || x.dimensions()[0] != y->dimensions()[0]) {
+    return ffi::Error::InvalidArgument("y must have the rows of x");
+  }
+  return Int8(pool, x, nullptr, group_sizes, w, scales, y);
+}
+
+ffi::Error GroupedMatmulInt8GatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> source,
+                                         ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer w,
+                                         ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  if (y->dimensions().size() != 2 || source.dimensions().size() != 1 || source.dimensions()[0] != y->dimensions()[0]) {
+    return ffi::Error::InvalidArgument("source must be [N], one x row index per output row");
+  }
+  return Int8(pool, x, source.typed_data(), group_sizes, w, scales, y);
+}
+
 auto Binding() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>();  // pool, x
 }
@@ -271,8 +339,23 @@ auto GatheredBinding() {
       .Ret<ffi::Buffer<ffi::F32>>();
 }
 
+auto Int8Binding() {  // x, group_sizes, w, scales
+  return Binding().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>();
+}
+
+auto Int8GatheredBinding() {  // x, source, group_sizes, w, scales
+  return Binding()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulInt8, GroupedMatmulInt8Impl, Int8Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulInt8Gathered, GroupedMatmulInt8GatheredImpl, Int8GatheredBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmul, GroupedMatmulImpl<false>, PlainBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulGathered, GroupedMatmulGatheredImpl<false>, GatheredBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertdGroupedMatmulPanels, GroupedMatmulImpl<true>, PlainBinding());

@@ -79,7 +79,7 @@ __attribute__((target("avx2,fma"))) void WidenPanel(const ExpertWeights<W>& w, i
                                                     int64_t kc, float* out) {
   const W* strip = w.Strip(p, k0);
   const int64_t row = w.panel_cols;
-  if constexpr (sizeof(W) == 4) {
+  if constexpr (sizeof(W) != 2) {  // fp32, int8: one weight row
     for (int64_t k = 0; k < kc; ++k) {
       for (int v = 0; v < 2; ++v) _mm256_storeu_ps(out + k * kStripCols + 8 * v, Load8(strip + k * row + 8 * v));
     }

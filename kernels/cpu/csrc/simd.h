@@ -1,5 +1,6 @@
-// Element loads shared by the expertd CPU custom calls: fp32 and bf16 (as its raw uint16 bits),
-// scalar and 8 at a time (AVX2), and the instruction-set level the kernels run at (CpuIsa).
+// Element loads shared by the expertd CPU custom calls: fp32, bf16 (as its raw uint16 bits) and
+// int8 (INT8 expert weights, the integer as fp32, exact), scalar and 8 at a time (AVX2), and the
+// instruction-set level the kernels run at (CpuIsa).
 #pragma once
 
 #include <immintrin.h>
@@ -96,6 +97,7 @@ inline bool HasAvx2() { return CpuIsa() >= Isa::kAvx2; }
 
 inline float Load(const float* w, int64_t i) { return w[i]; }
 inline float Load(const uint16_t* w, int64_t i) { return Bf16ToFloat(w[i]); }
+inline float Load(const int8_t* w, int64_t i) { return static_cast<float>(w[i]); }
 
 __attribute__((target("avx2,fma"))) inline __m256 Load8(const float* w) {
   return _mm256_loadu_ps(w);
@@ -105,6 +107,12 @@ __attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* w) {
   // bf16 is the top half of an fp32: zero-extend to 32 bits and shift into place.
   __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const int8_t* w) {
+  // int8 sign-extended to int32, then converted (exact: |q| <= 128).
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
 }  // namespace expertd

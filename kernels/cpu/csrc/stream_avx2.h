@@ -163,7 +163,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void PanelRow(const fl
   // + 1 broadcast live, within AVX2's 16 ymm.
   for (int g = 0; g < kPanels; ++g) {
     const W* wk = panel[g] + k * row;  // for bf16, pair row k / 2
-    if constexpr (sizeof(W) == 4) {
+    if constexpr (sizeof(W) != 2) {  // fp32, int8: one weight row
       FmaRows(x, k, Load8(wk), Load8(wk + 8), 2 * g, acc);
     } else {
       FmaRows(x, k, WidenFirst8(wk), WidenFirst8(wk + 16), 2 * g, acc);
@@ -194,7 +194,7 @@ __attribute__((target("avx2,fma"))) void PanelStream(const float* const* x, cons
   const W* panel[kPanels];
   for (int g = 0; g < kPanels; ++g) panel[g] = w.Strip(p + g, 0);
   const int64_t row = w.panel_cols;  // elements from one weight row of a strip to the next
-  constexpr int64_t kLine = 64 / (kStripCols * sizeof(W));  // weight rows per cache line (1 or 2)
+  constexpr int64_t kLine = 64 / (kStripCols * sizeof(W));  // weight rows per cache line (1, 2, 4: fp32, bf16, int8)
   constexpr int64_t kUnroll = 4;
   int64_t k = k0;
   for (; k + kUnroll <= k1; k += kUnroll) {  // k0 is a multiple of kLine: one prefetch per line

@@ -30,6 +30,13 @@ def test_servable_quantised_checkpoint(tmp_path, capsys):
     assert lines[8].startswith("memory       55.1 KiB of served weights for 2 MoE layers (checkpoint files ")
     assert lines[9] == "serve        would serve MoE layers 2-3"
 
+    assert json.loads(inspect(capsys, tmp_path, "--json")[1])["expert_weights"] == "bfloat16"
+    code, out = inspect(capsys, tmp_path, "--expert-weights", "int8")  # FP8 served as INT8 (quantised at load)
+    assert code == 0 and "experts      served as INT8 (--expert-weights int8" in out
+    int8_report = json.loads(inspect(capsys, tmp_path, "--json", "--expert-weights", "int8")[1])
+    bf16_report = json.loads(inspect(capsys, tmp_path, "--json")[1])
+    assert int8_report["expert_weights"] == "int8" and int8_report["served_bytes"] < bf16_report["served_bytes"]
+
     code, out = inspect(capsys, tmp_path, "--json", "--dtype", "float32", "--layers", "3")
     report = json.loads(out)
     assert code == 0 and report["servable"] and report["refusal"] is None
