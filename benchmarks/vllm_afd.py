@@ -7,7 +7,8 @@ the per-layer cost the plugin adds.
 Needs vLLM (``make install-vllm`` builds .venv-vllm); without it the script says so and exits 0
 (``make bench`` runs every script with .venv). For each shape (a random Qwen3-MoE checkpoint written
 by transformers, bfloat16) it serves the checkpoint with ``expertd serve --checkpoint`` (the main
-gRPC port, and the native Forward port where gRPC C++ is installed), then for each transport runs
+gRPC port, the native Forward port where gRPC C++ is installed, and the same-host channel
+``--shm-channel``), then for each transport runs
 one vLLM engine in this process (``enforce_eager``, greedy, ``ignore_eos``) and times
 ``LLM.generate`` of B prompts x N new tokens after a warm-up: tokens/s = B * N / wall time; the
 per-layer cost added = (wall - local wall) / (N forward passes x MoE layers), the prefill pass
@@ -86,8 +87,9 @@ def run_shape(shape: str, batches: list[int], tokens: int, folder: Path) -> list
     path = folder / shape
     write_checkpoint(path, shape)
     native = native_front_available()
+    channel = f"expertd-vllm-afd-{os.getpid()}-{shape}"
     args = ["--checkpoint", str(path), "--dtype", "bfloat16", "--num-devices", "1", "--metrics-port", "0",
-            "--max-queue-delay-ms", "0", *(["--native-port", "0"] if native else [])]
+            "--max-queue-delay-ms", "0", "--shm-channel", channel, *(["--native-port", "0"] if native else [])]
     server = harness.ServeProcess(harness.free_port(), args, name=f"expertd serve ({shape})")
     rows = []
     with harness.serving([server], timeout=900):
@@ -96,6 +98,7 @@ def run_shape(shape: str, batches: list[int], tokens: int, folder: Path) -> list
             port = next(match.group(1) for line in server.lines
                         if (match := re.search(r"native Forward port (\d+)", line)))
             transports["native port"] = f"127.0.0.1:{port}"
+        transports["shm channel"] = f"shm://{channel}"
         walls = {name: time_generation(path, target, batches, tokens, vocab) for name, target in transports.items()}
     for name, by_batch in walls.items():
         for batch, wall in by_batch.items():
