@@ -219,6 +219,25 @@ def check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases: ExpertBiases |
     check_biases(biases, e, h, i)
 
 
+def grouped_ffn_by(rdot, xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None):
+    """The contract's grouped FFN with `rdot(a [N, K], w [E, K, C], group_sizes int32 [E]) -> [N, C]
+    fp32` as its grouped product (a ragged dot of some library): rows past sum(group_sizes) are
+    zeroed before the first product and after the last, so they are never read and come back zero."""
+    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
+    expert, valid = row_experts(group_sizes, xs.shape[0])
+    xs = jnp.where(valid[:, None], xs, 0)
+    gs = group_sizes.astype(jnp.int32)
+    glu = as_gated_activation(activation)
+    rb = row_biases(biases, expert, valid)
+    g, u = rdot(xs, w_gate, gs), rdot(xs, w_up, gs)
+    if rb is not None:
+        g, u = g + rb.gate, u + rb.up
+    y = rdot(glu(g, u).astype(xs.dtype), w_down, gs)
+    if rb is not None:
+        y = y + rb.down
+    return jnp.where(valid[:, None], y.astype(xs.dtype), 0)
+
+
 def grouped_ffn_reference(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None):
     """Per-expert reference: run expert e on every row, keep the rows of its block."""
     check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)

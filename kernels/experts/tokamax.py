@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from expertd.kernels.experts import fp8
-from expertd.kernels.ffn import as_gated_activation, check_ffn_args, matmul_precision, row_biases, row_experts
+from expertd.kernels.ffn import grouped_ffn_by, matmul_precision
 
 IMPLEMENTATIONS = {"gpu": None}
 DEFAULT_IMPLEMENTATION = ("xla",)
@@ -102,16 +102,10 @@ def _rhs(w, dtype):
 def grouped_ffn_tokamax(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None,
                         implementation=None):
     """Grouped FFN through `tokamax.ragged_dot`; see the module docstring for the contract."""
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
     tokamax = _tokamax()
     impl = implementation_for() if implementation is None else implementation  # None: tokamax's own order
-    expert, valid = row_experts(group_sizes, xs.shape[0])
-    xs = jnp.where(valid[:, None], xs, 0)
-    gs = group_sizes.astype(jnp.int32)
-    glu = as_gated_activation(activation)
-    rb = row_biases(biases, expert, valid)
 
-    def rdot(a, w):
+    def rdot(a, w, gs):
         rhs = _rhs(w, a.dtype)
         dense = rhs if isinstance(rhs, jax.Array) else None
         precision = matmul_precision(a, dense) if dense is not None else matmul_precision(a)
@@ -119,10 +113,4 @@ def grouped_ffn_tokamax(xs, group_sizes, w_gate, w_up, w_down, *, activation="si
                                  implementation=impl)
         return out.astype(jnp.float32)
 
-    g, u = rdot(xs, w_gate), rdot(xs, w_up)
-    if rb is not None:
-        g, u = g + rb.gate, u + rb.up
-    y = rdot(glu(g, u).astype(xs.dtype), w_down)
-    if rb is not None:
-        y = y + rb.down
-    return jnp.where(valid[:, None], y.astype(xs.dtype), 0)
+    return grouped_ffn_by(rdot, xs, group_sizes, w_gate, w_up, w_down, activation=activation, biases=biases)

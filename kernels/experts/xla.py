@@ -22,31 +22,18 @@ from expertd.kernels.ffn import (
     as_gated_activation,
     check_ffn_args,
     gated_mlp,
+    grouped_ffn_by,
     matmul_precision,
-    row_biases,
     row_experts,
 )
 
 
 def grouped_ffn_ragged_dot(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", biases=None):
     """Grouped FFN through `jax.lax.ragged_dot` (rows past sum(group_sizes) come back zero)."""
-    check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
-    expert, valid = row_experts(group_sizes, xs.shape[0])
-    xs = jnp.where(valid[:, None], xs, 0)
-    gs = group_sizes.astype(jnp.int32)
-    glu = as_gated_activation(activation)
-    rb = row_biases(biases, expert, valid)
-
-    def rdot(a, w):
+    def rdot(a, w, gs):
         return lax.ragged_dot(a, w, gs, preferred_element_type=jnp.float32, precision=matmul_precision(a, w))
 
-    g, u = rdot(xs, w_gate), rdot(xs, w_up)
-    if rb is not None:
-        g, u = g + rb.gate, u + rb.up
-    y = rdot(glu(g, u).astype(xs.dtype), w_down)
-    if rb is not None:
-        y = y + rb.down
-    return jnp.where(valid[:, None], y.astype(xs.dtype), 0)
+    return grouped_ffn_by(rdot, xs, group_sizes, w_gate, w_up, w_down, activation=activation, biases=biases)
 
 
 def capacity_slots(group_sizes, capacity: int):

@@ -289,6 +289,24 @@ class ResettingProxy:
             sock.close()
 
 
+def answered_by_healthy_until_called(replica: Replica, options: dict, flavour: str) -> None:
+    """GetModelInfo through a client of ``options`` (``flavour``: sync or asyncio) until ``replica``
+    has been called (round robin uses a replica once its connection is ready; 30 s at most), each
+    answer from the replica named "healthy"."""
+    deadline = time.monotonic() + 30
+    if flavour == "sync":
+        with ExpertClient(**options) as client:
+            while replica.calls == 0 and time.monotonic() < deadline:
+                assert client.model_info().model == "healthy"
+    else:
+        async def calls() -> None:
+            async with AsyncExpertClient(**options) as client:
+                while replica.calls == 0 and time.monotonic() < deadline:
+                    assert (await client.model_info()).model == "healthy"
+
+        asyncio.run(calls())
+
+
 @pytest.mark.parametrize("flavour", ["sync", "asyncio"])
 def test_a_call_lost_after_its_replica_began_answering_is_sent_again_to_another(replicas, flavour):
     """gRPC's retry policy retries a call only until the server's response headers arrive (the call
@@ -304,18 +322,7 @@ def test_a_call_lost_after_its_replica_began_answering_is_sent_again_to_another(
 
     dying.answering = headers_then_lost
     options = {"target": f"127.0.0.1:{proxy.port},{target(healthy)}", "retries": 2, "timeout": 10, "backoff": FAST}
-    deadline = time.monotonic() + 30  # round robin uses a replica once its connection is ready
-    if flavour == "sync":
-        with ExpertClient(**options) as client:
-            while dying.calls == 0 and time.monotonic() < deadline:
-                assert client.model_info().model == "healthy"
-    else:
-        async def calls() -> None:
-            async with AsyncExpertClient(**options) as client:
-                while dying.calls == 0 and time.monotonic() < deadline:
-                    assert (await client.model_info()).model == "healthy"
-
-        asyncio.run(calls())
+    answered_by_healthy_until_called(dying, options, flavour)
     assert dying.calls == 1
 
 
@@ -326,16 +333,5 @@ def test_a_call_a_closing_replica_cancels_is_sent_again_to_another(replicas, fla
     an idempotent call that ended CANCELLED once more, to another replica."""
     closing, healthy = replicas(("closing", grpc.StatusCode.CANCELLED), "healthy")
     options = {"target": target(closing, healthy), "retries": 2, "timeout": 10, "backoff": FAST}
-    deadline = time.monotonic() + 30  # round robin uses a replica once its connection is ready
-    if flavour == "sync":
-        with ExpertClient(**options) as client:
-            while closing.calls == 0 and time.monotonic() < deadline:
-                assert client.model_info().model == "healthy"
-    else:
-        async def calls() -> None:
-            async with AsyncExpertClient(**options) as client:
-                while closing.calls == 0 and time.monotonic() < deadline:
-                    assert (await client.model_info()).model == "healthy"
-
-        asyncio.run(calls())
+    answered_by_healthy_until_called(closing, options, flavour)
     assert closing.calls >= 1
