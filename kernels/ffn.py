@@ -20,9 +20,10 @@ Here: `activation_fn`, `GatedActivation` / `as_gated_activation` and the config'
 (`expert_activation`, `shared_activation`), `ExpertBiases` (`expert_biases` of a layer's params),
 `rms_norm`, `matmul_precision` / `matmul_f32` (fp32 accumulation, full fp32 products for fp32
 operands), `gated_mlp` (one dense gated MLP, also the shared experts), `row_experts`,
-`row_biases`, `check_ffn_args` and `grouped_ffn_reference` (a per-expert loop over all rows, E x
-the FLOPs: the backends' twin in the tests). `expertd.kernels.experts` is the door that picks a
-backend.
+`row_biases`, `check_ffn_args`, `grouped_ffn_by` (the contract around a library's grouped product:
+the "ragged_dot" and "tokamax" backends) and `grouped_ffn_reference` (a per-expert loop over all
+rows, E x the FLOPs: the backends' twin in the tests). `expertd.kernels.experts` is the door that
+picks a backend.
 """
 from __future__ import annotations
 
