@@ -13,7 +13,7 @@ A server's config validates its flags against these without importing JAX or the
 from __future__ import annotations
 
 EXPERT_BACKENDS = ("reference", "ragged_dot", "capacity", "expert_loop", "native_cpu", "pallas", "tokamax")
-NATIVE_CPU_ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
+NATIVE_CPU_ISA_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16", "amx_bf16")
 EXPERT_WEIGHTS = ("dtype", "int8")
 
 __all__ = ["EXPERT_BACKENDS", "EXPERT_WEIGHTS", "NATIVE_CPU_ISA_LEVELS"]

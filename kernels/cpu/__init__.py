@@ -57,13 +57,14 @@ from expertd.kernels.cpu.layer import (
     prepare_params,
     routed_experts,
 )
-from expertd.kernels.cpu.library import isa
+from expertd.kernels.cpu.library import AMX_ORDERS, amx, isa
 from expertd.kernels.cpu.panels import PANEL_WIDTHS, PanelWeights, panel_columns, to_panels
 from expertd.kernels.cpu.policy import choose_backend, compiler_options
 
 __all__ = [
-    "BuildOptions", "EXPERT_WEIGHTS_CHOICES", "ISA_LEVELS", "PANEL_WIDTHS", "PREPARING_BACKENDS", "PanelWeights",
-    "available", "block_lookup", "block_lookup_reference", "choose_backend", "combine", "compiler_options",
+    "AMX_ORDERS", "BuildOptions", "EXPERT_WEIGHTS_CHOICES", "ISA_LEVELS", "PANEL_WIDTHS", "PREPARING_BACKENDS",
+    "PanelWeights",
+    "amx", "available", "block_lookup", "block_lookup_reference", "choose_backend", "combine", "compiler_options",
     "configure", "copy_2d", "copy_2d_numpy", "copy_2d_reference", "dense_weights", "describe", "grouped_ffn",
     "grouped_matmul", "grouped_matmul_reference", "int8", "isa", "layout", "numa", "panel_columns", "prepare_params",
     "routed_experts", "to_panels", "unavailable_reason",

@@ -62,6 +62,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # The library's plain C entry points, called through ctypes: symbol -> (restype, argtypes or None).
 C_SIGNATURES = {
     "expertd_native_cpu_path_items": (_I64, None),
+    "expertd_native_cpu_amx_faults": (_I64, None),
     "expertd_caller_only_work": (_I64, None),
     "expertd_set_caller_only_work": (None, (_I64,)),
     "expertd_parallel_for_trace": (_I64, (ctypes.POINTER(_I64), _I64)),

@@ -109,6 +109,7 @@ def describe(params: MoEParams | None = None) -> dict:
       available      whether the library is built and loaded (building it now if need be)
       reason         why not (None when available)
       isa            the instruction-set level it runs at (`library.isa()`), None without it
+      amx            what the AMX probe found (`library.amx()`: "none", "high_first", ...)
       weight_layout  "panels" or "row_major": of `params`' routed expert weights when given,
                      else of what `prepare_params` makes on this machine
       panel_columns  the panels' width (16 or 64), None for row-major
@@ -123,7 +124,7 @@ def describe(params: MoEParams | None = None) -> dict:
         held = "int8" if panels.is_panels(w) and w.int8 else str(w.dtype)
     else:
         columns = panels.panel_columns() if ok else None
-    return {"available": ok, "reason": unavailable_reason() or None, "isa": library.isa(),
+    return {"available": ok, "reason": unavailable_reason() or None, "isa": library.isa(), "amx": library.amx(),
             "weight_layout": "row_major" if columns is None else "panels", "panel_columns": columns,
             "expert_weights": held}
 

@@ -4,12 +4,17 @@
       "portable" scalar loops (CPUs without AVX2 / FMA), "avx2" (AVX2 + FMA), "avx512" (panel-major
       weights streamed 16 columns of a panel row per zmm), "avx512_bf16" (also bf16-valued rows
       times bf16 weights on the bf16 dot product, with the FMA paths' results: csrc/simd.h
-      Bf16DotIsFma). The highest level the CPU runs, capped by `BuildOptions.isa_cap` and
+      Bf16DotIsFma), "amx_bf16" (also AMX tiles for experts of 16 rows or more, where they round
+      as the FMAs do: csrc/amx_tiles.h). The highest level the CPU runs, capped by `BuildOptions.isa_cap` and
       `limit_isa`.
   supported_isas() -> the levels this CPU runs under the isa_cap, lowest first; vectorized() ->
       whether the kernels run a vector path (AVX2 and up).
   limit_isa(level) -> a `with` block running the kernels at most at `level` (the tests check
       that every level computes the same bits; the benchmarks A/B them in one process).
+  amx() -> what the AMX probe found on this CPU (AMX_ORDERS): "none" (no AMX-BF16, or the OS
+      refused the tile state), "high_first" (TDPBF16PS adds a pair's products in k order: the
+      kernels run "amx_bf16"), "low_first" or "other" (it rounds unlike the other paths: the
+      kernels keep "avx512_bf16" and say so at start-up).
 Only isa() is behind the package's door; the others, with the per-path counters, the ParallelFor
 trace and the sharing rule's knob, are in `diagnostics` (for tests and benchmarks).
 """
@@ -19,6 +24,7 @@ import contextlib
 
 from expertd.kernels.cpu.build import ISA_LEVELS, load, require_library
 
+AMX_ORDERS = ("none", "high_first", "low_first", "other")  # csrc/amx_tiles.h AmxOrder
 _isa_limit = ISA_LEVELS[-1]  # the library's run-time limit, as limit_isa last set it
 
 
@@ -27,6 +33,13 @@ def isa() -> str | None:
     is unavailable; see the module docstring)."""
     lib = load()[0]
     return None if lib is None else ISA_LEVELS[lib.expertd_native_cpu_isa()]
+
+
+def amx() -> str | None:
+    """What the AMX probe found on this CPU, one of AMX_ORDERS (None without the library; see the
+    module docstring)."""
+    lib = load()[0]
+    return None if lib is None else AMX_ORDERS[lib.expertd_native_cpu_amx_order()]
 
 
 def supported_isas() -> tuple[str, ...]:

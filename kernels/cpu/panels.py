@@ -101,10 +101,10 @@ class PanelWeights:
 
 def panel_columns(isa: str | None = None) -> int:
     """The panel width for native kernel instruction-set level `isa` (default: the level this
-    process runs, `library.isa()`): 64 for the AVX-512 levels, else 16."""
+    process runs, `library.isa()`): 64 for the AVX-512 and AMX levels, else 16."""
     if isa is None:
         isa = library.isa()
-    return 64 if isa in ("avx512", "avx512_bf16") else 16
+    return 64 if isa in ("avx512", "avx512_bf16", "amx_bf16") else 16
 
 
 def to_panels(w, columns: int | None = None) -> PanelWeights:

@@ -6,7 +6,10 @@ The rules (BENCHMARKS.md "MoE layer" has the measurements behind them;
 1. "native_cpu" at every batch size whenever its library is available (`native=True`): below 32
    rows per expert it reads each used expert's weights once in place and widens bf16 in registers,
    from 32 rows it runs a register-blocked GEMM; it was faster than every XLA:CPU backend at every
-   measured shape. It needs no compiler options.
+   measured shape. It needs no compiler options. Inside it the level decides the path per expert
+   and call: on AMX CPUs whose tiles round in k order (`library.amx()` "high_first"), experts of
+   16 or more bf16 rows run on the tiles (csrc/amx_tiles.h), fewer on the AVX-512 dot product;
+   the tiles' speed on a Xeon is not measured yet (docs/kernels.md).
    INT8 expert weights (`prepare_params(..., expert_weights="int8")`) are read by it alone, in
    place, on the same paths (int8 widened to fp32 in registers, from 2 bf16 rows per expert into
    bf16 pairs for the dot product, scaled as it stores). They are a serving choice, not a

@@ -39,7 +39,8 @@ class PreparedWeights:
     layout: the routed expert weights' layout: "panels" (the native CPU kernel's) or "row_major".
     panel_columns: the panels' width (None: row-major).
     native_cpu: on CPU, whether the C++ expert kernel (auto's choice there) is usable, why not, and
-      the instruction-set level it runs at ({"available", "reason", "isa"}); None elsewhere.
+      the instruction-set level it runs at and what the AMX probe found ({"available", "reason",
+      "isa", "amx"}); None elsewhere.
     expert_weights: what the routed expert weights are held as: "int8" (INT8 panels, W8A16) or
       their dtype ("bfloat16", "float32").
     """
@@ -82,8 +83,8 @@ def prepare(layers: Sequence[LoadedLayer], placement: MeshPlacement, dtype, *, b
     status = cpu.describe(placed[0].params)
     log.info("NUMA: %s (the placement a per-node pool would take; the kernel runs on XLA's one pool)",
              cpu.numa.summary(cpu.numa.plan_placement(cpu.numa.read_topology(), placed[0].cfg.intermediate_size)))
-    return PreparedWeights(placed, status["weight_layout"], status["panel_columns"],
-                           {name: status[name] for name in ("available", "reason", "isa")}, status["expert_weights"])
+    native = {name: status[name] for name in ("available", "reason", "isa", "amx")}
+    return PreparedWeights(placed, status["weight_layout"], status["panel_columns"], native, status["expert_weights"])
 
 
 def native_cpu_runs_every_forward(placement: MeshPlacement) -> bool:
@@ -103,6 +104,9 @@ def native_cpu_note(status: dict | None, panel_columns: int | None = None,
         held = ("INT8 expert weights (W8A16, a scale per output channel)" if expert_weights == "int8"
                 else "expert weights")
         layout = f", {held} in {panel_columns}-column panels" if panel_columns else ""
-        return f"native CPU expert kernel: {status['isa']} instructions{layout}"
+        amx = {"high_first": " (AMX tiles from 16 rows per expert)",
+               "low_first": "; AMX tiles present, off: they add a bf16 pair's products low half first, not in k order",
+               "other": "; AMX tiles present, off: they do not round as the FMAs do"}.get(status.get("amx"), "")
+        return f"native CPU expert kernel: {status['isa']} instructions{amx}{layout}"
     return (f"note: the native CPU expert kernel is unavailable ({status['reason']}); the experts run "
             "XLA's slower paths")

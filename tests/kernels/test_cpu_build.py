@@ -124,7 +124,8 @@ def test_without_a_compiler_auto_falls_back_and_explicit_use_says_why(tmp_path):
     assert got["ok"] is False and "/nonexistent/c++" in got["why"]
     assert "native CPU kernel is unavailable" in got["error"]
     assert got["auto"] == "expert_loop"
-    assert got["describe"] == {"available": False, "reason": got["why"], "isa": None, "weight_layout": "row_major",
+    assert got["describe"] == {"available": False, "reason": got["why"], "isa": None, "amx": None,
+                               "weight_layout": "row_major",
                                "panel_columns": None, "expert_weights": None}
 
 

@@ -119,16 +119,21 @@ def _paths_taken(call) -> dict[str, int]:
 
 def test_each_level_runs_its_own_path():
     """Which path an item takes (diagnostics.path_items): bf16 panels times bf16-valued rows run the
-    bf16 dot product where the CPU has it; a row with one value that is not bf16 keeps the whole
-    item on the FMA path; row-major weights and AVX2 CPUs stream below 32 rows and pack above."""
+    AMX tiles from 16 rows and the bf16 dot product below where the CPU has them; a row with one
+    value that is not bf16 keeps the whole item on the FMA path; row-major weights and AVX2 CPUs
+    stream below 32 rows and pack above."""
     x, gs, w = case_arrays([3, 40], 64, 32, jnp.bfloat16, bf16_rows=True)
     x = x[:43]
     pw = cpu.to_panels(w)
     call = lambda x, w: cpu.grouped_matmul(x, gs, w)  # noqa: E731
     levels = diagnostics.supported_isas()
+    if "amx_bf16" in levels:  # 40 rows on the tiles, 3 on the dot product (tests/kernels/test_cpu_amx.py)
+        assert _paths_taken(lambda: call(x, pw)) == {"amx_bf16": 1, "avx512_bf16_dot": 1}
     if "avx512_bf16" in levels:
-        assert _paths_taken(lambda: call(x, pw)) == {"avx512_bf16_dot": 2}
-        assert _paths_taken(lambda: call(x.at[1, 5].add(2.0 ** -20), pw)) == {"avx512_fma": 1, "avx512_bf16_dot": 1}
+        with diagnostics.limit_isa("avx512_bf16"):
+            assert _paths_taken(lambda: call(x, pw)) == {"avx512_bf16_dot": 2}
+            assert _paths_taken(lambda: call(x.at[1, 5].add(2.0 ** -20), pw)) == {"avx512_fma": 1,
+                                                                                 "avx512_bf16_dot": 1}
     if "avx512" in levels:
         with diagnostics.limit_isa("avx512"):
             assert _paths_taken(lambda: call(x, pw)) == {"avx512_fma": 2}

@@ -48,7 +48,7 @@ def test_relayout_is_exact_and_keeps_the_logical_shape(shape, dtype, width):
 
 
 def test_the_width_follows_the_kernel_instruction_set():
-    assert [panels.panel_columns(level) for level in cpu.ISA_LEVELS] == [16, 16, 64, 64]
+    assert [panels.panel_columns(level) for level in cpu.ISA_LEVELS] == [16, 16, 64, 64, 64]
     want = panels.panel_columns(cpu.isa())
     assert panels.panel_columns() == want and panels.to_panels(jnp.ones((1, 2, 64))).panel_columns == want
     with pytest.raises(ValueError, match="columns must be one of"):

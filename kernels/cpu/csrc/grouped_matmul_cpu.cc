@@ -35,6 +35,8 @@
 // calling thread alone).
 //
 // Paths per item (Path; counted in path_items, grouped_matmul_paths.h), chosen by BlockAvx2 here:
+// - bf16 panel-major weights times bf16-valued rows, kAmxMinRows rows or more, on CPUs with AMX
+//   tiles that round as the FMAs do: amx::Panels (amx_tiles.h).
 // - Panel-major weights on AVX-512 CPUs, every row count: avx512::StreamPanels
 //   (panel_stream_avx512.h; bf16-valued rows times bf16 weights on the bf16 dot product where the
 //   CPU has one that rounds as the FMAs do).
@@ -60,6 +62,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "expert_weights.h"
 #include "grouped_matmul_paths.h"
 #include "packed_avx2.h"
@@ -109,6 +112,22 @@ template <typename W>
 __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_t rows,
                                                    const ExpertWeights<W>& w, int64_t c0, int64_t c1,
                                                    float* y, const float* scales) {
+  // bf16 panels times bf16-valued rows of kAmxMinRows or more on AMX tiles (amx_tiles.h), where the
+  // CPU runs them (Isa::kAmxBf16) or the tests run the tiles' software model.
+  if constexpr (ExpertWeights<W>::kBf16) {
+    const int emulated = expertd::amx::EmulatedOrder().load(std::memory_order_relaxed);
+    if (w.Panels() && rows >= expertd::amx::kAmxMinRows && (emulated || expertd::CpuIsa() >= expertd::Isa::kAmxBf16)) {
+      int64_t stride;
+      if (const uint32_t* a = expertd::amx::AmxRows(x, rows, w.k_dim, &stride)) {
+        if (emulated) {
+          expertd::amx::Panels<expertd::amx::EmulatedTiles>(a, stride, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
+        } else {
+          expertd::amx::Panels<expertd::amx::HardwareTiles>(a, stride, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
+        }
+        return expertd::kPathAmxBf16;
+      }
+    }
+  }
   // Panel-major weights on AVX-512 CPUs: every row count (its register blocks of up to 6 x 4 strips
   // streaming all of K are at least level with the packed path at every row count; BENCHMARKS.md
   // "Native CPU kernel"), bf16-valued rows on the bf16 dot product; the column tail

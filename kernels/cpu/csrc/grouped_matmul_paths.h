@@ -8,7 +8,7 @@
 
 namespace expertd {
 
-enum Path { kPathPortable, kPathAvx2Stream, kPathAvx2Packed, kPathAvx512Fma, kPathAvx512Bf16Dot, kNumPaths };
+enum Path { kPathPortable, kPathAvx2Stream, kPathAvx2Packed, kPathAvx512Fma, kPathAvx512Bf16Dot, kPathAmxBf16, kNumPaths };
 inline std::atomic<int64_t> path_items[kNumPaths];
 
 }  // namespace expertd

@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -15,8 +16,10 @@ namespace expertd {
 // - kAvx2: AVX2 + FMA (the fallback vector paths);
 // - kAvx512: AVX-512 F + BW (panel-major weights stream 16 columns of a panel row per zmm);
 // - kAvx512Bf16: AVX512_BF16 too, and its dot product rounds as two FMAs in order (Bf16DotIsFma),
-//   so bf16 x bf16 products can run on it with the results of the FMA paths.
-enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+//   so bf16 x bf16 products can run on it with the results of the FMA paths;
+// - kAmxBf16: AMX-BF16 tiles too, for experts of kAmxMinRows rows or more, where TDPBF16PS rounds
+//   as the FMAs do in k order (amx_tiles.h).
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 
 inline float Bf16ToFloat(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -31,31 +34,57 @@ inline uint32_t FloatBits(float v) {
   return bits;
 }
 
+// One accumulation of a bf16 pair product, acc + x . w, whose two roundings in one order differ
+// from the other order's and from one rounding of the sum (cancellation, a dominant accumulator,
+// products of mixed magnitude): how the dot products' rounding is checked on this CPU (vdpbf16ps
+// here, TDPBF16PS in amx_tiles.h). Pairs hold the earlier k in the high half.
+struct Bf16RoundingCase {
+  uint32_t x_pair, w_pair;
+  float acc;
+  static float High(uint32_t pair) { return Bf16ToFloat(static_cast<uint16_t>(pair >> 16)); }
+  static float Low(uint32_t pair) { return Bf16ToFloat(static_cast<uint16_t>(pair & 0xFFFFu)); }
+  // acc' = fma(lo_x, lo_w, fma(hi_x, hi_w, acc)): k in order, as every FMA path sums.
+  float HighFirst() const {
+    return __builtin_fmaf(Low(x_pair), Low(w_pair), __builtin_fmaf(High(x_pair), High(w_pair), acc));
+  }
+  float LowFirst() const {
+    return __builtin_fmaf(High(x_pair), High(w_pair), __builtin_fmaf(Low(x_pair), Low(w_pair), acc));
+  }
+};
+
+inline const std::array<Bf16RoundingCase, 7>& Bf16RoundingCases() {
+  static const std::array<Bf16RoundingCase, 7> cases = [] {
+    const float table[7][5] = {  // hi_x, hi_w, lo_x, lo_w (each truncated to bf16), acc
+        {1.0f, 1.0f, 1.0f, 0x1p-24f, 0x1p-24f},   {3.0f, 0x1p-10f, -3.0f, 0x1p-10f, 1.0f},
+        {1.5f, 1.5f, -1.5f, 1.5f, 0x1.000002p0f}, {255.0f, 255.0f, -1.0f, 65025.0f, 0.3f},
+        {0.1f, 0.2f, 0.3f, 0.4f, 1e7f},           {-7.0f, 0x1p-20f, 5.0f, 0x1p-21f, 0x1.fffffep-1f},
+        {1.0078125f, 1.0078125f, -1.0f, 1.015625f, 0x1p-30f},
+    };
+    auto pair = [](float hi, float lo) { return (FloatBits(hi) & 0xFFFF0000u) | FloatBits(lo) >> 16; };
+    std::array<Bf16RoundingCase, 7> out{};
+    for (int i = 0; i < 7; ++i) out[i] = {pair(table[i][0], table[i][2]), pair(table[i][1], table[i][3]), table[i][4]};
+    return out;
+  }();
+  return cases;
+}
+
 // vdpbf16ps adds the products of a dword's two bf16 halves to an fp32 lane; on the CPUs this was
 // checked on it adds the high half's product first, then the low half's, each rounded as an FMA
-// rounds: acc' = fma(lo_x, lo_w, fma(hi_x, hi_w, acc)). The kernels rely on exactly that (weights
-// and x laid out so that the high half holds the earlier k), so it is checked once on this CPU over
-// cases whose two roundings differ from one rounding of the sum (cancellation, a dominant
-// accumulator, products of mixed magnitude); a CPU that rounds otherwise keeps the FMA paths.
+// rounds (Bf16RoundingCase::HighFirst). The kernels rely on exactly that (weights and x laid out
+// so that the high half holds the earlier k), so it is checked once on this CPU; a CPU that
+// rounds otherwise keeps the FMA paths.
 __attribute__((target("avx512f,avx512bf16,avx512vl,fma"))) inline bool Bf16DotIsFma() {
-  const float cases[][5] = {  // hi_x, hi_w, lo_x, lo_w (each truncated to bf16 below), acc
-      {1.0f, 1.0f, 1.0f, 0x1p-24f, 0x1p-24f},   {3.0f, 0x1p-10f, -3.0f, 0x1p-10f, 1.0f},
-      {1.5f, 1.5f, -1.5f, 1.5f, 0x1.000002p0f}, {255.0f, 255.0f, -1.0f, 65025.0f, 0.3f},
-      {0.1f, 0.2f, 0.3f, 0.4f, 1e7f},           {-7.0f, 0x1p-20f, 5.0f, 0x1p-21f, 0x1.fffffep-1f},
-      {1.0078125f, 1.0078125f, -1.0f, 1.015625f, 0x1p-30f},
-  };
-  auto to_bf16 = [](float v) { return static_cast<uint16_t>(FloatBits(v) >> 16); };
-  for (const auto& c : cases) {
-    const uint16_t hx = to_bf16(c[0]), hw = to_bf16(c[1]), lx = to_bf16(c[2]), lw = to_bf16(c[3]);
-    const int x_pair = static_cast<int>(static_cast<uint32_t>(hx) << 16 | lx);
-    const int w_pair = static_cast<int>(static_cast<uint32_t>(hw) << 16 | lw);
-    const __m128 got = _mm_dpbf16_ps(_mm_set1_ps(c[4]), (__m128bh)_mm_set1_epi32(x_pair), (__m128bh)_mm_set1_epi32(w_pair));
-    const float want = __builtin_fmaf(Bf16ToFloat(lx), Bf16ToFloat(lw),
-                                      __builtin_fmaf(Bf16ToFloat(hx), Bf16ToFloat(hw), c[4]));
-    if (FloatBits(_mm_cvtss_f32(got)) != FloatBits(want)) return false;
+  for (const Bf16RoundingCase& c : Bf16RoundingCases()) {
+    const __m128 got = _mm_dpbf16_ps(_mm_set1_ps(c.acc), (__m128bh)_mm_set1_epi32(static_cast<int>(c.x_pair)),
+                                     (__m128bh)_mm_set1_epi32(static_cast<int>(c.w_pair)));
+    if (FloatBits(_mm_cvtss_f32(got)) != FloatBits(c.HighFirst())) return false;
   }
   return true;
 }
+
+// Whether the AMX path may run on this CPU: AMX-BF16 present and permitted, and its TDPBF16PS adds
+// in k order (amx_tiles.h HardwareOrder; defined in library.cc, probed once per process).
+bool AmxBf16Ready();
 
 inline Isa DetectIsa() {
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return Isa::kPortable;
@@ -63,13 +92,13 @@ inline Isa DetectIsa() {
   if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vl") || !Bf16DotIsFma()) {
     return Isa::kAvx512;  // (the check runs the 128-bit form, which needs AVX512VL)
   }
-  return Isa::kAvx512Bf16;
+  return AmxBf16Ready() ? Isa::kAmxBf16 : Isa::kAvx512Bf16;
 }
 
 // The process-wide cap on the level, set once when the library is loaded
 // (expertd_native_cpu_cap_isa, from the loader's `isa_cap` option: how a deployment pins a level).
 inline std::atomic<int>& IsaCap() {
-  static std::atomic<int> cap{static_cast<int>(Isa::kAvx512Bf16)};
+  static std::atomic<int> cap{static_cast<int>(Isa::kAmxBf16)};
   return cap;
 }
 
@@ -83,7 +112,7 @@ inline Isa DetectedIsa() {
 // A further cap set at run time between calls (expertd_native_cpu_limit_isa: how the tests and the
 // benchmarks run every level in one process).
 inline std::atomic<int>& IsaLimit() {
-  static std::atomic<int> limit{static_cast<int>(Isa::kAvx512Bf16)};
+  static std::atomic<int> limit{static_cast<int>(Isa::kAmxBf16)};
   return limit;
 }
 

@@ -214,7 +214,8 @@ def test_info(served, warm_engine):
                                                      "split_over_ep": False}
     assert info["forward_compiler_options"] == []  # tiny's 32 KiB expert matrices keep the defaults
     # The dev box and CI have g++ (and an AVX2 CPU at least).
-    assert info["native_cpu_kernel"] == {"available": True, "reason": None, "isa": cpu.isa()}
+    assert info["native_cpu_kernel"] == {"available": True, "reason": None, "isa": cpu.isa(), "amx": cpu.amx()}
+    assert cpu.amx() in cpu.AMX_ORDERS and (cpu.isa() == "amx_bf16") == (cpu.amx() == "high_first")
     assert info["native_cpu_kernel"]["isa"] in cpu.ISA_LEVELS[1:]
     assert info["weight_layout"] == "panels" and info["panel_columns"] == cpu.panel_columns()
     assert info["layers"][0]["params"]["w_gate"]["shape"] == [8, 64, 128]  # the logical shape, any width
@@ -275,6 +276,11 @@ def test_serve_notes_the_native_kernel_level_or_why_it_is_missing(served):
         "native CPU expert kernel: avx512_bf16 instructions")
     assert weights.native_cpu_note({"available": True, "reason": None, "isa": "avx512_bf16"}, 64) == (
         "native CPU expert kernel: avx512_bf16 instructions, expert weights in 64-column panels")
+    assert weights.native_cpu_note({"available": True, "reason": None, "isa": "amx_bf16", "amx": "high_first"}, 64) == (
+        "native CPU expert kernel: amx_bf16 instructions (AMX tiles from 16 rows per expert), expert weights in "
+        "64-column panels")
+    assert "AMX tiles present, off: they add a bf16 pair's products low half first" in weights.native_cpu_note(
+        {"available": True, "reason": None, "isa": "avx512_bf16", "amx": "low_first"})
     note = weights.native_cpu_note({"available": False, "reason": "no C++ compiler found (set CXX)", "isa": None})
     assert "unavailable (no C++ compiler found (set CXX))" in note
     # start-up's summary: the native kernel's line and host malloc's (tiny's weights fit no huge page)
