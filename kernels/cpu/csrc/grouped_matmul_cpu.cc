@@ -119,11 +119,9 @@ __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_
     if (w.Panels() && rows >= expertd::amx::kAmxMinRows && (emulated || expertd::CpuIsa() >= expertd::Isa::kAmxBf16)) {
       int64_t stride;
       if (const uint32_t* a = expertd::amx::AmxRows(x, rows, w.k_dim, &stride)) {
-        if (emulated) {
-          expertd::amx::Panels<expertd::amx::EmulatedTiles>(a, stride, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
-        } else {
-          expertd::amx::Panels<expertd::amx::HardwareTiles>(a, stride, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
-        }
+        const auto panels = emulated ? &expertd::amx::Panels<expertd::amx::EmulatedTiles>
+                                     : &expertd::amx::Panels<expertd::amx::HardwareTiles>;
+        panels(a, stride, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
         return expertd::kPathAmxBf16;
       }
     }

@@ -11,8 +11,8 @@
 #include "simd.h"
 
 // The expertd::Isa level the kernels run at (0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512 with the bf16 dot
-// product, 4 AMX-BF16 tiles too), and the highest one this CPU runs under the process cap; cap_isa sets that cap (once, at
-// load), limit_isa a further cap for later calls.
+// product, 4 AMX-BF16 tiles too), and the highest one this CPU runs under the process cap; cap_isa
+// sets that cap (once, at load), limit_isa a further cap for later calls.
 extern "C" int expertd_native_cpu_isa() { return static_cast<int>(expertd::CpuIsa()); }
 extern "C" int expertd_native_cpu_detected_isa() { return static_cast<int>(expertd::DetectedIsa()); }
 extern "C" void expertd_native_cpu_cap_isa(int level) { expertd::IsaCap().store(level); }
