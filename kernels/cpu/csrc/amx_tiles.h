@@ -283,14 +283,7 @@ inline const uint32_t* AmxRows(const float* const* x, int64_t rows, int64_t k_di
   const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
   buffer.assign(padded_rows * padded, 0u);
   uint32_t inexact = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    uint32_t* out = buffer.data() + r * padded;
-    for (int64_t k = 0; k < k_dim; ++k) {
-      const uint32_t bits = FloatBits(x[r][k]);
-      inexact |= bits & 0xFFFFu;
-      out[k / 2] |= k % 2 ? bits >> 16 : bits & 0xFFFF0000u;
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) inexact |= PackPairRow(x[r], k_dim, buffer.data() + r * padded);
   *stride = padded;
   return inexact == 0 ? buffer.data() : nullptr;
 }

@@ -237,18 +237,8 @@ inline const uint32_t* const* PairRows(const float* const* x, int64_t rows, int6
   pairs.resize(rows);
   uint32_t inexact = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    uint32_t* out = buffer.data() + r * k2;
-    pairs[r] = out;
-    for (int64_t j = 0; j < k_dim / 2; ++j) {
-      const uint32_t first = FloatBits(x[r][2 * j]), second = FloatBits(x[r][2 * j + 1]);
-      inexact |= (first | second) & 0xFFFFu;
-      out[j] = (first & 0xFFFF0000u) | (second >> 16);
-    }
-    if (k_dim % 2) {
-      const uint32_t last = FloatBits(x[r][k_dim - 1]);
-      inexact |= last & 0xFFFFu;
-      out[k2 - 1] = last & 0xFFFF0000u;
-    }
+    pairs[r] = buffer.data() + r * k2;
+    inexact |= PackPairRow(x[r], k_dim, buffer.data() + r * k2);
   }
   return inexact == 0 ? pairs.data() : nullptr;
 }

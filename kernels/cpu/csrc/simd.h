@@ -34,6 +34,24 @@ inline uint32_t FloatBits(float v) {
   return bits;
 }
 
+// x's row of K floats as ceil(K / 2) bf16 pair dwords, the bf16 dot products' operand layout
+// (out[j] = x[2j] high, x[2j + 1] low; a zero low half past K). Returns the bits the bf16s dropped
+// (0: every value was exact in bf16).
+inline uint32_t PackPairRow(const float* x, int64_t k_dim, uint32_t* out) {
+  uint32_t inexact = 0;
+  for (int64_t j = 0; j < k_dim / 2; ++j) {
+    const uint32_t first = FloatBits(x[2 * j]), second = FloatBits(x[2 * j + 1]);
+    inexact |= (first | second) & 0xFFFFu;
+    out[j] = (first & 0xFFFF0000u) | (second >> 16);
+  }
+  if (k_dim % 2) {
+    const uint32_t last = FloatBits(x[k_dim - 1]);
+    inexact |= last & 0xFFFFu;
+    out[k_dim / 2] = last & 0xFFFF0000u;
+  }
+  return inexact;
+}
+
 // One accumulation of a bf16 pair product, acc + x . w, whose two roundings in one order differ
 // from the other order's and from one rounding of the sum (cancellation, a dominant accumulator,
 // products of mixed magnitude): how the dot products' rounding is checked on this CPU (vdpbf16ps
