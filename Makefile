@@ -11,8 +11,13 @@ PYTEST_ARGS ?= --numprocesses=2 --dist=loadfile
 VLLM_VENV  ?= .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.expertd-installed
+# kt-kernel (KTransformers' CPU MoE kernels), a peer of benchmarks/cpu_peers.py only: its wheel pins
+# torch 2.9.1, but its BF16 MoE runs beside the CPU torch 2.13 installed without its dependencies.
+KT_VENV  ?= .venv-kt
+KT_BIN   := $(KT_VENV)/bin
+KT_STAMP := $(KT_VENV)/.expertd-installed
 
-.PHONY: install install-vllm lint test test-vllm serve bench protos clean
+.PHONY: install install-vllm install-kt lint test test-vllm serve bench protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +38,15 @@ $(VLLM_STAMP): pyproject.toml
 	touch $@
 
 install-vllm: $(VLLM_STAMP)
+
+$(KT_STAMP):
+	$(PYTHON) -m venv $(KT_VENV)
+	$(KT_BIN)/python -m pip install -q --upgrade pip
+	$(KT_BIN)/python -m pip install -q 'torch==2.13.0' numpy safetensors gguf
+	$(KT_BIN)/python -m pip install -q --no-deps 'kt-kernel==0.7.2'
+	touch $@
+
+install-kt: $(KT_STAMP)
 
 # ruff (configured in pyproject.toml) over the whole tree.
 lint: install

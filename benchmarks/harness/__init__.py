@@ -5,7 +5,9 @@ Scripts run as ``python benchmarks/<name>.py``, which puts benchmarks/ on ``sys.
 numpy, grpc, JAX and expertd (client, kernels, server) only inside the functions that need them, so
 importing it loads no JAX (the hf_peer.py worker and the load processes import it too), and each
 ``expertd.server`` import the benchmarks share sits in one place here. It imports no script;
-scripts import it, not each other (moe_layer.py's own parts excepted: hf_peer.py, moe_layer_options.py).
+scripts import it, not each other (their own parts excepted: moe_layer.py's hf_peer.py and
+moe_layer_options.py; cpu_peers.py's worker cpu_peer_engines.py, which builds transformers' block
+with hf_peer.py's ``build_block``).
 
 Modules and their public names (all importable from ``harness`` itself):
 
