@@ -17,7 +17,7 @@ ENGINE is one of ENGINES:
   transformers  transformers' Qwen3MoeSparseMoeBlock with its default experts implementation
                 (hf_peer.build_block: `grouped_mm` in 5.x), torch's default threads
   floor         not an engine: the probes of the floor (`read N`: the fastest of N numpy BLAS fp32
-                matrix-vector products over PROBE_BYTES, bytes a second; `dense`: torch's fastest
+                matrix-vector products over harness.PROBE_BYTES, bytes a second; `dense`: torch's fastest
                 dense matmul, bf16 or fp32, FLOP a second, each of its own size)
 
 Every engine computes the same layer (Qwen3-MoE's routing: fp32 logits x @ router_weight, softmax,
@@ -48,10 +48,10 @@ import pathlib
 import sys
 import time
 
+import harness  # benchmarks/harness: stdlib only at import, so every engine's environment has it
 import numpy as np
 
 ENGINES = ("expertd", "vllm", "kt", "transformers", "floor")
-PROBE_BYTES = 256 << 20
 CAP_S = 20.0  # a token count whose call would take longer than this is not run
 
 
@@ -205,12 +205,9 @@ def transformers_engine(case):
 
 def read_rate(reps: int) -> float:
     """Bytes a second of the fastest of `reps` numpy (BLAS) fp32 matrix-vector products over
-    PROBE_BYTES (after one untimed call)."""
-    rows = PROBE_BYTES // 4 // 4096
-    matrix, ones = np.ones((rows, 4096), np.float32), np.ones(4096, np.float32)
-    matrix @ ones
-    best = min(_timed(lambda: matrix @ ones) for _ in range(reps))
-    return PROBE_BYTES / best
+    harness.PROBE_BYTES (after one untimed call)."""
+    matrix, ones = np.ones((harness.PROBE_BYTES // 4 // 4096, 4096), np.float32), np.ones(4096, np.float32)
+    return harness.PROBE_BYTES / harness.fastest({"numpy matvec": lambda: matrix @ ones}, reps)
 
 
 def dense_rate() -> tuple[float, str]:
@@ -224,18 +221,12 @@ def dense_rate() -> tuple[float, str]:
         while True:
             a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
             torch.mm(a, b)
-            seconds = min(_timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(3))
+            seconds = min(harness.timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(3))
             if seconds > 0.3 or n >= 8192:
                 break
             n *= 2
         best = max(best, (2 * n ** 3 / seconds, f"{str(dtype).removeprefix('torch.')} n={n}"))
     return best
-
-
-def _timed(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
 
 
 # ---- the worker ---------------------------------------------------------------------------------
@@ -249,7 +240,7 @@ def warm(calls: dict, out_dir: pathlib.Path, engine: str, cap_s: float) -> tuple
             skipped[t] = f"estimated {per_token * t:.1f} s a call (cap {cap_s:g} s)"
             continue
         np.save(out_dir / f"{engine}_{t}.npy", calls[t]())
-        warm_s[t] = _timed(calls[t])
+        warm_s[t] = harness.timed(calls[t])
         per_token = warm_s[t] / t
     return warm_s, skipped
 
@@ -263,7 +254,7 @@ def serve(engine: str, calls: dict, protocol) -> None:
                 break
             if words[0] == "time" and engine != "floor":
                 t, n = int(words[1]), int(words[2])
-                reply = {"calls": [_timed(calls[t]) for _ in range(n)]}
+                reply = {"calls": [harness.timed(calls[t]) for _ in range(n)]}
             elif words[0] == "read" and engine == "floor":
                 reply = {"bytes_per_s": read_rate(int(words[1]))}
             elif words[0] == "dense" and engine == "floor":
