@@ -66,7 +66,11 @@ def variant_call(source: pathlib.Path, on_panels: bool = False):
     if cxx is None:
         sys.exit("no C++ compiler for --variant")
     target = pathlib.Path(tempfile.mkdtemp(prefix="expertd-variant-")) / "variant.so"
-    build.compile_library(cxx, target, sources=(source,))
+    # The kernel's sources name helpers defined in library.cc (the AMX probe): the variant's own copy
+    # where its folder has one, else the committed one.
+    library_cc = source.parent / "library.cc"
+    library_cc = library_cc if library_cc.exists() else build.CSRC_DIR / "library.cc"
+    build.compile_library(cxx, target, sources=(source, library_cc))
     symbol = "ExpertdGroupedMatmulPanels" if on_panels else "ExpertdGroupedMatmul"  # older sources lack the first
     build.register(target, {"expertd_grouped_matmul_variant": symbol})
 
