@@ -169,8 +169,9 @@ def prepare_params(params: MoEParams, cfg: MoEConfig, platform: str | None = Non
     available: the routed expert weights in its layout (`cpu.prepare_params`); "tokamax" on GPU:
     FP8 expert weights (`experts.Fp8BlockWeights`) with their codes held `[E, C, K]`
     (`experts.tokamax_weights`); otherwise `params` itself. `moe_layer` computes the same outputs
-    from either. `expert_weights` "int8": the routed expert weights quantised (`cpu.prepare_params`);
-    ValueError off CPU, where nothing reads them."""
+    from either. `expert_weights` "int8": the routed expert weights quantised (`cpu.prepare_params`;
+    FP8 ones straight from their codes, `cpu.int8.fp8_to_int8_panels`); ValueError off CPU, where
+    nothing reads them."""
     check_params(params, cfg)
     experts.check_backend(backend)
     platform = platform or jax.default_backend()
@@ -180,6 +181,9 @@ def prepare_params(params: MoEParams, cfg: MoEConfig, platform: str | None = Non
         return params.replace(**{n: experts.tokamax_weights(getattr(params, n), platform) for n in EXPERT_WEIGHTS})
     if platform != "cpu":
         return params
+    if expert_weights == "int8" and backend in cpu.PREPARING_BACKENDS:  # FP8 codes straight to INT8
+        params = params.replace(**{n: cpu.int8.fp8_to_int8_panels(w.codes, w.scales, w.block, w.transposed)
+                                   for n in EXPERT_WEIGHTS if experts.is_fp8(w := getattr(params, n))})
     return cpu.prepare_params(params, backend=backend, expert_weights=expert_weights)
 
 

@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 CSRC_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCE = CSRC_DIR / "grouped_matmul_cpu.cc"
 # One library: the grouped matmul, the dispatch passes (layout, combine), the host copy the
-# checkpoint loader transposes weights with, the library's C entry points, and their headers.
-SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc", CSRC_DIR / "library.cc")
+# checkpoint loader transposes weights with, FP8 codes to INT8 panels at load, the library's C entry
+# points, and their headers.
+SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc", CSRC_DIR / "fp8_int8.cc",
+           CSRC_DIR / "library.cc")
 HEADERS = tuple(sorted(CSRC_DIR.glob("*.h")))  # every one is in the build key
 TARGET = "expertd_grouped_matmul"
 # XLA FFI targets registered from the library: name -> exported handler symbol.
@@ -68,6 +70,7 @@ C_SIGNATURES = {
     "expertd_parallel_for_trace": (_I64, (ctypes.POINTER(_I64), _I64)),
     "expertd_strided_copy_2d": (ctypes.c_int, (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64)),
     "expertd_block_lookup": (ctypes.c_int, (_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64)),
+    "expertd_fp8_to_int8_panels": (_I64, (_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR)),
 }
 ISA_LEVELS = NATIVE_CPU_ISA_LEVELS  # csrc/simd.h Isa, lowest first (kernels/names.py, JAX-free)
 BUILD_TIMEOUT_S = 300

@@ -2,7 +2,8 @@
 
 1. Layers: the preset or checkpoint the config names (``load_layers``), in the serving dtype
    ``serving_dtype`` picks (``--dtype auto``: the checkpoint's; logged with its reason); on one GPU
-   a block-scaled FP8 checkpoint's routed experts stay FP8 (``keeps_fp8``).
+   a block-scaled FP8 checkpoint's routed experts stay FP8 (``keeps_fp8``), or on CPU with
+   ``--expert-weights int8`` become INT8 as they load (``converts_fp8_to_int8``).
 2. JAX's persistent compilation cache (``warmup.enable_compile_cache``).
 3. Mesh (``placement``): the devices given (default: all; an int n takes the first n) form a 1-D
    mesh with axis "ep"; more than one device runs the expert-parallel layer, each layer's experts
@@ -135,15 +136,31 @@ def keeps_fp8(model: ModelConfig, devices: Sequence) -> bool:
     return keeps_fp8_plan(plan_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers))
 
 
-def load_layers(config: ServerConfig, dtype: str | None = None, keep_fp8: bool = False) -> list[LoadedLayer]:
+def converts_fp8_to_int8(model: ModelConfig, devices: Sequence) -> bool:
+    """Whether the routed experts of ``model``'s checkpoint become INT8 weights as they load,
+    converted from their FP8 codes (never dequantised to ``--dtype``): ``--expert-weights int8``
+    where it is served (one CPU device in one process, panel weights, ``weights.int8_kernel_serves``)
+    on a block-scaled FP8 checkpoint (``checkpoint.keeps_fp8``)."""
+    if model.checkpoint is None or model.expert_weights != "int8" or not model.panel_weights:
+        return False
+    if len(devices) != 1 or devices[0].platform != "cpu" or jax.process_count() != 1:
+        return False
+    if not weights.int8_kernel_serves(model.backend):
+        return False
+    return keeps_fp8_plan(plan_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers))
+
+
+def load_layers(config: ServerConfig, dtype: str | None = None, keep_fp8: bool = False,
+                fp8_as_int8: bool = False) -> list[LoadedLayer]:
     """The LoadedLayers the config asks for, in ``dtype`` (default: ``serving_dtype``'s choice;
-    ``keep_fp8``: block-scaled FP8 routed experts as stored, see ``keeps_fp8``); ValueError naming
-    the option on bad input."""
+    ``keep_fp8``: block-scaled FP8 routed experts as stored, see ``keeps_fp8``; ``fp8_as_int8``:
+    converted to INT8 as they load, see ``converts_fp8_to_int8``); ValueError naming the option on
+    bad input."""
     model = config.model
     dtype = dtype or serving_dtype(model)[0]
     if model.checkpoint is not None:
         return load_checkpoint(model.checkpoint, layers=model.layers, num_layers=model.num_layers, dtype=dtype,
-                               keep_fp8=keep_fp8)
+                               keep_fp8=keep_fp8, fp8_as_int8=fp8_as_int8)
     return load_preset(model.preset or "tiny", num_layers=model.num_layers, layers=model.layers,
                        dtype=dtype, seed=model.seed)
 
@@ -154,10 +171,14 @@ def build_served(config: ServerConfig, layers: Sequence[LoadedLayer] | None = No
     cache = os.path.expanduser(config.compile_cache_dir) if config.compile_cache_dir else None
     dtype, why = serving_dtype(model)
     log.info("serving dtype %s (%s)", dtype, why)
-    keep = layers is None and keeps_fp8(model, pick_devices(model.num_devices))
+    devices = pick_devices(model.num_devices)
+    keep = layers is None and keeps_fp8(model, devices)
+    as_int8 = layers is None and converts_fp8_to_int8(model, devices)
     if keep:
         log.info("routed experts kept in FP8 as stored (block-scaled e4m3; the GPU's expert kernels read them)")
-    return build_engine(load_layers(config, dtype, keep) if layers is None else layers,
+    if as_int8:
+        log.info("routed experts converted from their FP8 codes to INT8 as they load (never dequantised)")
+    return build_engine(load_layers(config, dtype, keep, as_int8) if layers is None else layers,
                         buckets=config.batching.bucket_sizes,
                         dtype=dtype, devices=model.num_devices, backend=model.backend, compile_cache_dir=cache,
                         huge_pages=model.huge_pages, panel_weights=model.panel_weights,

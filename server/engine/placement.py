@@ -104,8 +104,9 @@ class MeshPlacement:
             # Generated on device (never on the host), then moved to the mesh's device if needed.
             placed = {name: jax.device_put(params.generate(name, dtype=target_dtype(name)), self.replicated)
                       for name in params}
-        else:  # FP8 expert weights (a checkpoint's, kept on a GPU) go as they are: codes and scales
-            placed = {name: jax.tree.map(self.put, value) if experts.is_fp8(value)
+        else:  # structured expert weights go as they are, leaf by leaf: FP8 codes and scales (kept on a
+            # GPU), INT8 weights converted from them as they loaded (on CPU)
+            placed = {name: jax.tree.map(self.put, value) if _structured(value)
                       else self.put(np.asarray(value).astype(target_dtype(name), copy=False))
                       for name, value in params.items()}
         return MoEParams.from_dict(placed, layer.cfg)
@@ -114,9 +115,12 @@ class MeshPlacement:
         return NamedSharding(self.mesh, P(AXIS) if name in EXPERT_FIELDS else P())
 
     def put(self, array: np.ndarray) -> jax.Array:
-        """A host array replicated over the mesh."""
+        """A host array replicated over the mesh. On one CPU device in one process, the array itself
+        where it is aligned for JAX (the loader's huge-page mappings are): used in place, not copied
+        (a copy of a GB-sized weight runs at about 1 GB/s, and would drop its huge pages)."""
         if jax.process_count() == 1:
-            return jax.device_put(array, self.replicated)
+            alias = len(self.devices) == 1 and self.devices[0].platform == "cpu"
+            return jax.device_put(array, self.replicated, may_alias=True if alias else None)
         return jax.make_array_from_callback(array.shape, self.replicated, lambda index: array[index])
 
     def step_input(self, array: np.ndarray):
@@ -151,3 +155,8 @@ def split_over_ep(value) -> bool:
         if spec and spec[0] == AXIS:
             return True
     return False
+
+
+def _structured(value) -> bool:
+    """Whether a param is a pytree of arrays (FP8 or INT8 expert weights) rather than one array."""
+    return not isinstance(value, (np.ndarray, jax.Array))

@@ -62,7 +62,7 @@ def prepare(layers: Sequence[LoadedLayer], placement: MeshPlacement, dtype, *, b
     if not layers:
         raise ValueError("layers: the engine needs at least one layer")
     if expert_weights != "dtype" and not (panel_weights and native_cpu_runs_every_forward(placement)
-                                          and backend in cpu.PREPARING_BACKENDS and cpu.available()):
+                                          and int8_kernel_serves(backend)):
         raise ValueError(f"--expert-weights {expert_weights} is served by the native CPU kernel: one CPU process, "
                          "no expert parallelism, --backend auto or native_cpu, panel weights, the kernel built "
                          f"({cpu.unavailable_reason() or 'it is'})")
@@ -85,6 +85,13 @@ def prepare(layers: Sequence[LoadedLayer], placement: MeshPlacement, dtype, *, b
              cpu.numa.summary(cpu.numa.plan_placement(cpu.numa.read_topology(), placed[0].cfg.intermediate_size)))
     native = {name: status[name] for name in ("available", "reason", "isa", "amx")}
     return PreparedWeights(placed, status["weight_layout"], status["panel_columns"], native, status["expert_weights"])
+
+
+def int8_kernel_serves(backend: str) -> bool:
+    """Whether ``backend`` runs INT8 expert weights through the native CPU kernel, built here
+    (``--expert-weights int8`` also needs one CPU process without expert parallelism and panel
+    weights)."""
+    return backend in cpu.PREPARING_BACKENDS and cpu.available()
 
 
 def native_cpu_runs_every_forward(placement: MeshPlacement) -> bool:

@@ -20,7 +20,9 @@ Two steps, both through the model registry (`expertd.server.models`):
 
 Every problem raises `CheckpointError` (a ValueError) naming the file, tensor, layer or key.
 With `keep_fp8` (the engine asks for it on a GPU, `keeps_fp8(plan)`), step 2 keeps block-scaled
-FP8 routed experts as stored (codes and scales, `quant.fp8_blocks`) instead of dequantising them.
+FP8 routed experts as stored (codes and scales, `quant.fp8_blocks`) instead of dequantising them;
+with `fp8_as_int8` (the engine asks for it on CPU with `--expert-weights int8`) it converts them
+to INT8 weights as it reads them.
 """
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ def plan_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_laye
 
 def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_layers: int | None = None,
                     dtype: str | None = None, workers: int = DEFAULT_WORKERS,
-                    keep_fp8: bool = False) -> list[LoadedLayer]:
+                    keep_fp8: bool = False, fp8_as_int8: bool = False) -> list[LoadedLayer]:
     """The MoE layers of the checkpoint at `path` (see the module docstring, step 2).
 
     layers / num_layers: as `plan_checkpoint`. dtype: the expert weights' dtype, "float32" /
@@ -164,6 +166,9 @@ def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_laye
     keep_fp8: routed experts stored as block-scaled FP8 stay FP8 (`experts.Fp8BlockWeights` of
     host arrays: the codes as stored, transposed into expertd's layouts, and fp32 block scales) for
     the GPU's kernels that read them (`keeps_fp8`); other layers load as without it.
+    fp8_as_int8: those routed experts become INT8 weights of the native CPU kernel instead, each
+    expert converted from its stored codes as it is read (`--expert-weights int8` on CPU; the
+    params are then `cpu.int8` PanelWeights, not arrays); other layers load as without it.
     Returns a LoadedLayer per layer in index order, params as numpy arrays in expertd's layouts.
     """
     plan = plan_checkpoint(path, layers=layers, num_layers=num_layers, dtype=dtype or dtypes.AUTO)
@@ -172,7 +177,7 @@ def load_checkpoint(path, *, layers: Sequence[int] | str | None = None, num_laye
     with _open(plan.path) as stored:
         return [LoadedLayer(layer.index, layer.cfg,
                             load_layer(stored, layer.cfg, layer.tensors, plan.scheme, out_dtype, where, workers,
-                                       keep_fp8=keep_fp8),
+                                       keep_fp8=keep_fp8, fp8_as_int8=fp8_as_int8),
                             source=str(plan.path)) for layer in plan.layers]
 
 

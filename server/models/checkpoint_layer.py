@@ -10,7 +10,8 @@ family's tensor names (`models.family.LayerTensors`):
   tid2eid [V, k] int32                 a hash-routed layer's table (stored any int dtype; every
                                        entry checked to be an expert id in [0, E))
   w_gate, w_up [E, H, I], w_down [E, I, H]   out_dtype, one expert at a time on `workers` threads
-                                       (`keep_fp8`: block-scaled FP8 experts as stored, Fp8BlockWeights)
+                                       (`keep_fp8`: block-scaled FP8 experts as stored, Fp8BlockWeights;
+                                       `fp8_as_int8`: INT8 weights converted from them, cpu.int8)
   b_gate, b_up [E, I], b_down [E, H]   out_dtype; gate / up split from `gate_up [E, 2I]` (halves
                                        or interleaved columns, as the weight's)
   router_input_scale [H] fp32          Gemma 4's router.scale * H**-0.5
@@ -22,7 +23,6 @@ Problems raise `CheckpointError` naming the tensor.
 """
 from __future__ import annotations
 
-import mmap
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,9 +32,8 @@ from expertd.kernels import cpu, experts
 from expertd.kernels.config import MoEConfig
 from expertd.server.models import quant
 from expertd.server.models.family import LayerTensors
+from expertd.server.models.host_arrays import copy_into, copy_new, host_empty
 from expertd.server.models.stored import StoredError, StoredTensors
-
-HUGE_ALLOCATION = 16 << 20  # outputs at least this large get their own huge-page mapping
 
 
 class CheckpointError(ValueError):
@@ -153,37 +152,41 @@ class _ExpertSlice(Mapping):
 
 
 def load_layer(stored: StoredTensors, cfg: MoEConfig, names: LayerTensors, scheme, out_dtype, where: str,
-               workers: int, keep_fp8: bool = False) -> dict:
+               workers: int, keep_fp8: bool = False, fp8_as_int8: bool = False) -> dict:
     """The params of one layer (see the module docstring). `keep_fp8`: routed experts stored as
     block-scaled FP8 stay so, as `experts.Fp8BlockWeights` of host arrays (codes `[E, H, I]` /
-    `[E, I, H]` e4m3, fp32 block scales); a layer whose experts are not all stored so is loaded
-    dense as without it."""
+    `[E, I, H]` e4m3, fp32 block scales). `fp8_as_int8`: they become the native CPU kernel's INT8
+    weights instead, each expert converted from its stored codes as it is read
+    (`cpu.int8.Int8FromFp8`: never dense, never copied as FP8). Either way a layer whose experts
+    are not all stored so is loaded dense as without it."""
     e, h = cfg.num_experts, cfg.hidden_size
     reader = _Reader(stored, scheme, out_dtype, where)
-    params = {"router_weight": _copy(reader.dense(names.router, (e, h), dtype=np.float32).T, np.float32)}
+    params = {"router_weight": copy_new(reader.dense(names.router, (e, h), dtype=np.float32).T, np.float32)}
     if cfg.use_expert_bias:
         params["expert_bias"] = np.array(reader.dense(names.bias, (e,), dtype=np.float32), np.float32).reshape(e)
     try:
-        routed = _routed_experts(stored, cfg, names, scheme, out_dtype, where, workers, keep_fp8)
+        routed = _routed_experts(stored, cfg, names, scheme, out_dtype, where, workers, keep_fp8 or fp8_as_int8,
+                                 fp8_as_int8)
     except NotKept:
         routed = _routed_experts(stored, cfg, names, scheme, out_dtype, where, workers, False)
     params.update(routed)
     if cfg.has_shared:
         s, shared = cfg.shared_intermediate_size, names.shared
-        params["shared_w_gate"] = _copy(reader.dense(shared.gate, (s, h)).T, out_dtype)
-        params["shared_w_up"] = _copy(reader.dense(shared.up, (s, h)).T, out_dtype)
-        params["shared_w_down"] = _copy(reader.dense(shared.down, (h, s)).T, out_dtype)
+        params["shared_w_gate"] = copy_new(reader.dense(shared.gate, (s, h)).T, out_dtype)
+        params["shared_w_up"] = copy_new(reader.dense(shared.up, (s, h)).T, out_dtype)
+        params["shared_w_down"] = copy_new(reader.dense(shared.down, (h, s)).T, out_dtype)
         if cfg.shared_expert_gate:
-            params["shared_gate"] = _copy(reader.dense(shared.gate_weight, (1, h)).T, out_dtype)
+            params["shared_gate"] = copy_new(reader.dense(shared.gate_weight, (1, h)).T, out_dtype)
     params.update(_semantic_params(reader, cfg, names, out_dtype))
     reader.release()
     return params
 
 
 def _routed_experts(stored, cfg: MoEConfig, names: LayerTensors, scheme, out_dtype, where: str, workers: int,
-                    keep_fp8: bool) -> dict:
-    """w_gate, w_up, w_down: dense in out_dtype, or with `keep_fp8` Fp8BlockWeights (NotKept
-    where an expert weight is not block-scaled FP8)."""
+                    keep_fp8: bool, as_int8: bool = False) -> dict:
+    """w_gate, w_up, w_down: dense in out_dtype, or with `keep_fp8` Fp8BlockWeights, or with
+    `as_int8` too INT8 panels converted from the codes (NotKept where an expert weight is not
+    block-scaled FP8)."""
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     shapes = ((e, h, i), (e, h, i), (e, i, h))
     if keep_fp8:
@@ -191,6 +194,9 @@ def _routed_experts(stored, cfg: MoEConfig, names: LayerTensors, scheme, out_dty
         block = first[0].block
         if any(w.block != block for w in first):
             raise NotKept("the projections' FP8 blocks differ")
+    if as_int8:
+        outs = [cpu.int8.Int8FromFp8(*shape, block, empty=host_empty) for shape in shapes]
+    elif keep_fp8:
         outs = [(host_empty(shape, quant.codecs.E4M3), np.empty((e, -(-shape[1] // block), -(-shape[2] // block)),
                                                                   np.float32)) for shape in shapes]
     else:
@@ -199,9 +205,14 @@ def _routed_experts(stored, cfg: MoEConfig, names: LayerTensors, scheme, out_dty
     def load_expert(j: int) -> None:  # the host holds the outputs plus one expert's tensors per worker
         expert_reader = _Reader(stored, scheme, out_dtype, where, keep_fp8=keep_fp8)
         for out, weight in zip(outs, names.experts.expert(expert_reader, j, e, h, i)):
-            if keep_fp8:
-                if weight.block != block:
-                    raise NotKept("the experts' FP8 blocks differ")
+            if keep_fp8 and weight.block != block:
+                raise NotKept("the experts' FP8 blocks differ")
+            if as_int8:  # the stored [out, in] codes, read once (no GIL held)
+                try:
+                    out.add(j, weight.codes.T, weight.scales)
+                except ValueError as exc:
+                    raise CheckpointError(f"{where}: {exc}") from exc
+            elif keep_fp8:
                 out[0][j] = weight.codes  # 1-byte codes: numpy's strided copy
                 out[1][j] = weight.scales
             else:
@@ -214,7 +225,9 @@ def _routed_experts(stored, cfg: MoEConfig, names: LayerTensors, scheme, out_dty
     else:
         for j in range(e):
             load_expert(j)
-    if keep_fp8:
+    if as_int8:
+        outs = [out.weights() for out in outs]
+    elif keep_fp8:
         outs = [experts.Fp8BlockWeights(codes, scales, block) for codes, scales in outs]
     return dict(zip(("w_gate", "w_up", "w_down"), outs))
 
@@ -235,8 +248,8 @@ def _semantic_params(reader: _Reader, cfg: MoEConfig, names: LayerTensors, out_d
         gate_up = reader.dense(names.proj_bias.gate_up, (e, 2 * i))
         gate, up = (gate_up[:, 0::2], gate_up[:, 1::2]) if names.proj_bias.interleaved else \
             (gate_up[:, :i], gate_up[:, i:])
-        out.update(b_gate=_copy(gate, out_dtype), b_up=_copy(up, out_dtype),
-                   b_down=_copy(reader.dense(names.proj_bias.down, (e, h)), out_dtype))
+        out.update(b_gate=copy_new(gate, out_dtype), b_up=copy_new(up, out_dtype),
+                   b_down=copy_new(reader.dense(names.proj_bias.down, (e, h)), out_dtype))
     if cfg.router_input_norm:
         scale = vector(names.norms.router_scale, h)
         out["router_input_scale"] = (scale * np.float32(h ** -0.5)).astype(np.float32)
@@ -265,33 +278,3 @@ def _hash_table(reader: _Reader, name: str, shape: tuple[int, int], num_experts:
                               f"expert id in [0, {num_experts})")
     reader.touched.append((name, None, 1))
     return table.astype(np.int32)
-
-
-def host_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised array; a large one in its own anonymous mapping marked MADV_HUGEPAGE, so
-    writing it faults in 2 MiB pages rather than 4 KiB ones (where THP is in "madvise" mode)."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape))
-    if count * dtype.itemsize < HUGE_ALLOCATION or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
-    buffer = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(buffer, dtype, count).reshape(shape)
-
-
-def _copy(array, dtype) -> np.ndarray:
-    out = np.empty(array.shape, dtype)
-    copy_into(out, array)
-    return out
-
-
-def copy_into(out: np.ndarray, src: np.ndarray) -> None:
-    """`out[...] = src` for 2-D arrays of any strides (a transposed view), cast to out's dtype:
-    equal dtypes by `expertd.kernels.cpu.copy_2d` (cache-blocked register transposes where the
-    native CPU library is built), a cast by its numpy path (cache blocks)."""
-    if src.ndim != 2 or src.flags.c_contiguous:
-        out[...] = src
-    elif src.dtype == out.dtype:
-        cpu.copy_2d(out, src)
-    else:
-        cpu.copy_2d_numpy(out, src)

@@ -5,7 +5,8 @@ config.json and the safetensors headers only (no weights, no JAX computation): f
 MoE layers, per-layer shapes (E, k, H, I, shared), router settings and activation, the tensor
 layout found, quantisation (method, scale format, modules left unquantised), the serving dtype and
 why, what the routed experts are served as (`expert_weights`: the serving dtype, or "int8" as
-`serve --expert-weights int8` quantises them at load on CPU), the host memory of the served
+`serve --expert-weights int8` quantises them at load on CPU; `int8_from_fp8`: straight from a
+block-scaled FP8 checkpoint's codes), the host memory of the served
 weights, and either `servable: true` or the refusal `serve` would print. `format_report` renders
 it for people; `--json` prints the dict.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from expertd.kernels.config import MoEConfig
 from expertd.server import models
 from expertd.server.models import quant
-from expertd.server.models.checkpoint import plan_checkpoint
+from expertd.server.models.checkpoint import keeps_fp8, plan_checkpoint
 from expertd.server.models.presets import describe_indices
 from expertd.server.models.stored import files_bytes
 
@@ -64,7 +65,8 @@ def inspect_checkpoint(path, *, layers=None, dtype: str = "auto", expert_weights
             served_bytes -= e * (3 * h * i * (itemsize - 1) - (2 * i + h) * 4)
     report.update(servable=True, stored_dtype=plan.stored_dtype, dtype=plan.dtype, dtype_reason=plan.dtype_reason,
                   served_bytes=served_bytes, served_layers=[layer.index for layer in plan.layers],
-                  expert_weights="int8" if expert_weights == "int8" else plan.dtype)
+                  expert_weights="int8" if expert_weights == "int8" else plan.dtype,
+                  int8_from_fp8=expert_weights == "int8" and keeps_fp8(plan))
     return report
 
 
@@ -173,7 +175,9 @@ def format_report(report: dict) -> str:
         lines.append(f"dtype        {report['dtype']} ({report['dtype_reason']}; experts stored as "
                      f"{report['stored_dtype']})")
         if report.get("expert_weights") == "int8":
-            lines.append("experts      served as INT8 (--expert-weights int8: quantised at load, a scale per output "
+            source = "converted from the FP8 codes as they load" if report.get("int8_from_fp8") else \
+                "quantised at load"
+            lines.append(f"experts      served as INT8 (--expert-weights int8: {source}, a scale per output "
                          f"channel, activations {report['dtype']}; CPU with the native kernel)")
         files = _size(report["checkpoint_bytes"])
         lines.append(f"memory       {_size(report['served_bytes'])} of served weights for "

@@ -20,7 +20,7 @@ from expertd.server.models.checkpoint import (
     plan_checkpoint,
     read_config,
 )
-from expertd.server.models.checkpoint_layer import copy_into, host_empty
+from expertd.server.models.host_arrays import copy_into, host_empty
 from expertd.server.models.stored import StoredTensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
