@@ -25,7 +25,7 @@ Cold means: the files' pages are evicted from the page cache before each run wit
 `posix_fadvise(POSIX_FADV_DONTNEED)` after an `fsync` (clean pages are dropped; a page another
 process maps stays). The table says whether eviction was possible. `--warm` also runs both warm.
 
-Run: `.venv/bin/python benchmarks/load.py [--quick] [--experts N] [--rounds N] [--dir DIR] [--workers N]`
+Run: `.venv/bin/python benchmarks/load.py [--quick] [--experts N] [--rounds N] [--dir DIR] [--workers N] [--out F]`
   --quick: 4 experts (about 0.4 GB bf16) to prove the script works; the full run writes about
   34 GB (22.6 GB bf16 + 11.3 GB FP8) and needs as much free disk and ~24 GB of memory for the bf16
   load. Writes benchmarks/results/load.json (load_quick.json with --quick).
@@ -224,6 +224,8 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="also time warm (cached) read and load")
     parser.add_argument("--rounds", type=int, default=3, help="cold read-and-load rounds, formats alternating "
                         "(default 3; the table gives each and the range)")
+    parser.add_argument("--out", default=None, help="the JSON to write (default results/load.json, "
+                        "load_quick.json with --quick)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--as-int8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--touch", type=int, default=None, help=argparse.SUPPRESS)
@@ -267,7 +269,8 @@ def main() -> None:
     result = {"benchmark": "load", "date": harness.machine.now(),
               "machine": harness.machine.summary(with_processor=True), "workers": workers, "quick": args.quick,
               "shape": {"experts": experts, "hidden": H, "intermediate": I, "block": BLOCK}, "rows": rows}
-    harness.write_json(RESULTS / ("load_quick.json" if args.quick else "load.json"), result, indent=2)
+    out = args.out or RESULTS / ("load_quick.json" if args.quick else "load.json")
+    harness.write_json(out, result, indent=2)
 
 
 if __name__ == "__main__":
