@@ -18,8 +18,9 @@ int8 and widened to fp32 in the kernel's registers; activations stay in the serv
   fp8_to_int8_panels(codes, scales, block, transposed=False, columns=None) -> PanelWeights: block-
       scaled FP8 expert weights (`experts.Fp8BlockWeights`' fields: codes e4m3 [E, K, C], or [E, C, K]
       when `transposed`, as a checkpoint stores them; fp32 scales [E, ceil(K / block), ceil(C / block)],
-      w = code * scale) straight to INT8 panels: the result is `to_int8_panels` of the weights
-      dequantised exactly in fp32 (not through bf16), without that dense copy: each expert in one
+      w = code * scale) straight to INT8 panels: the result is `quantize_reference` (the twin of
+      `to_int8_panels`' quantiser: equal but at exact ties) of the weights dequantised exactly in
+      fp32 (not through bf16), laid out as panels, without that dense copy: each expert in one
       pass of the native library (csrc/fp8_int8.cc: the arithmetic and the rules it relies on) on a
       thread per CPU, or of numpy without it. ValueError naming the expert for NaN codes.
   fp8_to_int8_reference(codes, scales, block, transposed=False) -> (q int8 [E, K, C], scales fp32
@@ -203,9 +204,10 @@ def _device_array(array: np.ndarray) -> jax.Array:
 def fp8_to_int8_panels(codes, scales, block: int, transposed: bool = False, columns: int | None = None
                        ) -> panels.PanelWeights:
     """Block-scaled FP8 expert weights -> INT8 panels of `columns` (default `panels.panel_columns()`)
-    with their per-column scales, equal to `to_int8_panels` of the exactly dequantised weights (module
-    docstring). `codes` e4m3 (or its uint8 bits) `[E, K, C]`, `[E, C, K]` when `transposed`;
-    `scales` fp32 `[E, ceil(K / block), ceil(C / block)]`. Experts convert on a thread per CPU.
+    with their per-column scales: `quantize_reference` of the exactly dequantised weights, laid out
+    as `to_int8_panels` lays out its result (module docstring). `codes` e4m3 (or its uint8 bits)
+    `[E, K, C]`, `[E, C, K]` when `transposed`; `scales` fp32 `[E, ceil(K / block), ceil(C / block)]`.
+    Experts convert on a thread per CPU.
     ValueError naming the argument for shapes that disagree, naming the expert for NaN codes."""
     codes = np.asarray(codes)
     if codes.ndim != 3 or codes.dtype.itemsize != 1:
