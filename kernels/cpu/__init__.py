@@ -19,7 +19,8 @@ What the rest of expertd may use is imported here; the modules behind it:
             topologies, reported at start-up, not yet applied (XLA's intra-op pool, which runs
             the kernel, cannot be pinned per node)
   int8      INT8 expert weights (W8A16): quantize with its numpy twin, to_int8_panels (int8 panels
-            with per-output-column scales, which grouped_matmul reads), the matmul's numpy reference
+            with per-output-column scales, which grouped_matmul reads), the matmul's numpy reference;
+            Int8FromFp8 / fp8_to_int8_panels: block-scaled FP8 codes straight to those panels
   host_copy copy_2d: a 2-D copy from a strided (transposed) view, the checkpoint loader's transpose;
             block_lookup: 8-bit codes decoded through per-block tables (FP8 block-scaled weights)
   policy    which backend "auto" runs on CPU and the XLA:CPU options it compiles with

@@ -10,9 +10,9 @@
 //   q[k, c]  = clip(round_half_even(w[k, c] / scale[c]), -127, 127), 0 where scale[c] is 0
 // so the result equals int8.quantize_reference(dequantised fp32 weights) bit for bit. The column
 // maximum is found on the codes' magnitude bits (e4m3fn magnitudes order as their bits, and a
-// product with a positive scale keeps that order), a byte maximum per block. The AVX2 path decodes
-// codes exactly with integer operations (every e4m3 value is an integer times 2^-9) and writes the
-// panels through 16 x 16 byte transposes; the portable path is the same arithmetic per element.
+// product with a positive scale keeps that order), a byte maximum per block. The AVX2 path (with
+// F16C) decodes 16 codes at a time exactly through fp16 (Decode16) and writes the panels through
+// 16 x 16 byte transposes; the portable path is the same arithmetic per element.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -244,7 +244,7 @@ __attribute__((target("avx2,f16c"))) int64_t ConvertAvx2(const Fp8Expert& x) {
 // weight), block_scales fp32 [ceil(k_dim / block)][ceil(c_dim / block)] (w = code * scale),
 // panels int8 [ceil(c_dim / panel_cols)][k_dim][panel_cols] (every byte written, padding columns
 // 0), col_scales fp32 [c_dim]. The AVX2 path where the kernels run AVX2 or above (CpuIsa, under the
-// cap and `diagnostics.limit_isa`), else the portable one: the same bits.
+// cap and `diagnostics.limit_isa`) and the CPU has F16C, else the portable one: the same bits.
 // Returns the number of NaN codes (their columns' scales leave them out, their q is meaningless),
 // or -1 for arguments out of range (sizes below 1, a stride below k_dim, a panel width not 16 / 64).
 extern "C" int64_t expertd_fp8_to_int8_panels(const uint8_t* codes, int64_t c_dim, int64_t k_dim,
@@ -256,5 +256,6 @@ extern "C" int64_t expertd_fp8_to_int8_panels(const uint8_t* codes, int64_t c_di
   if (padded > c_dim) {  // the last panel's columns past c_dim
     for (int64_t k = 0; k < k_dim; ++k) std::memset(x.PanelRow(c_dim, k), 0, padded - c_dim);
   }
-  return expertd::HasAvx2() ? expertd::ConvertAvx2(x) : expertd::ConvertScalar(x);
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  return expertd::HasAvx2() && f16c ? expertd::ConvertAvx2(x) : expertd::ConvertScalar(x);
 }
