@@ -11,8 +11,10 @@ What the rest of expertd may use is imported here; the modules behind it:
             cap, passed in explicitly (the server's config reads its flags and calls configure
             once, before the first use); available(), unavailable_reason(); ISA_LEVELS
   library   isa(): the instruction-set level the kernels run at
-  ffi       grouped_matmul, layout, combine: the custom calls, with grouped_matmul_reference
-            beside them (layout's and combine's twins are dispatch.layout / dispatch.unpermute)
+  ffi       grouped_matmul, grouped_glu (gate, up and the gated activation in one call; fuses(),
+            FUSED_ACTIVATIONS), layout, combine: the custom calls, with grouped_matmul_reference and
+            grouped_glu_reference beside them (layout's and combine's twins are dispatch.layout /
+            dispatch.unpermute)
   panels    the panel-major weight layout (PanelWeights, to_panels, panel_columns, PANEL_WIDTHS)
   numa      the NUMA placement plan: nodes from sysfs, each node's share of every expert's
             intermediate columns, summary, thread pinning and mbind; tested against faked
@@ -41,7 +43,16 @@ a panel is: prepared weights are not arrays, and the other backends read them th
 """
 from expertd.kernels.cpu import int8, numa
 from expertd.kernels.cpu.build import ISA_LEVELS, BuildOptions, available, configure, unavailable_reason
-from expertd.kernels.cpu.ffi import combine, grouped_matmul, grouped_matmul_reference, layout
+from expertd.kernels.cpu.ffi import (
+    FUSED_ACTIVATIONS,
+    combine,
+    fuses,
+    grouped_glu,
+    grouped_glu_reference,
+    grouped_matmul,
+    grouped_matmul_reference,
+    layout,
+)
 from expertd.kernels.cpu.host_copy import (
     block_lookup,
     block_lookup_reference,
@@ -63,10 +74,10 @@ from expertd.kernels.cpu.panels import PANEL_WIDTHS, PanelWeights, panel_columns
 from expertd.kernels.cpu.policy import choose_backend, compiler_options
 
 __all__ = [
-    "AMX_ORDERS", "BuildOptions", "EXPERT_WEIGHTS_CHOICES", "ISA_LEVELS", "PANEL_WIDTHS", "PREPARING_BACKENDS",
-    "PanelWeights",
-    "amx", "available", "block_lookup", "block_lookup_reference", "choose_backend", "combine", "compiler_options",
-    "configure", "copy_2d", "copy_2d_numpy", "copy_2d_reference", "dense_weights", "describe", "grouped_ffn",
-    "grouped_matmul", "grouped_matmul_reference", "int8", "isa", "layout", "numa", "panel_columns", "prepare_params",
-    "routed_experts", "to_panels", "unavailable_reason",
+    "AMX_ORDERS", "BuildOptions", "EXPERT_WEIGHTS_CHOICES", "FUSED_ACTIVATIONS", "ISA_LEVELS", "PANEL_WIDTHS",
+    "PREPARING_BACKENDS", "PanelWeights", "amx", "available", "block_lookup", "block_lookup_reference",
+    "choose_backend", "combine", "compiler_options", "configure", "copy_2d", "copy_2d_numpy", "copy_2d_reference",
+    "dense_weights", "describe", "fuses", "grouped_ffn", "grouped_glu", "grouped_glu_reference", "grouped_matmul",
+    "grouped_matmul_reference", "int8", "isa", "layout", "numa", "panel_columns", "prepare_params", "routed_experts",
+    "to_panels", "unavailable_reason",
 ]

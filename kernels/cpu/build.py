@@ -37,11 +37,11 @@ log = logging.getLogger(__name__)
 
 CSRC_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCE = CSRC_DIR / "grouped_matmul_cpu.cc"
-# One library: the grouped matmul, the dispatch passes (layout, combine), the host copy the
-# checkpoint loader transposes weights with, FP8 codes to INT8 panels at load, the library's C entry
-# points, and their headers.
-SOURCES = (SOURCE, CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc", CSRC_DIR / "fp8_int8.cc",
-           CSRC_DIR / "library.cc")
+# One library: the grouped matmul, the fused gate / up call, the dispatch passes (layout, combine),
+# the host copy the checkpoint loader transposes weights with, FP8 codes to INT8 panels at load, the
+# library's C entry points, and their headers.
+SOURCES = (SOURCE, CSRC_DIR / "grouped_glu_cpu.cc", CSRC_DIR / "dispatch_cpu.cc", CSRC_DIR / "host_copy.cc",
+           CSRC_DIR / "fp8_int8.cc", CSRC_DIR / "library.cc")
 HEADERS = tuple(sorted(CSRC_DIR.glob("*.h")))  # every one is in the build key
 TARGET = "expertd_grouped_matmul"
 # XLA FFI targets registered from the library: name -> exported handler symbol.
@@ -51,6 +51,7 @@ TARGETS = {TARGET: "ExpertdGroupedMatmul",
            "expertd_grouped_matmul_panels_gathered": "ExpertdGroupedMatmulPanelsGathered",
            "expertd_grouped_matmul_int8": "ExpertdGroupedMatmulInt8",
            "expertd_grouped_matmul_int8_gathered": "ExpertdGroupedMatmulInt8Gathered",
+           "expertd_grouped_glu": "ExpertdGroupedGlu",
            "expertd_dispatch_layout": "ExpertdDispatchLayout",
            "expertd_combine": "ExpertdCombine"}
 # -ffp-contract=off: the combine rounds its products and sums separately, as XLA's does (the matmul

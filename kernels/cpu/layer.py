@@ -3,10 +3,12 @@ the weights prepared once after loading, and what a server reports about it.
 
   grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", source=None, biases=None)
       -> [N, H]
-      The "native_cpu" grouped-FFN backend (the contract of `expertd.kernels.ffn`): one
-      `ffi.grouped_matmul` per projection, fp32 accumulation. Weights row-major or prepared. The
-      C++ kernel computes the projections; the gated activation (`ffn.GatedActivation`: clamps,
-      gpt-oss's variant) and the biases run in XLA around it, as the plain SwiGLU product does.
+      The "native_cpu" grouped-FFN backend (the contract of `expertd.kernels.ffn`): fp32
+      accumulation, weights row-major or prepared. Gate, up, their biases and the gated activation
+      in one `ffi.grouped_glu` call where it computes the activation (`ffi.fuses`: silu,
+      gelu_tanh, swiglu_oai with their clamps; h rounded to bf16 or kept fp32), then the down
+      projection (`ffi.grouped_matmul`) and its bias. Otherwise (gelu with erf, other dtypes) one
+      `ffi.grouped_matmul` per projection with the activation and biases in XLA between them.
   routed_experts(params, x, ids, weights, valid, cfg) -> (fp32 [T, H], dispatch.Permutation)
       `moe.moe_layer`'s routed part with backend "native_cpu": the dispatch in C++ too. With
       cfg.router_weight_on_input (Llama 4) the weighted rows are gathered in XLA first.
@@ -56,6 +58,14 @@ def grouped_ffn(xs, group_sizes, w_gate, w_up, w_down, *, activation="silu", sou
     check_ffn_args(xs, group_sizes, w_gate, w_up, w_down, biases)
     glu = as_gated_activation(activation)
     x32 = xs.astype(jnp.float32)
+    if ffi.fuses(glu, xs.dtype):  # gate, up and the activation in one call; h never leaves it unrounded
+        gate_up_biases = None if biases is None else (biases.gate, biases.up)
+        h = ffi.grouped_glu(x32, group_sizes, w_gate, w_up, glu, source=source, biases=gate_up_biases,
+                            round_to=xs.dtype)
+        y = ffi.grouped_matmul(h, group_sizes, w_down)
+        if biases is not None:
+            y = y + row_biases(biases, *row_experts(group_sizes, y.shape[0])).down
+        return y.astype(xs.dtype)
     g = ffi.grouped_matmul(x32, group_sizes, w_gate, source=source)
     u = ffi.grouped_matmul(x32, group_sizes, w_up, source=source)
     rb = None

@@ -25,6 +25,12 @@
 //   y[r, :] = x[source[r], :] @ w[e(r)]   x f32 [T, K], source s32 [N]; a source outside [0, T)
 //   (a pad row) reads as zeros.
 //
+// ExpertdGroupedGlu is the layer's first half in one call: per item its block of the gate
+// projection into h, the same block of the up projection (the same path, the same bits as the
+// grouped matmul's) into a buffer of the item's thread, then the gated activation over both into h
+// (gated_activation.h), so the gate / up pair is never written to memory:
+//   h[r, :] = glu(x[source[r]] @ w_gate[e(r)] (+ b_gate[e(r)]), x[source[r]] @ w_up[e(r)] (+ b_up[e(r)]))
+//
 // Why it exists: XLA:CPU's small-M dots copy each expert's weight slice (and widen bf16 weights to
 // fp32) into fresh buffers before multiplying, so a decode batch moves several times the weight
 // bytes; here the weights are read in place, and many rows per expert run a packed GEMM
@@ -53,17 +59,22 @@
 // - CPUs without AVX2 / FMA: BlockScalar (expert_weights.h); on the others it computes the column
 //   tail past the last 16-column chunk of the AVX2 paths.
 //
-// This file holds the work split (items, ParallelFor), the choice of path per item, and the XLA FFI
-// handlers with their shape checks; the library's C entry points are in library.cc.
+// This file holds the work split (items, ParallelFor), the choice of path per item, the shape
+// checks, and the XLA FFI handlers but the fused one's (grouped_glu_cpu.cc, through
+// grouped_matmul_entry.h); the library's C entry points are in library.cc.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "amx_tiles.h"
 #include "expert_weights.h"
+#include "gated_activation.h"
+#include "grouped_matmul_entry.h"
 #include "grouped_matmul_paths.h"
 #include "packed_avx2.h"
 #include "panel_layout.h"
@@ -107,21 +118,34 @@ void ScaleColumns(int64_t rows, int64_t c0, int64_t c1, int64_t c_dim, const flo
   }
 }
 
+// An item's rows as the bf16 dot products read them (AMX tiles' A rows, the AVX-512 dot product's
+// pair rows), each made on first use: the fused call's two projections of one item convert x once.
+// The buffers are the item's thread's (amx::AmxRows, avx512::PairRows), and the item's calls run
+// back to back on it.
+struct RowOperands {
+  const uint32_t* amx = nullptr;  // nullptr: a value is not exact in bf16 (or not made yet)
+  int64_t amx_stride = 0;
+  bool amx_made = false;
+  const uint32_t* const* pairs = nullptr;
+  bool pairs_made = false;
+};
+
 // `scales`: the expert's C column scales for int8 weights (nullptr for fp32 / bf16).
 template <typename W>
 __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_t rows,
                                                    const ExpertWeights<W>& w, int64_t c0, int64_t c1,
-                                                   float* y, const float* scales) {
+                                                   float* y, const float* scales, RowOperands& ops) {
   // bf16 panels times bf16-valued rows of kAmxMinRows or more on AMX tiles (amx_tiles.h), where the
   // CPU runs them (Isa::kAmxBf16) or the tests run the tiles' software model.
   if constexpr (ExpertWeights<W>::kBf16) {
     const int emulated = expertd::amx::EmulatedOrder().load(std::memory_order_relaxed);
     if (w.Panels() && rows >= expertd::amx::kAmxMinRows && (emulated || expertd::CpuIsa() >= expertd::Isa::kAmxBf16)) {
-      int64_t stride;
-      if (const uint32_t* a = expertd::amx::AmxRows(x, rows, w.k_dim, &stride)) {
+      if (!ops.amx_made) ops.amx = expertd::amx::AmxRows(x, rows, w.k_dim, &ops.amx_stride);
+      ops.amx_made = true;
+      if (ops.amx) {
         const auto panels = emulated ? &expertd::amx::Panels<expertd::amx::EmulatedTiles>
                                      : &expertd::amx::Panels<expertd::amx::HardwareTiles>;
-        panels(a, stride, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
+        panels(ops.amx, ops.amx_stride, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y);
         return expertd::kPathAmxBf16;
       }
     }
@@ -134,7 +158,9 @@ __attribute__((target("avx2,fma"))) Path BlockAvx2(const float* const* x, int64_
     const uint32_t* const* pairs = nullptr;
     if ((ExpertWeights<W>::kBf16 || (scales && rows >= kInt8DotMinRows)) &&
         expertd::CpuIsa() >= expertd::Isa::kAvx512Bf16) {
-      pairs = expertd::avx512::PairRows(x, rows, w.k_dim);
+      if (!ops.pairs_made) ops.pairs = expertd::avx512::PairRows(x, rows, w.k_dim);
+      ops.pairs_made = true;
+      pairs = ops.pairs;
     }
     expertd::avx512::StreamPanels({x, pairs}, rows, w.w, w.k_dim, w.panel_cols, c0, c1, w.c_dim, y, scales);
     return pairs ? expertd::kPathAvx512Bf16Dot : expertd::kPathAvx512Fma;
@@ -175,12 +201,32 @@ struct RowSource {
   }
 };
 
+// The fused gate / up projection's second half (ExpertdGroupedGlu): each item computes its block of
+// the gate projection into y, the same block of the up projection into a buffer of its thread's,
+// then the gated activation over both into y (gated_activation.h).
+template <typename W>
+struct UpProjection {
+  const W* w;              // the up weights, laid out as the gate's
+  const float* scales;     // [E, C] int8 column scales, or nullptr
+  const float* bias_gate;  // [E, C] or nullptr
+  const float* bias_up;    // [E, C] or nullptr
+  expertd::glu::Activation activation;
+};
+
+// This thread's buffer for an item's up block: `floats` of them, grown as needed, never shrunk.
+float* UpScratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
 // `w` holds E experts of k_dim x c_dim weights, row-major (panel_cols 0) or panel-major in panels
-// of panel_cols columns; `scales` [E, c_dim] the int8 weights' column scales (else nullptr).
+// of panel_cols columns; `scales` [E, c_dim] the int8 weights' column scales (else nullptr). With
+// `up`: y = glu(x @ w[e] (+ b_gate), x @ up->w[e] (+ b_up)) instead of x @ w[e].
 template <typename W>
 void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
                    const int32_t* group_sizes, int64_t e_dim, const W* w, int64_t c_dim, int64_t panel_cols,
-                   float* y, const float* scales = nullptr) {
+                   float* y, const float* scales = nullptr, const UpProjection<W>* up = nullptr) {
   const int64_t k_dim = rows_in.k_dim;
   // Rows of each expert (clamped to the buffer), then items: narrower column blocks when there
   // would be fewer than two per thread (one or two experts in use), and on panel-major weights
@@ -193,7 +239,7 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     row += rows_of[e];
     used += rows_of[e] > 0;
   }
-  const int64_t work = row * k_dim * c_dim;  // multiply-adds: every row an expert owns
+  const int64_t work = row * k_dim * c_dim * (up ? 2 : 1);  // multiply-adds: every row an expert owns
   const int64_t threads = expertd::SharingThreads(pool, work);
   const auto block_for = [&](int64_t per_thread) {
     int64_t block = kBlockColumns;
@@ -215,52 +261,70 @@ void GroupedMatmul(ffi::ThreadPool& pool, const RowSource& rows_in, int64_t n,
     const Item& it = items[i];
     std::vector<const float*> x(it.rows);
     for (int64_t r = 0; r < it.rows; ++r) x[r] = rows_in.Row(it.row0 + r);
-    const ExpertWeights<W> we{w + it.expert * expert_elems, k_dim, c_dim, panel_cols};
+    // One projection's block of this item into out (c_dim floats a row), counted by its path.
+    RowOperands ops;
+    const auto block = [&](const W* weights, const float* column_scales, float* out) {
+      const ExpertWeights<W> we{weights + it.expert * expert_elems, k_dim, c_dim, panel_cols};
+      const float* se = column_scales ? column_scales + it.expert * c_dim : nullptr;
+      Path path = expertd::kPathPortable;
+      if (HasAvx2()) {
+        path = BlockAvx2(x.data(), it.rows, we, it.c0, it.c1, out, se, ops);
+      } else {
+        BlockScalar(x.data(), it.rows, we, it.c0, it.c1, out);
+        if (se) ScaleColumns(it.rows, it.c0, it.c1, c_dim, se, out);
+      }
+      expertd::path_items[path].fetch_add(1, std::memory_order_relaxed);
+    };
     float* ye = y + it.row0 * c_dim;
-    const float* se = scales ? scales + it.expert * c_dim : nullptr;
-    Path path = expertd::kPathPortable;
+    block(w, scales, ye);
+    if (!up) return;
+    float* u = UpScratch((it.rows - 1) * c_dim + it.c1);  // written at [r c_dim + c0, r c_dim + c1)
+    block(up->w, up->scales, u);
+    const float* bg = up->bias_gate ? up->bias_gate + it.expert * c_dim : nullptr;
+    const float* bu = up->bias_up ? up->bias_up + it.expert * c_dim : nullptr;
     if (HasAvx2()) {
-      path = BlockAvx2(x.data(), it.rows, we, it.c0, it.c1, ye, se);
+      expertd::glu::ApplyAvx2(up->activation, it.rows, it.c0, it.c1, c_dim, ye, u, bg, bu);
     } else {
-      BlockScalar(x.data(), it.rows, we, it.c0, it.c1, ye);
-      if (se) ScaleColumns(it.rows, it.c0, it.c1, c_dim, se, ye);
+      expertd::glu::ApplyScalar(up->activation, it.rows, it.c0, it.c1, c_dim, ye, u, bg, bu);
     }
-    expertd::path_items[path].fetch_add(1, std::memory_order_relaxed);
   });
 }
 
-// Every entry point: output row r of y [n, C] reads x [M, K] row source[r] (or row r without a
-// source); w is [E, K, C], or with `panels` [E, P, K, W] (fp32) / [E, P, ceil(K/2), 2 W] (bf16).
-// With `scales` ([E, C], int8 panels only): the int8 entry points.
+}  // namespace
+
+namespace expertd::gmm {
+
+// grouped_matmul_entry.h has the contracts of Run, CheckShapes and CheckScales.
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* source, int64_t n,
                ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w, bool panels, float* y, int64_t c_dim,
-               const float* scales = nullptr) {
+               const float* scales, const GluOperands* glu) {
   const int64_t e_dim = w.dimensions()[0], k_dim = x.dimensions()[1];
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   const int64_t panel_cols = panels ? w.dimensions()[3] / (bf16 ? 2 : 1) : 0;
   std::vector<float> zeros(k_dim, 0.0f);
   const RowSource rows_in{x.typed_data(), x.dimensions()[0], k_dim, source, zeros.data()};
+  const auto run = [&](const auto* typed_w) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(typed_w)>>;
+    UpProjection<W> up{};
+    if (glu) up = {static_cast<const W*>(glu->w_up), glu->scales_up, glu->bias_gate, glu->bias_up, glu->activation};
+    GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, typed_w, c_dim, panel_cols, y, scales,
+                  glu ? &up : nullptr);
+    return ffi::Error::Success();
+  };
   if (scales) {
     if (w.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("int8 entry: w must be int8");
-    GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.reinterpret_data<int8_t>(), c_dim,
-                  panel_cols, y, scales);
-    return ffi::Error::Success();
+    return run(w.reinterpret_data<int8_t>());
   }
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.typed_data<float>(), c_dim, panel_cols, y);
-      return ffi::Error::Success();
+      return run(w.typed_data<float>());
     case ffi::DataType::BF16:
-      GroupedMatmul(pool, rows_in, n, group_sizes.typed_data(), e_dim, w.reinterpret_data<uint16_t>(),
-                    c_dim, panel_cols, y);
-      return ffi::Error::Success();
+      return run(w.reinterpret_data<uint16_t>());
     default:
       return ffi::Error::InvalidArgument("w must be float32 or bfloat16");
   }
 }
 
-// Shapes shared by every entry point: x [M, K], group_sizes [E], y [N, C], and w [E, K, C] or
-// (`panels`) [E, ceil(C / W), K, W] (fp32) / [E, ceil(C / W), ceil(K / 2), 2 W] (bf16), W 16 or 64.
 ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& group_sizes, ffi::AnyBuffer& w,
                        bool panels, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -282,6 +346,23 @@ ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& group_si
   return ffi::Error::Success();
 }
 
+ffi::Error CheckScales(ffi::AnyBuffer& w, ffi::Buffer<ffi::F32>& scales, ffi::ResultBuffer<ffi::F32>& y) {
+  const auto sd = scales.dimensions();
+  if (w.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("w must be int8 panels");
+  if (sd.size() != 2 || sd[0] != w.dimensions()[0] || sd[1] != y->dimensions()[1]) {
+    return ffi::Error::InvalidArgument("scales must be [E, C], one per expert and output column");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace expertd::gmm
+
+namespace {
+
+using expertd::gmm::CheckScales;
+using expertd::gmm::CheckShapes;
+using expertd::gmm::Run;
+
 template <bool kPanels>
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer w,
@@ -302,16 +383,6 @@ ffi::Error GroupedMatmulGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
     return ffi::Error::InvalidArgument("source must be [N], one x row index per output row");
   }
   return Run(pool, x, source.typed_data(), n, group_sizes, w, kPanels, y->typed_data(), y->dimensions()[1]);
-}
-
-// The int8 entry points: w s8 [E, P, K, W] (the fp32 panel layout in bytes), scales f32 [E, C].
-ffi::Error CheckScales(ffi::AnyBuffer& w, ffi::Buffer<ffi::F32>& scales, ffi::ResultBuffer<ffi::F32>& y) {
-  const auto sd = scales.dimensions();
-  if (w.element_type() != ffi::DataType::S8) return ffi::Error::InvalidArgument("w must be int8 panels");
-  if (sd.size() != 2 || sd[0] != w.dimensions()[0] || sd[1] != y->dimensions()[1]) {
-    return ffi::Error::InvalidArgument("scales must be [E, C], one per expert and output column");
-  }
-  return ffi::Error::Success();
 }
 
 ffi::Error Int8(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const int32_t* source,
