@@ -14,7 +14,9 @@
 #                                          # install-kt; about 15 minutes on 2 vCPUs)
 #   bash benchmarks/cpu_session.sh int8    # moe_layer_int8.py: INT8 against bf16, each against its read floor
 #   bash benchmarks/cpu_session.sh load    # load.py --experts 32: FP8 -> INT8 at load against the read
-#   bash benchmarks/cpu_session.sh all     # the five in that order
+#   bash benchmarks/cpu_session.sh fused   # fused_glu.py: gate, up and the activation in one call against
+#                                          # the unfused calls, bf16 and INT8
+#   bash benchmarks/cpu_session.sh all     # the six in that order
 #   QUICK=1 bash benchmarks/cpu_session.sh all   # each step cut down to prove the script on any machine
 #                                                # (its files tagged "_quick")
 set -uo pipefail
@@ -72,18 +74,25 @@ step_load() {
   timed load "$PY" benchmarks/load.py "${args[@]}" --out "$RESULTS/load_$TAG.json"
 }
 
+step_fused() {
+  local args=(--rounds 3)
+  [[ -n $QUICK ]] && args=(--shapes qwen3 --weights bf16 --tokens 1,64 --rounds 1)
+  timed fused "$PY" benchmarks/fused_glu.py "${args[@]}" --out "$RESULTS/fused_glu_$TAG.json"
+}
+
 case "${1:-all}" in
   env) step_env ;;
   kernel) step_kernel ;;
   peers) step_peers ;;
   int8) step_int8 ;;
   load) step_load ;;
+  fused) step_fused ;;
   all)
     rc=0
-    for step in env kernel peers int8 load; do
+    for step in env kernel peers int8 load fused; do
       "step_$step" || { echo "step $step failed (rc $?)"; rc=1; }
     done
     echo "logs in $OUT; results in $RESULTS/*_$TAG*.json"
     exit $rc ;;
-  *) echo "usage: $0 env|kernel|peers|int8|load|all" >&2; exit 2 ;;
+  *) echo "usage: $0 env|kernel|peers|int8|load|fused|all" >&2; exit 2 ;;
 esac
