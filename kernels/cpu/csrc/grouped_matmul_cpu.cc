@@ -213,7 +213,8 @@ struct UpProjection {
   expertd::glu::Activation activation;
 };
 
-// This thread's buffer for an item's up block: `floats` of them, grown as needed, never shrunk.
+// This thread's buffer for an item's up block: `floats` of them, grown as needed and kept for the
+// thread's life: at most an expert's rows x C floats (in the layer, at most T rows an expert).
 float* UpScratch(int64_t floats) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
