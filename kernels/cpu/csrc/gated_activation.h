@@ -1,5 +1,6 @@
-// The gated activation as the fused gate / up projection's epilogue (ExpertdGroupedGlu,
-// grouped_matmul_cpu.cc): for one item's rows and columns, in place over its gate block,
+// The gated activation as the fused gate / up projection's epilogue (ExpertdGroupedGlu: its handler
+// in grouped_glu_cpu.cc, each item's epilogue run by grouped_matmul_cpu.cc's GroupedMatmul): for one
+// item's rows and columns, in place over its gate block,
 //
 //   h = glu(g + b_gate, u + b_up)             elementwise, fp32
 //   h = bf16(h) (round to nearest even)       where the layer rounds h to bf16 before the down

@@ -66,7 +66,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
